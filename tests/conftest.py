@@ -1,0 +1,39 @@
+"""Shared fixtures.
+
+Every async test gets a timeout from pytest-timeout (``timeout`` in pyproject) and the
+suite runs under either event loop: ``HYDRA_TEST_LOOP=uvloop`` (default) or ``asyncio``.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+LOOP = os.environ.get("HYDRA_TEST_LOOP", "uvloop")
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """``HYDRA_TEST_LOOP``: ``uvloop`` (default), ``asyncio`` or ``both`` (each async test twice)."""
+    import uvloop
+
+    factories = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
+    if LOOP == "both":
+        return factories
+    return {LOOP: factories[LOOP]}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """The deterministic generated tiny llama GGUF (cached on disk by content hash)."""
+    from engine.model_files import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b_path(tmp_path_factory) -> str:
+    """A second, different tiny model (other seed/shape) for reload tests."""
+    from engine.model_files import ensure_tiny_model
+
+    return str(ensure_tiny_model(variant="b"))
