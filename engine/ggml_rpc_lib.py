@@ -1,0 +1,234 @@
+"""ggml RPC through llama-cpp-python's own shared libraries (ctypes).
+
+* :func:`register_rpc_server` adds a remote ``ggml-rpc-server`` to the backend registry that
+  libllama uses, so a later model load with ``n_gpu_layers > 0`` offloads layers to it.
+  Registration is process-global and cannot be undone (no unregister API).
+* :func:`list_devices` lists the registry's devices (CPU, RPC0, ...).
+* :func:`start_embedded_rpc_server` runs llama.cpp's own RPC server (the code behind
+  ``ggml-rpc-server``) in a daemon thread of this process;
+  ``python -m engine.ggml_rpc_lib --host H --port P`` runs it as a process.
+
+Pitfall: the wheel ships ``libggml.so``, ``libggml.so.0`` and ``libggml.so.0.x`` as separate
+file *copies*. libllama links ``libggml.so.0``; opening ``libggml.so`` (what
+``llama_cpp._ggml`` does) maps a second libggml with its own, separate registry. We
+therefore always open ``llama_cpp/lib/libggml.so.0``.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = [
+    "libggml",
+    "register_rpc_server",
+    "registered_servers",
+    "list_devices",
+    "start_embedded_rpc_server",
+    "serve_forever_subprocess_main",
+    "find_free_port",
+    "READY_PREFIX",
+    "main",
+]
+
+#: printed (and flushed) by :func:`serve_forever_subprocess_main` once the port accepts connections
+READY_PREFIX = "HYDRA_GGML_RPC_READY"
+
+_DEV_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_registered: dict[str, str] = {}  # endpoint -> first device name it added
+_ADD_SERVER_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+# void ggml_backend_rpc_start_server(const char *endpoint, const char *cache_dir,
+#                                    size_t n_threads, size_t n_devices, ggml_backend_dev_t *devices)
+_START_SERVER_T = ctypes.CFUNCTYPE(
+    None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)
+)
+
+
+def libggml() -> ctypes.CDLL:
+    """The libggml that libllama itself uses (``llama_cpp/lib/libggml.so.0``)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        import llama_cpp  # loads libllama (and with it libggml.so.0) first
+
+        path = os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml.so.0")
+        if not os.path.exists(path):
+            raise RuntimeError(f"llama-cpp-python has no {path}; unexpected wheel layout")
+        g = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
+        g.ggml_backend_reg_by_name.restype = vp
+        g.ggml_backend_reg_by_name.argtypes = [cp]
+        g.ggml_backend_reg_get_proc_address.restype = vp
+        g.ggml_backend_reg_get_proc_address.argtypes = [vp, cp]
+        g.ggml_backend_register.restype = None
+        g.ggml_backend_register.argtypes = [vp]
+        g.ggml_backend_dev_count.restype = sz
+        g.ggml_backend_dev_count.argtypes = []
+        g.ggml_backend_dev_get.restype = vp
+        g.ggml_backend_dev_get.argtypes = [sz]
+        g.ggml_backend_dev_by_name.restype = vp
+        g.ggml_backend_dev_by_name.argtypes = [cp]
+        g.ggml_backend_dev_name.restype = cp
+        g.ggml_backend_dev_name.argtypes = [vp]
+        g.ggml_backend_dev_description.restype = cp
+        g.ggml_backend_dev_description.argtypes = [vp]
+        g.ggml_backend_dev_type.restype = ctypes.c_int
+        g.ggml_backend_dev_type.argtypes = [vp]
+        _lib = g
+        return g
+
+
+def _rpc_proc(name: str) -> int:
+    g = libggml()
+    from engine.llama_backend import check_rpc_support
+
+    check_rpc_support()
+    reg = g.ggml_backend_reg_by_name(b"RPC")
+    if not reg:
+        raise RuntimeError("the ggml backend registry has no 'RPC' backend (llama-cpp-python built without GGML_RPC?)")
+    addr = g.ggml_backend_reg_get_proc_address(reg, name.encode())
+    if not addr:
+        raise RuntimeError(f"the RPC backend does not export {name}")
+    return addr
+
+
+def _dev_info(g: ctypes.CDLL, dev: int) -> dict[str, Any]:
+    return {
+        "name": (g.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"),
+        "description": (g.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace"),
+        "type": _DEV_TYPES.get(int(g.ggml_backend_dev_type(dev)), str(int(g.ggml_backend_dev_type(dev)))),
+    }
+
+
+def list_devices() -> list[dict[str, Any]]:
+    """Devices of libllama's ggml registry: ``[{"name", "description", "type"}, ...]``."""
+    g = libggml()
+    return [_dev_info(g, g.ggml_backend_dev_get(i)) for i in range(int(g.ggml_backend_dev_count()))]
+
+
+def register_rpc_server(endpoint: str) -> str:
+    """Connect to a ggml RPC server ("host:port") and register its devices for libllama.
+
+    Returns the name of the (first) new device, e.g. "RPC0". Cached per endpoint: a second
+    call returns the same name. Raises ConnectionError if the server is unreachable or speaks
+    another protocol version. Process-global and irreversible; register before loading models.
+    """
+    with _lock:
+        if endpoint in _registered:
+            return _registered[endpoint]
+    add = _ADD_SERVER_T(_rpc_proc("ggml_backend_rpc_add_server"))
+    g = libggml()
+    with _lock:
+        if endpoint in _registered:
+            return _registered[endpoint]
+        before = {d["name"] for d in list_devices()}
+        reg = add(endpoint.encode())
+        if not reg:
+            raise ConnectionError(
+                f"ggml RPC server {endpoint} is unreachable or incompatible (ggml_backend_rpc_add_server returned NULL)"
+            )
+        g.ggml_backend_register(reg)
+        new = [d for d in list_devices() if d["name"] not in before]
+        name = new[0]["name"] if new else next(
+            (d["name"] for d in list_devices() if d["description"] == endpoint), "RPC?"
+        )
+        _registered[endpoint] = name
+        return name
+
+
+def registered_servers() -> dict[str, str]:
+    """Endpoints registered by this process -> device name."""
+    with _lock:
+        return dict(_registered)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(host: str, port: int, deadline: float, thread: threading.Thread | None) -> None:
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            pass
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError(f"the embedded ggml RPC server on {host}:{port} exited (port in use?)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the embedded ggml RPC server on {host}:{port} did not start listening")
+        time.sleep(0.01)
+
+
+def _cpu_device() -> int:
+    g = libggml()
+    dev = g.ggml_backend_dev_by_name(b"CPU")
+    if not dev:
+        for i in range(int(g.ggml_backend_dev_count())):
+            d = g.ggml_backend_dev_get(i)
+            if int(g.ggml_backend_dev_type(d)) == 0:
+                return d
+        raise RuntimeError("no CPU device in the ggml registry")
+    return dev
+
+
+def _start_server_blocking(host: str, port: int, n_threads: int) -> None:
+    start = _START_SERVER_T(_rpc_proc("ggml_backend_rpc_start_server"))
+    devices = (ctypes.c_void_p * 1)(_cpu_device())
+    start(f"{host}:{port}".encode(), None, int(n_threads), 1, devices)  # blocks forever
+
+
+def start_embedded_rpc_server(host: str = "127.0.0.1", port: int = 0, n_threads: int = 1,
+                              timeout: float = 10.0) -> tuple[str, int]:
+    """Start llama.cpp's ggml RPC server (CPU device) in a daemon thread; return (host, port).
+
+    ``port=0`` picks a free port. Returns once the port accepts connections. The server
+    cannot be stopped (it lives until the process exits), serves one client at a time and
+    prints its banner to the C stdout. Only dotted IPv4 hosts are accepted by llama.cpp.
+    """
+    if port == 0:
+        port = find_free_port(host)
+    t = threading.Thread(
+        target=_start_server_blocking, args=(host, port, n_threads), name=f"ggml-rpc-server-{port}", daemon=True
+    )
+    t.start()
+    _wait_port(host, port, time.monotonic() + timeout, t)
+    return host, port
+
+
+def serve_forever_subprocess_main(host: str = "127.0.0.1", port: int = 0, threads: int = 1) -> None:
+    """Run the embedded server and block forever; prints ``HYDRA_GGML_RPC_READY host:port``."""
+    host, port = start_embedded_rpc_server(host, port, threads)
+    print(f"{READY_PREFIX} {host}:{port}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.ggml_rpc_lib",
+                                 description="Run llama.cpp's ggml RPC server (CPU) from the llama-cpp-python wheel.")
+    ap.add_argument("--host", default="127.0.0.1", help="dotted IPv4 address (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed on stdout)")
+    ap.add_argument("--threads", "-t", type=int, default=1)
+    args = ap.parse_args(argv)
+    serve_forever_subprocess_main(args.host, args.port, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Work the engine actor accepts, and what it hands back."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from .llama_backend import SamplerParams
+
+_job_ids = itertools.count(1)
+
+
+class EngineBusy(Exception):
+    """The slot (or the engine) cannot take this work now. Maps to BUSY on the wire."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class EngineUnavailable(Exception):
+    """No model is loaded (first load failed or in progress)."""
+
+
+class BadInput(ValueError):
+    """The request's content is unusable (e.g. token id out of range). Maps to BAD_REQUEST."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token: int
+    piece: bytes
+    logprob: float = 0.0
+
+
+@dataclass
+class GenResult:
+    slot: int
+    n_past: int
+    prompt_tokens: int
+    tokens_generated: int
+    stop_reason: str  # eos | length | stop | ctx_full | cancelled | none (prefill only)
+    config_generation: int
+    identity: dict[str, Any]
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    cached_tokens: int = 0
+    state: bytes | None = None  # seq state when capture_state
+    logits: bytes | None = None  # last-token logits (float32) when capture_state
+    tokens: list[int] = field(default_factory=list)  # the sequence's tokens after the job
+    generated: list[int] = field(default_factory=list)
+    text: bytes = b""
+
+
+@dataclass(eq=False)
+class GenJob:
+    """Prefill (optional) then generate ``n_predict`` tokens on one slot.
+
+    Input, in order of precedence: ``messages`` (chat template), ``prompt`` (plain text),
+    ``tokens``. With ``append`` the new tokens continue the slot's sequence;
+    otherwise they are the whole sequence and the common prefix already in the KV
+    cache is reused. No input at all means: continue from what the slot holds.
+    """
+
+    slot: int
+    messages: list | None = None
+    prompt: str | None = None
+    tokens: list[int] | None = None
+    append: bool = False
+    n_predict: int = 0
+    sampling: SamplerParams = field(default_factory=SamplerParams)
+    stop: list[str] = field(default_factory=list)
+    capture_state: bool = False
+    want_logprobs: bool = False
+    id: int = field(default_factory=lambda: next(_job_ids))
+    # runtime, owned by the actor / inference thread
+    cancelled: bool = False
+    started: bool = False
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: asyncio.Future | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def stream(self) -> AsyncIterator[TokenEvent]:
+        """Tokens as they are generated; ends when the job ends."""
+        while True:
+            ev = await self.events.get()
+            if ev is None:
+                return
+            yield ev
+
+    async def result(self) -> GenResult:
+        assert self.done is not None
+        return await self.done

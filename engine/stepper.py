@@ -1,0 +1,206 @@
+"""One scheduler step, run on the inference thread.
+
+The actor hands the stepper the running jobs; the stepper builds ONE llama_batch
+from all of them (a prefill chunk or the next token of each), decodes, samples,
+and — while every job is in its decode phase and the time slice is not used up —
+repeats, so the executor hop (~60 µs) does not dominate small models. It returns
+to the actor after at most ``time_slice`` seconds of model work, which is what
+keeps control messages interleaved with long generations.
+
+The stepper mutates ``Running``/``Slot`` objects; the actor never touches them
+while a step is in flight (it is awaiting the step), so there is one owner at a time.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+
+from .jobs import BadInput, GenJob, TokenEvent
+from .llama_backend import BatchItem, LoadedModel, Sampler
+from .slots import Slot
+
+
+@dataclass(eq=False)
+class Running:
+    job: GenJob
+    slot: Slot
+    generation: int
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
+    sampler: Sampler | None = None
+    last: int | None = None  # sampled token to feed next
+    n_generated: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    stop_reason: str | None = None
+    error: BaseException | None = None
+    events: list[TokenEvent] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    text: bytearray = field(default_factory=bytearray)
+    t_start: float = 0.0
+    t_prefill_done: float = 0.0
+    state: bytes | None = None
+    logits: bytes | None = None
+    admitted: bool = False
+    _utf8: object = None
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None or self.error is not None
+
+    @property
+    def decoding(self) -> bool:
+        return not self.pending and self.last is not None and not self.finished
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def admit(model: LoadedModel, r: Running, n_ctx_slot: int) -> None:
+    """Tokenize the job's input and line its slot's KV cache up with it (inference thread)."""
+    job, slot = r.job, r.slot
+    r.t_start = time.perf_counter()
+    if job.messages is not None:
+        new = model.chat_tokens(job.messages)
+    elif job.prompt is not None:
+        new = model.tokenize(job.prompt, add_special=not job.append or not slot.tokens)
+    elif job.tokens is not None:
+        new = list(job.tokens)
+    else:
+        new = None
+    nv = model.n_vocab
+    if new is not None and any(t < 0 or t >= nv for t in new):
+        raise BadInput(f"token id out of range 0..{nv - 1}")
+    if new is None:
+        target = slot.tokens + slot.tail
+    elif job.append:
+        target = slot.tokens + slot.tail + new
+    else:
+        target = new
+    if not target and (job.n_predict > 0 or job.capture_state):
+        target = [model.bos]
+    if len(target) + (1 if job.n_predict > 0 else 0) > n_ctx_slot:
+        raise BadInput(f"prompt of {len(target)} tokens does not fit the slot context of {n_ctx_slot}")
+    keep = _common_prefix(slot.tokens, target)
+    if keep == len(target) and target and (job.n_predict > 0 or job.capture_state):
+        keep -= 1  # the last token must be decoded again to get its logits
+    if keep < len(slot.tokens):
+        model.seq_rm(slot.id, keep, -1)
+        del slot.tokens[keep:]
+    slot.tail = []
+    r.pending = target[keep:]
+    r.cached_tokens = keep
+    r.prompt_tokens = len(target)
+    r.sampler = model.make_sampler(job.sampling) if job.n_predict > 0 else None
+    r._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    r.admitted = True
+    slot.begin("prefill" if r.pending else "decode", len(r.pending) + job.n_predict)
+
+
+def _after_logits(model: LoadedModel, r: Running, n_ctx_slot: int) -> None:
+    """The job's last fed token has logits: capture state and/or sample the next token."""
+    job, slot = r.job, r.slot
+    if not r.t_prefill_done:
+        r.t_prefill_done = time.perf_counter()
+        if job.capture_state:
+            r.logits = model.logits(slot.id).tobytes()
+            r.state = model.state_seq_get(slot.id)
+        slot.operation = "decode" if job.n_predict > 0 else slot.operation
+    if r.n_generated >= job.n_predict:
+        r.stop_reason = r.stop_reason or ("none" if job.n_predict == 0 else "length")
+        return
+    if job.want_logprobs:
+        tok, lp = r.sampler.sample(model, slot.id, True)
+    else:
+        tok, lp = r.sampler.sample(model, slot.id), 0.0
+    r.n_generated += 1
+    slot.tokens_processed += 1
+    if model.is_eog(tok):
+        r.stop_reason = "eos"
+        return
+    piece = model.token_to_piece(tok)
+    r.generated.append(tok)
+    r.events.append(TokenEvent(tok, piece, lp))
+    r.text += piece
+    if job.stop and _hit_stop(r, job.stop):
+        r.stop_reason = "stop"
+        slot.tail = [tok]
+        return
+    if r.n_generated >= job.n_predict:
+        r.stop_reason = "length"
+        slot.tail = [tok]  # sampled but not yet in the KV cache; a continuation feeds it
+        return
+    if len(slot.tokens) + 1 >= n_ctx_slot:
+        r.stop_reason = "ctx_full"
+        slot.tail = [tok]
+        return
+    r.last = tok
+
+
+def _hit_stop(r: Running, stops: list[str]) -> bool:
+    tail = bytes(r.text[-256:]).decode("utf-8", "ignore")
+    return any(s and s in tail for s in stops)
+
+
+def run_step(model: LoadedModel, running: list[Running], *, n_ctx_slot: int, token_budget: int,
+             time_slice: float, max_iters: int = 256) -> None:
+    """Advance every running job by one or more batched decodes (inference thread)."""
+    t0 = time.perf_counter()
+    for r in running:
+        if not r.admitted and not r.finished:
+            try:
+                admit(model, r, n_ctx_slot)
+                if not r.pending and r.last is None:
+                    # Everything was cached and nothing to generate (pure prefill hit).
+                    r.t_prefill_done = time.perf_counter()
+                    if r.job.capture_state:
+                        r.state = model.state_seq_get(r.slot.id)
+                    r.stop_reason = "none"
+            except Exception as e:
+                r.error = e
+    iters = 0
+    while True:
+        items: list[BatchItem] = []
+        fed: list[tuple[Running, list[int], bool]] = []
+        budget = token_budget
+        for r in running:
+            if r.finished or r.job.cancelled:
+                continue
+            if r.pending:
+                if budget <= 0:
+                    continue
+                chunk = r.pending[:budget]
+                last_chunk = len(chunk) == len(r.pending)
+                want = last_chunk and (r.job.n_predict > 0 or r.job.capture_state)
+                items.append(BatchItem(r.slot.id, chunk, len(r.slot.tokens), want))
+                fed.append((r, chunk, want))
+                budget -= len(chunk)
+            elif r.last is not None:
+                items.append(BatchItem(r.slot.id, [r.last], len(r.slot.tokens), True))
+                fed.append((r, [r.last], True))
+                budget -= 1
+        if not items:
+            break
+        had_prefill = any(len(c) > 1 or r.pending for r, c, _ in fed)
+        model.decode(items)
+        for r, chunk, want in fed:
+            r.slot.tokens.extend(chunk)
+            if r.pending:
+                del r.pending[:len(chunk)]
+                r.slot.tokens_processed += len(chunk)
+            r.last = None
+            if want:
+                _after_logits(model, r, n_ctx_slot)
+        iters += 1
+        if had_prefill or iters >= max_iters or time.perf_counter() - t0 >= time_slice:
+            break
+        if any(r.finished for r, _, _ in fed):
+            break
+    for r in running:
+        if r.admitted:
+            r.slot.state_size = model.state_seq_size(r.slot.id)

@@ -1,0 +1,72 @@
+"""Wiring: engine + Hydra server (+ HTTP side) in one process, one event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from engine.actor import Engine, EngineConfig
+
+from .config import ServerConfig
+from .handlers import Handlers
+from .server import HydraServer
+
+log = logging.getLogger("hydra_rpc.app")
+
+
+@dataclass
+class App:
+    server_cfg: ServerConfig
+    engine_cfg: EngineConfig
+    http_host: str | None = None
+    http_port: int | None = None  # None: no HTTP side
+    engine: Engine | None = None
+    server: HydraServer | None = None
+    http: object | None = None
+    extras: dict = field(default_factory=dict)
+
+    async def start(self) -> None:
+        from engine.llama_backend import check_rpc_support
+
+        check_rpc_support()  # fail fast: a wheel built without GGML_RPC is a broken install
+        self.engine = Engine(self.engine_cfg)
+        await self.engine.start()
+        handlers = Handlers(self.engine)
+        try:
+            from .decode_v3_handler import DecodeV3
+        except ImportError:
+            pass
+        else:
+            dv3 = DecodeV3(self.engine)
+            handlers.decode_v3 = dv3.handle
+            self.extras["decode_results"] = dv3.results
+        metrics = None
+        try:
+            from .metrics import Metrics
+        except ImportError:
+            pass
+        else:
+            metrics = Metrics()
+            self.extras["metrics"] = metrics
+        self.server = HydraServer(self.server_cfg, handlers.table(),
+                                  on_request=metrics.observe_request if metrics else None)
+        if self.server_cfg.ggml_rpc_embedded:
+            self.server.passthrough.start_embedded()
+        await self.server.start()
+        if self.http_port is not None:
+            from .http_app import start_http
+
+            self.http = await start_http(self, self.http_host or self.server_cfg.host, self.http_port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    async def shutdown(self, force: bool = False) -> None:
+        """Stop accepting, finish in-flight requests (bounded), stop HTTP, stop the engine."""
+        if self.server is not None:
+            await self.server.shutdown(force=force)
+        if self.http is not None:
+            await self.http.cleanup()
+        if self.engine is not None:
+            await self.engine.stop(timeout=2.0 if force else 10.0)

@@ -1,0 +1,137 @@
+"""A small asyncio Hydra client (used by ``hydra-rpc call``, tests, the fuzzer and benchmarks).
+
+One connection, one request in flight (as every Hydra client). A request that is
+cancelled or times out mid-response leaves the stream at an unknown offset, so the
+client closes the connection rather than reading someone else's reply later
+(redis-py #2624).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from codec.enums import Status, op_name, status_name
+from codec.framing import RESPONSE_HEADER_SIZE, ResponseHeader, decode_response_header, encode_request
+
+
+@dataclass
+class Response:
+    status: int
+    meta: dict | None
+    payload: bytes
+    meta_raw: bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+    def __repr__(self) -> str:
+        return f"Response({status_name(self.status)}, meta={self.meta}, payload={len(self.payload)} bytes)"
+
+
+def parse_meta(raw: bytes) -> dict | None:
+    if not raw:
+        return None
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        return {"_raw": raw.decode("utf-8", "replace")}
+    return out if isinstance(out, dict) else {"_value": out}
+
+
+class HydraClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self._busy = False
+
+    @classmethod
+    async def connect(cls, host: str = "127.0.0.1", port: int = 9503, timeout: float = 10.0) -> "HydraClient":
+        async with asyncio.timeout(timeout):
+            r, w = await asyncio.open_connection(host, port, limit=1 << 20)
+        sock = w.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(r, w)
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await asyncio.wait_for(self.writer.wait_closed(), 2.0)
+        except (Exception, asyncio.CancelledError):
+            pass
+
+    async def __aenter__(self) -> "HydraClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def send(self, op: int, key: str | bytes = b"", payload: bytes = b"", trace: str | bytes = b"") -> None:
+        self.writer.write(encode_request(op, key, payload, trace))
+        await self.writer.drain()
+
+    async def send_raw(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def read_head(self) -> tuple[ResponseHeader, bytes]:
+        hdr = decode_response_header(await self.reader.readexactly(RESPONSE_HEADER_SIZE))
+        meta = await self.reader.readexactly(hdr.meta_len) if hdr.meta_len else b""
+        return hdr, meta
+
+    async def read_response(self) -> Response:
+        hdr, meta = await self.read_head()
+        payload = await self.reader.readexactly(hdr.payload_len) if hdr.payload_len else b""
+        return Response(hdr.status, parse_meta(meta), payload, meta)
+
+    async def request(self, op: int, key: str | bytes = b"", payload: bytes = b"", trace: str | bytes = b"",
+                      timeout: float | None = 60.0) -> Response:
+        if self._busy:
+            raise RuntimeError("another request is in progress on this connection")
+        self._busy = True
+        try:
+            async with asyncio.timeout(timeout):
+                await self.send(op, key, payload, trace)
+                return await self.read_response()
+        except BaseException:
+            self.writer.close()  # unknown stream offset now: never reuse
+            raise
+        finally:
+            self._busy = False
+
+    async def request_stream(self, op: int, key: str | bytes = b"", payload: bytes = b"",
+                             trace: str | bytes = b"", chunk: int = 1 << 20
+                             ) -> tuple[ResponseHeader, dict | None, AsyncIterator[bytes]]:
+        """Send a request; return the head and an iterator over the payload in chunks."""
+        await self.send(op, key, payload, trace)
+        hdr, meta = await self.read_head()
+
+        async def body() -> AsyncIterator[bytes]:
+            left = hdr.payload_len
+            while left:
+                data = await self.reader.read(min(chunk, left))
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", left)
+                left -= len(data)
+                yield data
+
+        return hdr, parse_meta(meta), body()
+
+    async def pin_pieces(self) -> AsyncIterator[bytes]:
+        """After a PIN DECODE head (payload_len 0): ``[u32 len][piece]`` frames until EOF."""
+        while True:
+            try:
+                n = struct.unpack("<I", await self.reader.readexactly(4))[0]
+            except asyncio.IncompleteReadError as e:
+                if e.partial:
+                    raise
+                return
+            yield await self.reader.readexactly(n) if n else b""
+
+
+def describe(resp: Response, op: int) -> str:
+    return f"{op_name(op)} → {status_name(resp.status)}"

@@ -1,0 +1,40 @@
+"""Server configuration: one dataclass, filled from the command line or by tests."""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from codec.limits import Limits
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 9503
+    loop: str = "uvloop"  # uvloop | asyncio
+    # Connections
+    max_connections: int = 1024
+    allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = field(default_factory=list)
+    first_bytes_timeout: float = 10.0  # silent new connection → closed
+    idle_timeout: float = 120.0  # no new request on a persistent connection (as the C++)
+    stall_timeout: float = 30.0  # a started frame that stops arriving
+    drain_deadline: float = 30.0  # draining an unread payload after an error reply
+    shutdown_timeout: float = 10.0  # graceful shutdown: in-flight requests get this long
+    limits: Limits = field(default_factory=Limits)
+    # ggml-RPC passthrough (off unless configured: upstream rpc-server is "fragile and insecure")
+    ggml_rpc_upstream: tuple[str, int] | None = None
+    ggml_rpc_embedded: bool = False
+    ggml_rpc_embedded_threads: int = 1
+    ggml_connect_timeout: float = 5.0
+    # Logging
+    log_format: str = "text"  # text | json
+    log_level: str = "INFO"
+
+    def peer_allowed(self, ip: str) -> bool:
+        if not self.allow:
+            return True
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            return False
+        return any(addr in net for net in self.allow)

@@ -1,0 +1,358 @@
+"""Opcode handlers: the wire side of every engine opcode, in every dialect.
+
+Each handler turns one request into engine calls and writes one response. Reads of
+slot state (STATE_META, INFO) come from the engine's published snapshots and never
+wait for the actor. Errors map to statuses in one place (``engine_errors``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from codec import payloads as P
+from codec.enums import Op, Status
+from codec.errors import MalformedPayload
+from codec.hashing import Xxh3Stream
+from codec.limits import HYDRA_MAX_JSON_HEADER, HYDRA_MAX_PROMPT_BYTES
+from codec.kvblob import encode_kv_blob_header, parse_kv_blob, split_logits_tail
+from engine.actor import Engine
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
+from engine.llama_backend import SamplerParams
+from engine.tiers import ConfigError
+
+from .keys import parse_slot_key
+from .wire import PeerGone, Request, ResponseWriter
+
+KV_VERSION = 3
+
+
+class Handlers:
+    def __init__(self, engine: Engine, decode_v3=None):
+        self.engine = engine
+        self.decode_v3 = decode_v3  # set by hydra_rpc.decode_v3_handler when available
+
+    def table(self) -> dict[int, Any]:
+        t = {
+            Op.INFO: self.info,
+            Op.STATE_META: self.state_meta,
+            Op.STATE_GET: self.state_get,
+            Op.STATE_PUT: self.state_put,
+            Op.CONFIGURE: self.configure,
+            Op.PREFILL: self.prefill,
+            Op.DECODE: self.decode,
+            Op.SET_EXPERT_MODE: self.set_expert_mode,
+            Op.SWAP_QUANT: self.swap_quant,
+            Op.PIPELINE_ATTACH: self.pipeline_attach,
+        }
+        return {int(k): engine_errors(v) for k, v in t.items()}
+
+    def slot(self, req: Request) -> int:
+        return parse_slot_key(req.key, req.op, self.engine.n_slots)
+
+    # ---------------------------------------------------------------- snapshot reads
+    async def info(self, req: Request, resp: ResponseWriter) -> None:
+        if req.key:
+            self.slot(req)  # a given key must still name a slot
+        await resp.send(Status.OK, self.engine.info())
+
+    async def state_meta(self, req: Request, resp: ResponseWriter) -> None:
+        slot = self.slot(req)
+        await resp.send(Status.OK, self.engine.snapshot(slot).meta(slot))
+
+    # ---------------------------------------------------------------- state transfer
+    async def state_get(self, req: Request, resp: ResponseWriter) -> None:
+        slot = self.slot(req)
+        out = await self.engine.state_get(slot)
+        head = encode_kv_blob_header(KV_VERSION, out.n_past, out.tokens)
+        meta = {"n_past": out.n_past, "state_size": len(out.state), **out.identity,
+                "config_generation": out.config_generation}
+        await resp.start(Status.OK, meta, len(head) + len(out.state))
+        await resp.write(head)
+        await write_chunked(resp, out.state, self.engine.t1["state_chunk_size"])
+
+    async def state_put(self, req: Request, resp: ResponseWriter) -> None:
+        slot = self.slot(req)
+        if req.body.length == 0:
+            raise MalformedPayload("STATE_PUT needs a KV blob", rule="state_put.empty")
+        buf = bytearray(req.body.length)  # size already checked against the STATE_PUT cap
+        await req.body.read_into(buf)
+        layout = parse_kv_blob(buf, has_logits=False)
+        t0 = time.perf_counter()
+        state = memoryview(buf)[layout.state_offset:layout.state_offset + layout.state_len]
+        tokens = list(layout.header.tokens)
+        nv = self.engine.n_vocab
+        if any(t < 0 or t >= nv for t in tokens):
+            await resp.send(Status.ERROR, {"error": f"blob tokens outside this model's vocabulary (n_vocab {nv})",
+                                           "restored": False, "model_match": False, **self.engine.wire_identity()})
+            return
+        try:
+            consumed = await self.engine.state_put(slot, tokens, state)
+        except EngineBusy:
+            raise
+        except Exception as e:
+            await resp.send(Status.ERROR, {"error": f"llama_state_seq_set_data rejected the state: {e}",
+                                           "restored": False, "model_match": False, **self.engine.wire_identity()})
+            return
+        layout = split_logits_tail(layout, consumed, nv)
+        snap = self.engine.snapshot(slot)
+        await resp.send(Status.OK, {
+            "restored": True, "bytes": consumed, "model_match": True, **self.engine.wire_identity(),
+            "n_past": snap.n_past, "blob_version": layout.header.version,
+            "logits_tail": layout.logits_offset is not None,
+            "restore_ms": round((time.perf_counter() - t0) * 1000, 3),
+            "config_generation": snap.config_generation})
+
+    # ---------------------------------------------------------------- configuration
+    async def configure(self, req: Request, resp: ResponseWriter) -> None:
+        self.slot(req)
+        try:
+            cfg = P.parse_configure(await req.body.read_all())
+        except MalformedPayload as e:
+            await resp.send(Status.ERROR, {"success": False, "error": f"CONFIGURE: invalid config_json: {e}"})
+            return
+        try:
+            out = await self.engine.configure(cfg)
+        except (ConfigError, ValueError) as e:
+            await resp.send(Status.ERROR, {"success": False, "error": f"CONFIGURE: {e}"})
+            return
+        await resp.send(Status.OK, out)
+
+    async def set_expert_mode(self, req: Request, resp: ResponseWriter) -> None:
+        self.slot(req)
+        try:
+            m = P.parse_expert_mode(await req.body.read_all())
+        except MalformedPayload as e:
+            await resp.send(Status.ERROR, {"success": False, "error": str(e)})
+            return
+        meta: dict[str, Any] = {"success": True, "mode": "solo"}
+        if m.mode == "combined":
+            # No combined head/peer exists in this engine: the mode in effect stays solo,
+            # and we say so (clients treat mode == "solo" as not combined).
+            meta.update(requested="combined", peer_connected=False,
+                        reason="no combined peer configured; staying solo")
+        self.engine.expert_mode = "solo"
+        await resp.send(Status.OK, meta)
+
+    async def swap_quant(self, req: Request, resp: ResponseWriter) -> None:
+        try:
+            sq = P.parse_swap_quant(await req.body.read_all())
+        except MalformedPayload as e:
+            await resp.send(Status.ERROR, {"success": False, "error": str(e)})
+            return
+        aliases = self.engine.cfg.aliases
+        if sq.qk not in aliases:
+            await resp.send(Status.NOT_IMPLEMENTED, {
+                "success": False,
+                "error": f"SWAP_QUANT: quant key {sq.qk!r} is not a known model alias "
+                         f"({sorted(aliases) or 'none configured'}); per-tensor quant swaps are not supported"})
+            return
+        if sq.pattern not in ("", "*", ".*", ".+", "^.*$"):
+            await resp.send(Status.NOT_IMPLEMENTED, {
+                "success": False,
+                "error": f"SWAP_QUANT: tensor pattern {sq.pattern!r} covers part of the model; only a whole-model "
+                         f"swap (empty or '.*' pattern) is supported"})
+            return
+        out = await self.engine.configure({"model_path": aliases[sq.qk]})
+        await resp.send(Status.OK, {"success": True, "swapped": bool(out.get("deferred_keys")),
+                                    "quant": sq.qk, "reload": self.engine.reload.state,
+                                    "config_generation": out["config_generation"]})
+
+    async def pipeline_attach(self, req: Request, resp: ResponseWriter) -> None:
+        parse_slot_key(req.key, Op.STATE_META, self.engine.n_slots)  # numeric key, as the C++
+        await req.body.read_all()
+        await resp.send(Status.NOT_IMPLEMENTED, {
+            "error": "HYDRA_OP_PIPELINE_ATTACH is not implemented: this engine runs no pipeline-parallel peers "
+                     "(layers can be offloaded to ggml RPC servers with --rpc-servers instead)",
+            "success": False})
+
+    # ---------------------------------------------------------------- prefill
+    async def prefill(self, req: Request, resp: ResponseWriter) -> None:
+        slot = self.slot(req)
+        if req.body.length == 0:
+            raise MalformedPayload("PREFILL needs a payload", rule="prefill.empty")
+        payload = await req.body.read_all()
+        if P.classify_prefill(payload) == "e1":
+            tokens = P.decode_e1_tokens(payload)
+            res = await run_job(req, self.engine, GenJob(slot, tokens=tokens, n_predict=0))
+            await resp.send(Status.OK, {"n_past": res.n_past, "config_generation": res.config_generation})
+            return
+        body = P.parse_prefill_json(payload)
+        model_fallback, load_ms = await self._select_model(body.get("model"), body.get("hydra_config"))
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if messages is None and not isinstance(prompt, str):
+            raise MalformedPayload("PREFILL needs 'messages' (array) or 'prompt' (string)", rule="prefill.input")
+        if messages is not None and not isinstance(messages, list):
+            raise MalformedPayload("messages must be an array", rule="prefill.messages")
+        job = GenJob(slot, messages=messages, prompt=None if messages is not None else prompt, n_predict=0,
+                     capture_state=True)
+        res = await run_job(req, self.engine, job)
+        state, logits = res.state or b"", res.logits or b""
+        head = encode_kv_blob_header(KV_VERSION, res.n_past, res.tokens)
+        h = Xxh3Stream(head)
+        h.update(state)
+        h.update(logits)
+        meta: dict[str, Any] = {"n_past": res.n_past, "state_size": len(state), "logits_size": len(logits),
+                                **res.identity, "model_fallback": model_fallback}
+        if res.prefill_ms > 0:
+            meta["prefill_ms"] = round(res.prefill_ms, 3)
+        if load_ms > 0:
+            meta["model_load_ms"] = round(load_ms, 3)
+        meta.update(kv_hash_str=h.kv_hash_str(), tokens_processed=res.prompt_tokens - res.cached_tokens,
+                    prompt_tokens=res.prompt_tokens, cache_tokens=res.cached_tokens,
+                    config_generation=res.config_generation)
+        await resp.start(Status.OK, meta, len(head) + len(state) + len(logits))
+        await resp.write(head)
+        await write_chunked(resp, state, self.engine.t1["state_chunk_size"])
+        await resp.write(logits)
+
+    async def _select_model(self, alias: Any, hydra_config: Any) -> tuple[bool, float]:
+        """PREFILL ``model`` / ``hydra_config``: returns (model_fallback, model_load_ms)."""
+        eng = self.engine
+        fallback, staged = False, {}
+        if isinstance(alias, str) and alias:
+            path = eng.cfg.aliases.get(alias)
+            if path is None:
+                fallback = alias not in (eng.identity.get("model_name"), eng.identity.get("model_alias"))
+            elif str(eng.cfg.resolve_model(path)) != eng.params.model_path:
+                staged["model_path"] = path
+        if hydra_config is not None:
+            if not isinstance(hydra_config, dict):
+                raise MalformedPayload("hydra_config must be an object", rule="prefill.hydra_config")
+            staged.update(hydra_config)
+        if not staged:
+            return fallback, 0.0
+        try:
+            out = await eng.configure(staged)
+        except (ConfigError, ValueError) as e:
+            raise MalformedPayload(f"hydra_config: {e}", rule="prefill.hydra_config") from None
+        if out.get("deferred_keys"):
+            await eng.wait_reload(out["config_generation"])
+            return fallback, eng.reload.load_ms
+        return fallback, 0.0
+
+    # ---------------------------------------------------------------- decode
+    async def decode(self, req: Request, resp: ResponseWriter) -> None:
+        slot = self.slot(req)
+        if req.body.length == 0:
+            raise MalformedPayload("DECODE needs a payload", rule="decode.empty")
+        first = await req.body.read_exactly(min(req.body.length, 13))
+        if looks_like_v3(first):
+            if self.decode_v3 is None:
+                raise MalformedPayload("DECODE v3 frames are not enabled", rule="decode.v3_disabled")
+            await self.decode_v3(req, resp, slot, first)
+            return
+        if req.body.remaining > HYDRA_MAX_PROMPT_BYTES:
+            raise MalformedPayload(f"a JSON/E1 DECODE body over {HYDRA_MAX_PROMPT_BYTES} bytes", rule="decode.size")
+        payload = first + await req.body.read_all()
+        kind = P.classify_decode(payload)
+        if kind == "e1":
+            n_predict, tokens = P.decode_e1_decode(payload)
+            job = GenJob(slot, tokens=tokens, append=True, n_predict=max(0, n_predict),
+                         sampling=SamplerParams(temperature=0))
+            res = await run_job(req, self.engine, job)
+            await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
+                                        "stop_reason": "complete", "config_generation": res.config_generation},
+                            res.text)
+            return
+        if kind != "json":
+            raise MalformedPayload("DECODE payload is neither a v3 frame, JSON nor E1 tokens", rule="decode.dialect")
+        d = P.parse_json_decode(payload)
+        # PIN decodes greedily (top_k 1, temp 0); a request may ask for sampling explicitly.
+        sampling = self.engine.sampler_params(d.body) if "temperature" in d.body else SamplerParams(temperature=0)
+        job = GenJob(slot, messages=d.messages, append=d.messages is None, n_predict=d.n_predict,
+                     sampling=sampling, want_logprobs=d.stream is False)
+        if d.stream is False:
+            res = await run_job(req, self.engine, job)
+            frames = bytearray()
+            events = []
+            while not job.events.empty():
+                ev = job.events.get_nowait()
+                if ev is not None:
+                    events.append(ev)
+            for i, ev in enumerate(events):
+                frames += P.encode_token_frame(ev.token, ev.logprob, final=i == len(events) - 1)
+            await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
+                                        "stop_reason": res.stop_reason, "config_generation": res.config_generation},
+                            bytes(frames))
+            return
+        await stream_pin(req, resp, self.engine, job)
+
+
+def looks_like_v3(first: bytes) -> bool:
+    """A v3 frame starts with ``u32 hdr_len ≤ 32 KiB``, 8 hash bytes, then the JSON header's ``{``.
+
+    JSON bodies start with ``{`` (u32 far above 32 KiB) and E1 bodies rarely put ``{`` at
+    byte 12; where the bytes are ambiguous, v3 wins (it is what NEW clients send).
+    """
+    return len(first) >= 13 and int.from_bytes(first[:4], "little") <= HYDRA_MAX_JSON_HEADER and first[12] == 0x7B
+
+
+def _busy_meta(e: EngineBusy) -> dict[str, Any]:
+    meta: dict[str, Any] = {"error": str(e)}
+    if e.retry_after_ms is not None:
+        meta["retry_after_ms"] = e.retry_after_ms
+    return meta
+
+
+def engine_errors(fn):
+    """Map engine exceptions to one well-formed response (if none was started yet)."""
+
+    async def wrapped(req: Request, resp: ResponseWriter) -> None:
+        try:
+            await fn(req, resp)
+        except EngineBusy as e:
+            if resp.started:
+                raise
+            await resp.send(Status.BUSY, _busy_meta(e))
+        except BadInput as e:
+            if resp.started:
+                raise
+            await resp.send(Status.BAD_REQUEST, {"error": str(e)})
+        except EngineUnavailable as e:
+            if resp.started:
+                raise
+            await resp.send(Status.ERROR, {"error": str(e)})
+
+    wrapped.__name__ = getattr(fn, "__name__", "handler")
+    return wrapped
+
+
+async def run_job(req: Request, engine: Engine, job: GenJob) -> GenResult:
+    """Submit a job and wait for it; cancel it if the client goes away meanwhile."""
+    engine.submit(job)
+    result = asyncio.ensure_future(job.result())
+    gone = asyncio.ensure_future(req.peer_gone.wait())
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        job.cancel()
+        result.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not result.done():
+        job.cancel()
+        result.cancel()
+        raise PeerGone("client went away; generation cancelled")
+    return result.result()
+
+
+async def stream_pin(req: Request, resp: ResponseWriter, engine: Engine, job: GenJob) -> None:
+    """PIN dialect: ``OK, meta 0, payload 0`` then ``[u32 len][piece]`` frames, then close."""
+    engine.submit(job)
+    await resp.start_eof_stream(Status.OK, None)
+    try:
+        async for ev in job.stream():
+            await resp.write(P.encode_piece(ev.piece))
+        with contextlib.suppress(asyncio.CancelledError):
+            await job.result()
+    finally:
+        job.cancel()
+
+
+async def write_chunked(resp: ResponseWriter, data: bytes | memoryview, chunk: int) -> None:
+    mv = memoryview(data)
+    for off in range(0, len(mv), chunk):
+        await resp.write(mv[off:off + chunk])

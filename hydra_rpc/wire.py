@@ -1,0 +1,151 @@
+"""What a handler sees of one request: the parsed head, a bounded body reader and
+a response writer that guarantees exactly one well-formed response.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from codec.enums import Status
+from codec.framing import RequestHeader, encode_response_header
+
+CHUNK = 256 * 1024
+
+
+def encode_meta(meta: dict | None) -> bytes:
+    """Compact JSON like nlohmann's ``dump()``; ``None`` means no meta (meta_len 0)."""
+    if meta is None:
+        return b""
+    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class PeerGone(ConnectionError):
+    """The client closed or reset the connection while its request was running."""
+
+
+class Body:
+    """The request payload, read on demand and never beyond ``payload_len``."""
+
+    def __init__(self, reader: asyncio.StreamReader, length: int, stall_timeout: float):
+        self._reader = reader
+        self.length = length
+        self.remaining = length
+        self._stall = stall_timeout
+
+    async def _read_some(self, n: int) -> bytes:
+        async with asyncio.timeout(self._stall):
+            data = await self._reader.read(min(n, self.remaining))
+        if not data:
+            raise PeerGone("client closed the connection mid-payload")
+        self.remaining -= len(data)
+        return data
+
+    async def read_all(self) -> bytes:
+        """The whole payload (the caller has checked the size against its limit)."""
+        if self.remaining == 0:
+            return b""
+        async with asyncio.timeout(self._stall + self.remaining / (1 << 20)):
+            try:
+                data = await self._reader.readexactly(self.remaining)
+            except asyncio.IncompleteReadError as e:
+                raise PeerGone("client closed the connection mid-payload") from e
+        self.remaining = 0
+        return data
+
+    async def read_exactly(self, n: int) -> bytes:
+        if n > self.remaining:
+            raise ValueError("read past the end of the payload")
+        async with asyncio.timeout(self._stall + n / (1 << 20)):
+            try:
+                data = await self._reader.readexactly(n)
+            except asyncio.IncompleteReadError as e:
+                raise PeerGone("client closed the connection mid-payload") from e
+        self.remaining -= n
+        return data
+
+    async def read_into(self, buf: bytearray | memoryview) -> None:
+        """Fill ``buf`` (len ≤ remaining) with the next payload bytes, chunk by chunk."""
+        mv = memoryview(buf)
+        pos = 0
+        while pos < len(mv):
+            chunk = await self._read_some(min(CHUNK * 4, len(mv) - pos))
+            mv[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+
+    async def chunks(self, size: int = CHUNK) -> AsyncIterator[bytes]:
+        while self.remaining:
+            yield await self._read_some(size)
+
+    async def drain(self, deadline: float) -> None:
+        """Discard what is left (bounded by ``deadline`` seconds in total)."""
+        async with asyncio.timeout(deadline):
+            while self.remaining:
+                await self._read_some(1 << 20)
+
+
+@dataclass
+class Request:
+    header: RequestHeader
+    key: bytes
+    trace: str
+    body: Body
+    peer: str = ""
+    conn_id: int = 0
+    # set by the connection when the peer disconnects; long handlers watch it
+    peer_gone: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def op(self) -> int:
+        return self.header.op
+
+
+class ResponseWriter:
+    """Writes exactly one response. ``start``+``write`` for streamed payloads."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self._w = writer
+        self.status: int | None = None
+        self.meta_len = 0
+        self.payload_len = 0
+        self._left = 0  # payload bytes promised but not yet written
+        self.close_after = False  # e.g. PIN DECODE streams end with a close
+        self.streaming_eof = False  # payload_len 0 followed by frames until close
+
+    @property
+    def started(self) -> bool:
+        return self.status is not None
+
+    @property
+    def complete(self) -> bool:
+        return self.started and self._left == 0
+
+    async def send(self, status: int, meta: dict | None = None, payload: bytes | memoryview = b"") -> None:
+        await self.start(status, meta, len(payload))
+        if payload:
+            await self.write(payload)
+
+    async def start(self, status: int, meta: dict | None, payload_len: int) -> None:
+        if self.started:
+            raise RuntimeError("response already started")
+        m = encode_meta(meta)
+        self.status, self.meta_len, self.payload_len = int(status), len(m), payload_len
+        self._left = payload_len
+        self._w.write(encode_response_header(int(status), len(m), payload_len) + m)
+        if payload_len == 0:
+            await self._w.drain()
+
+    async def write(self, data: bytes | memoryview) -> None:
+        if len(data) > self._left and not self.streaming_eof:
+            raise RuntimeError("writing past the promised payload_len")
+        if not self.streaming_eof:
+            self._left -= len(data)
+        self._w.write(data)
+        await self._w.drain()
+
+    async def start_eof_stream(self, status: int = Status.OK, meta: dict | None = None) -> None:
+        """PIN-style stream: header with payload_len 0, frames follow, then close."""
+        await self.start(status, meta, 0)
+        self.streaming_eof = True
+        self.close_after = True
