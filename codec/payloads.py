@@ -8,6 +8,7 @@ module shares, and the engine's size caps from ``server-rpc.h``.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import sys
 from array import array
@@ -324,11 +325,12 @@ class ExpertModeRequest:
     json_form: bool = False
 
 
+_NON_WS = re.compile(rb"[^ \t\r\n]")  # JSON whitespace
+
+
 def _first_non_ws(payload: Buffer) -> int | None:
-    for b in bytes(payload[:64]):
-        if b not in b" \t\r\n":
-            return b
-    return None
+    m = _NON_WS.search(payload)
+    return None if m is None else m.group()[0]
 
 
 def parse_expert_mode(payload: Buffer) -> ExpertModeRequest:

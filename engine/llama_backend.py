@@ -83,7 +83,7 @@ class StateError(LlamaBackendError):
 # --------------------------------------------------------------------------------------
 # logging: silent by default, but keep the last warnings/errors for error messages
 # --------------------------------------------------------------------------------------
-_GGML_LOG_WARN, _GGML_LOG_ERROR, _GGML_LOG_CONT = 2, 3, 5
+_GGML_LOG_WARN, _GGML_LOG_ERROR, _GGML_LOG_CONT = 3, 4, 5  # ggml.h enum ggml_log_level
 _recent_errors: collections.deque[str] = collections.deque(maxlen=16)
 _log_state = {"verbose": False, "last_level": 0}
 
@@ -460,6 +460,11 @@ class LoadedModel:
             raise LlamaBackendError("model is closed")
         return self._ctx
 
+    def _voc(self) -> Any:
+        if self._closed:
+            raise LlamaBackendError("model is closed")
+        return self._vocab
+
     # ---- properties --------------------------------------------------------------------
     @property
     def n_vocab(self) -> int:
@@ -481,11 +486,11 @@ class LoadedModel:
 
     @property
     def bos(self) -> int:
-        return int(L.llama_vocab_bos(self._vocab))
+        return int(L.llama_vocab_bos(self._voc()))
 
     @property
     def eos(self) -> int:
-        return int(L.llama_vocab_eos(self._vocab))
+        return int(L.llama_vocab_eos(self._voc()))
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -566,7 +571,7 @@ class LoadedModel:
         n_max = len(data) + 8
         while True:
             buf = (L.llama_token * n_max)()
-            n = L.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+            n = L.llama_tokenize(self._voc(), data, len(data), buf, n_max, add_special, parse_special)
             if n >= 0:
                 return list(buf[:n])
             if -n <= n_max:  # pragma: no cover - defensive
@@ -579,7 +584,7 @@ class LoadedModel:
         size = 32
         while True:
             buf = ctypes.create_string_buffer(size)
-            n = L.llama_token_to_piece(self._vocab, int(tok), buf, size, 0, special)
+            n = L.llama_token_to_piece(self._voc(), int(tok), buf, size, 0, special)
             if n >= 0:
                 return buf.raw[:n]
             size = -n
@@ -592,13 +597,13 @@ class LoadedModel:
         size = max(64, len(tokens) * 8)
         while True:
             buf = ctypes.create_string_buffer(size)
-            n = L.llama_detokenize(self._vocab, arr, len(tokens), buf, size, False, special)
+            n = L.llama_detokenize(self._voc(), arr, len(tokens), buf, size, False, special)
             if n >= 0:
                 return buf.raw[:n]
             size = -n
 
     def is_eog(self, tok: int) -> bool:
-        return bool(L.llama_vocab_is_eog(self._vocab, int(tok)))
+        return bool(L.llama_vocab_is_eog(self._voc(), int(tok)))
 
     # ---- chat template -----------------------------------------------------------------
     def _chat_template_source(self) -> str | None:
@@ -688,6 +693,8 @@ class LoadedModel:
 
     # ---- sequences ---------------------------------------------------------------------
     def _check_seq(self, seq: int) -> int:
+        if self._closed:
+            raise LlamaBackendError("model is closed")
         seq = int(seq)
         if not 0 <= seq < self._n_seq_max:
             raise ValueError(f"seq {seq} out of range 0..{self._n_seq_max - 1}")
@@ -707,6 +714,7 @@ class LoadedModel:
 
     def clear_all(self) -> None:
         """Empty the whole KV cache (all sequences)."""
+        self._ctx_handle()
         L.llama_memory_clear(self._mem, True)
         self._logit_idx.clear()
 

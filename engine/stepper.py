@@ -196,6 +196,9 @@ def run_step(model: LoadedModel, running: list[Running], *, n_ctx_slot: int, tok
             r.last = None
             if want:
                 _after_logits(model, r, n_ctx_slot)
+            elif not r.pending and not r.finished:  # prefill-only job without logits: done
+                r.t_prefill_done = time.perf_counter()
+                r.stop_reason = "none"
         iters += 1
         if had_prefill or iters >= max_iters or time.perf_counter() - t0 >= time_slice:
             break

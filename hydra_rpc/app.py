@@ -37,7 +37,7 @@ class App:
         except ImportError:
             pass
         else:
-            dv3 = DecodeV3(self.engine)
+            dv3 = DecodeV3(self.engine, handlers._select_model)
             handlers.decode_v3 = dv3.handle
             self.extras["decode_results"] = dv3.results
         metrics = None

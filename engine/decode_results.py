@@ -1,0 +1,64 @@
+"""Results of merged DECODE v3 requests, kept for ``GET /v1/decode/{id}``.
+
+Bounded like the C++ (``HYDRA_DECODE_RESULT_TTL_S`` = 300 s, ``HYDRA_DECODE_RESULT_MAX`` =
+1024): the oldest entry is evicted first; expired entries disappear on access.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .jobs import GenJob, GenResult
+
+
+@dataclass
+class DecodeEntry:
+    id: int
+    slot: int
+    job: GenJob
+    created: float = field(default_factory=time.monotonic)
+    state: str = "running"  # running | done | failed | cancelled
+    result: GenResult | None = None
+    error: str = ""
+    n_past_after_restore: int = 0
+    model: str = ""
+
+    @property
+    def progress(self) -> dict[str, Any]:
+        return {"tokens_generated": self.job.events.qsize()}
+
+
+class DecodeResults:
+    def __init__(self, ttl: float | None = None, max_entries: int | None = None):
+        self.ttl = ttl if ttl is not None else float(os.environ.get("HYDRA_DECODE_RESULT_TTL_S", 300))
+        self.max_entries = max_entries or int(os.environ.get("HYDRA_DECODE_RESULT_MAX", 1024))
+        self._ids = itertools.count(1)
+        self._entries: OrderedDict[int, DecodeEntry] = OrderedDict()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, entry: DecodeEntry) -> None:
+        self._expire()
+        self._entries[entry.id] = entry
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, decode_id: int) -> DecodeEntry | None:
+        self._expire()
+        return self._entries.get(decode_id)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._entries:
+            first = next(iter(self._entries.values()))
+            if now - first.created <= self.ttl:
+                break
+            self._entries.popitem(last=False)

@@ -1,0 +1,155 @@
+"""Merged DECODE v3 (reference §4.7): validate every rule, read the whole payload,
+restore the KV segment into the slot, reply, then generate in the background; the
+result is fetched over HTTP ``GET /v1/decode/{decode_request_id}``.
+
+The payload is consumed in the order the frame declares, and every size is checked
+before the bytes it guards are read (the C++ answers BAD_REQUEST without draining and
+desyncs; the connection loop here drains whatever a failed rule left unread).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from codec import decode_v3 as V3
+from codec.enums import Status
+from codec.errors import MalformedPayload
+from codec.hashing import Xxh3Stream
+from codec.kvblob import parse_kv_blob
+from engine.actor import Engine
+from engine.decode_results import DecodeEntry, DecodeResults
+from engine.jobs import EngineBusy, GenJob
+
+from .wire import Request, ResponseWriter
+
+CAP_NAMES = ["MTP", "VISION", "REASONING", "TOOL_USE", "CODE"]
+
+
+def gate_a(kv_md: dict[str, Any], ident: dict[str, Any]) -> tuple[dict[str, Any], bool, str]:
+    """Compare the KV's identity with the resident model. Empty fields are not compared
+    (a client that does not know them sends "")."""
+
+    def same(key: str) -> bool:
+        a, b = kv_md.get(key), ident.get(key)
+        return not a or not b or a == b
+
+    caps_a = kv_md.get("model_capabilities") or 0
+    caps_b = ident.get("model_capabilities") or 0
+    xor = (caps_a ^ caps_b) if isinstance(caps_a, int) and isinstance(caps_b, int) else 0
+    name_ok = same("model_name") or (bool(kv_md.get("model_alias")) and kv_md.get("model_alias") == ident.get("model_alias"))
+    match = {"tokenizer_match": same("tokenizer"), "model_name_match": name_ok, "capabilities_xor": xor,
+             "capabilities_diff_bits": [n for i, n in enumerate(CAP_NAMES) if xor >> i & 1],
+             "model_quant_match": same("model_quant"), "model_alias_match": True}
+    valid = match["tokenizer_match"] and name_ok and not (xor & 0b11)
+    reason = "" if valid else ("tokenizer mismatch" if not match["tokenizer_match"] else
+                               "model name mismatch" if not name_ok else "MTP/VISION capability mismatch")
+    return match, valid, reason
+
+
+class DecodeV3:
+    def __init__(self, engine: Engine, select_model=None):
+        self.engine = engine
+        self.results = DecodeResults()
+        self.select_model = select_model
+        self._tasks: set[asyncio.Task] = set()
+
+    async def handle(self, req: Request, resp: ResponseWriter, slot: int, first: bytes) -> None:
+        body = req.body
+        total = body.length
+        hdr_len, hdr_hash = V3.parse_decode_v3_prefix(first[:V3.PREFIX_LEN], total)
+        have = first[V3.PREFIX_LEN:]
+        if len(have) > hdr_len:  # only possible for hdr_len 0, which validation rejects next
+            have = have[:hdr_len]
+        hdr_bytes = have + await body.read_exactly(hdr_len - len(have))
+        hdr = V3.validate_decode_v3(hdr_len, hdr_hash, hdr_bytes, total)
+        prompt = b""
+        kv = bytearray()
+        for seg in sorted(hdr.segments, key=lambda s: s.offset):
+            if seg.id == "prompt":
+                prompt = await body.read_exactly(seg.len)
+            else:
+                kv = bytearray(seg.len)  # ≤ 4 GiB, checked by validate_decode_v3
+                await body.read_into(kv)
+        await body.drain(5.0)  # nothing should be left; sums were validated
+        V3.validate_kv_segment(kv, len(kv))
+        if kv:
+            h = Xxh3Stream(kv)
+            V3.verify_segment_hash(hdr.kv_hash, h)
+        try:
+            prompt_obj = V3.parse_prompt_segment(prompt, hdr.generation)
+        except MalformedPayload as e:
+            if e.rule == "v3.prompt_build":
+                await resp.send(Status.BAD_REQUEST, {"error": f"prompt build failed: {e}", "decode_request_id": -1})
+                return
+            raise
+        decode_id = self.results.next_id()
+        if self.select_model is not None and hdr.model:
+            await self.select_model(hdr.model, None)
+        match, valid, reason = gate_a(hdr.kv_metadata, self.engine.identity)
+        if not valid:
+            await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id, "match": match,
+                                           "reason": reason, "error_code": "CAP_MISMATCH"})
+            return
+        t0 = time.perf_counter()
+        if kv:
+            layout = parse_kv_blob(kv, has_logits=False)
+            tokens = list(layout.header.tokens)
+            state = memoryview(kv)[layout.state_offset:layout.state_offset + layout.state_len]
+            try:
+                await self.engine.state_put(slot, tokens, state)
+            except EngineBusy as e:
+                await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
+                                              "error_code": "BUSY"})
+                return
+            except Exception as e:
+                await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id,
+                                               "reason": f"KV restore failed: {e}", "error_code": "KV_RESTORE"})
+                return
+        restore_ms = (time.perf_counter() - t0) * 1000
+        n_past = self.engine.snapshot(slot).n_past
+        job = self._job(slot, prompt_obj)
+        try:
+            self.engine.submit(job)
+        except EngineBusy as e:
+            await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
+                                          "error_code": "BUSY", "retry_after_ms": e.retry_after_ms})
+            return
+        entry = DecodeEntry(decode_id, slot, job, n_past_after_restore=n_past, model=hdr.model)
+        self.results.add(entry)
+        task = asyncio.create_task(self._collect(entry))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await resp.send(Status.OK, {"valid": True, "match": match, "decode_request_id": decode_id,
+                                    "n_past_after_restore": n_past, "restore_slot_ms": round(restore_ms, 3),
+                                    "config_generation": self.engine.generation})
+
+    def _job(self, slot: int, p: dict[str, Any]) -> GenJob:
+        sampling_in = dict(p.get("sampling") or {}) if isinstance(p.get("sampling"), dict) else {}
+        for k in ("temperature", "top_k", "top_p", "min_p", "seed"):
+            if k in p:
+                sampling_in.setdefault(k, p[k])
+        if "temp" in sampling_in:
+            sampling_in.setdefault("temperature", sampling_in["temp"])
+        n_predict = p.get("n_predict", p.get("max_tokens", -1))
+        if not isinstance(n_predict, int) or isinstance(n_predict, bool) or n_predict < 0:
+            n_predict = int(self.engine.t1.get("n_predict", -1))
+            if n_predict < 0:
+                n_predict = self.engine.n_ctx_slot
+        stop = p.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)]
+        messages = p.get("messages")
+        prompt = p.get("prompt") if isinstance(p.get("prompt"), str) else None
+        if not isinstance(messages, list):
+            messages = None
+        return GenJob(slot, messages=messages, prompt=prompt, n_predict=n_predict,
+                      sampling=self.engine.sampler_params(sampling_in), stop=stop)
+
+    async def _collect(self, entry: DecodeEntry) -> None:
+        try:
+            entry.result = await entry.job.result()
+            entry.state = "cancelled" if entry.result.stop_reason == "cancelled" else "done"
+        except asyncio.CancelledError:
+            entry.state, entry.error = "cancelled", "cancelled"
+        except Exception as e:
+            entry.state, entry.error = "failed", str(e)
