@@ -32,7 +32,11 @@ class ModelParams:
         mp = dict(self.model_params)
         path = model_path_of(staged)
         if path is not None:
-            p = replace(p, model_path=str(resolve_model(path)))
+            try:
+                path = str(resolve_model(path))
+            except (OSError, ValueError):
+                pass  # reported by the (failing) build, as a failed reload — not here
+            p = replace(p, model_path=path)
         for key, v in staged.items():
             if key == "n_ctx":
                 if not isinstance(v, int) or isinstance(v, bool) or v < 16:

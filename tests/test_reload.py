@@ -1,0 +1,205 @@
+"""Reloads that never stop serving (T2/T3 CONFIGURE, alias swaps) through the real server."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from codec.enums import Op, Status
+from hydra_rpc.client import HydraClient
+from tests.helpers import start_server
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+async def info(c: HydraClient) -> dict:
+    r = await c.request(Op.INFO, "", timeout=5)
+    assert r.ok
+    return r.meta
+
+
+async def wait_reload_settled(c: HydraClient, timeout: float = 30) -> dict:
+    async with asyncio.timeout(timeout):
+        while True:
+            m = await info(c)
+            if m["reload"]["state"] not in ("loading", "draining"):
+                return m
+            await asyncio.sleep(0.02)
+
+
+async def long_decode(server, slot: str, n: int) -> dict:
+    """A DECODE (stream:false) that takes a while; returns its meta."""
+    c = await HydraClient.connect(server.host, server.port)
+    try:
+        body = {"n_predict": n, "messages": USER, "stream": False}
+        r = await c.request(Op.DECODE, slot, json.dumps(body).encode(), timeout=120)
+        assert r.ok, r
+        return r.meta
+    finally:
+        await c.close()
+
+
+async def wait_processing(c: HydraClient, slot: str) -> None:
+    async with asyncio.timeout(20):
+        while not (await c.request(Op.STATE_META, slot)).meta["is_processing"]:
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+def small_and_b(tiny_model_b_path):
+    from engine.model_files import ensure_tiny_model
+
+    return str(ensure_tiny_model("small")), tiny_model_b_path
+
+
+@pytest.mark.asyncio
+async def test_t3_reload_while_decoding_serve_old(small_and_b):
+    small, model_b = small_and_b
+    server = start_server("--model", small, "--no-http", "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        gen0 = (await info(c))["config_generation"]
+        decode = asyncio.create_task(long_decode(server, "0", 1500))
+        await wait_processing(c, "0")
+        r = await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())
+        assert r.ok and r.meta["tier"] == "T3" and r.meta["deferred_keys"] == ["model_path"]
+        assert r.meta["config_generation"] == gen0 + 1
+        states = set()
+        while not decode.done():  # INFO and META keep answering during the whole reload
+            states.add((await info(c))["reload"]["state"])
+            assert (await c.request(Op.STATE_META, "0", timeout=5)).ok
+            await asyncio.sleep(0.01)
+        meta = await decode
+        assert meta["config_generation"] == gen0  # finished on the old model
+        assert "draining" in states or "loading" in states
+        m = await wait_reload_settled(c)
+        assert m["reload"]["state"] == "swapped" and m["config_generation"] == gen0 + 1
+        assert m["model_name"] == "hydra-tiny-b"
+        r = await c.request(Op.PREFILL, "1", json.dumps({"messages": USER}).encode())
+        assert r.ok and r.meta["config_generation"] == gen0 + 1 and r.meta["model_name"] == "hydra-tiny-b"
+        await c.close()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.asyncio
+async def test_reject_policy_answers_busy_while_pending(small_and_b):
+    small, model_b = small_and_b
+    server = start_server("--model", small, "--no-http", "--reload-policy", "reject", "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        decode = asyncio.create_task(long_decode(server, "0", 1500))
+        await wait_processing(c, "0")
+        assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
+        r = await c.request(Op.PREFILL, "1", json.dumps({"messages": USER}).encode())
+        assert r.status == Status.BUSY and r.meta["error"] == "reloading" and r.meta["retry_after_ms"] > 0
+        assert (await c.request(Op.STATE_META, "1")).ok
+        await decode
+        await wait_reload_settled(c)
+        r = await c.request(Op.PREFILL, "1", json.dumps({"messages": USER}).encode())
+        assert r.ok and r.meta["model_name"] == "hydra-tiny-b"
+        await c.close()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.asyncio
+async def test_failed_reload_leaves_serving_intact(tiny_model_path, tmp_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\x00" * 64 + b"garbage" * 100)
+    server = start_server("--model", "tiny", "--no-http", "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        gen0 = (await info(c))["config_generation"]
+        for bad in (str(tmp_path / "missing.gguf"), str(corrupt)):
+            assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": bad}).encode())).ok
+            m = await wait_reload_settled(c)
+            assert m["reload"]["state"] == "failed" and m["reload"]["error"], m["reload"]
+            assert m["config_generation"] == gen0 and m["model_name"] == "hydra-tiny-a"
+            r = await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())
+            assert r.ok and r.meta["config_generation"] == gen0
+        await c.close()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.asyncio
+async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_and_b):
+    small, model_b = small_and_b
+    server = start_server("--model", small, "--no-http", "--drain-timeout", "0.5", "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        gen0 = (await info(c))["config_generation"]
+        decode = asyncio.create_task(long_decode(server, "0", 3000))
+        await wait_processing(c, "0")
+        assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
+        r = await c.request(Op.CONFIGURE, "", json.dumps({"n_ctx": 2048}).encode())
+        assert r.ok and r.meta["tier"] == "T2"
+        m = await info(c)
+        assert m["reload"]["keys"] == ["n_ctx"] and m["reload"]["target"] == small  # superseded
+        m = await wait_reload_settled(c)
+        assert m["reload"]["state"] == "dropped" and "drain timeout" in m["reload"]["error"]
+        assert m["config_generation"] == gen0
+        meta = await decode
+        assert meta["config_generation"] == gen0
+        await c.close()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.asyncio
+async def test_t2_n_ctx_change_takes_effect(tiny_model_path):
+    server = start_server("--model", "tiny", "--no-http", "--ctx", "64", "--log-level", "WARNING")
+    long_prompt = {"prompt": "one two three four five six seven eight nine ten " * 8}
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        r = await c.request(Op.PREFILL, "0", json.dumps(long_prompt).encode())
+        assert r.status == Status.BAD_REQUEST and "does not fit" in r.meta["error"]
+        r = await c.request(Op.CONFIGURE, "", json.dumps({"n_ctx": 1024}).encode())
+        assert r.ok and r.meta["tier"] == "T2"
+        m = await wait_reload_settled(c)
+        assert m["reload"]["state"] == "swapped" and m["n_ctx_slot"] == 1024
+        r = await c.request(Op.PREFILL, "0", json.dumps(long_prompt).encode())
+        assert r.ok and r.meta["n_past"] > 64
+        await c.close()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.asyncio
+async def test_prefill_model_alias_swaps_and_reports_load_time(tiny_model_path, tiny_model_b_path):
+    server = start_server("--model", "tiny", "--model-alias", f"fast={tiny_model_b_path}", "--no-http",
+                          "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        assert (await info(c))["preset_aliases"] == ["fast"]
+        r = await c.request(Op.PREFILL, "0", json.dumps({"model": "fast", "messages": USER}).encode())
+        assert r.ok and r.meta["model_fallback"] is False and r.meta["model_load_ms"] > 0
+        assert r.meta["model_name"] == "hydra-tiny-b"
+        r = await c.request(Op.PREFILL, "0", json.dumps({"model": "fast", "messages": USER}).encode())
+        assert r.ok and "model_load_ms" not in r.meta  # already resident: no swap
+        r = await c.request(Op.PREFILL, "0", json.dumps({"model": "nope", "messages": USER}).encode())
+        assert r.ok and r.meta["model_fallback"] is True
+        from codec.payloads import encode_swap_quant
+        r = await c.request(Op.SWAP_QUANT, "", encode_swap_quant("fast", ""))
+        assert r.ok and r.meta["success"] is True
+        await c.close()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.asyncio
+async def test_inplace_mode_reload(small_and_b):
+    small, model_b = small_and_b
+    server = start_server("--model", "tiny", "--no-http", "--reload-mode", "inplace", "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        assert (await info(c))["reload_mode"] == "inplace"
+        assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
+        m = await wait_reload_settled(c)
+        assert m["reload"]["state"] == "swapped" and m["model_name"] == "hydra-tiny-b"
+        assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())).ok
+        await c.close()
+    finally:
+        assert server.stop() == 0, server.log
