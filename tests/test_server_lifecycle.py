@@ -1,0 +1,148 @@
+"""Connection limit, allow-list, graceful and forced shutdown, loops, and `hydra-rpc call`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from codec.enums import Op, Status
+from hydra_rpc.client import HydraClient
+from tests.helpers import start_server
+
+USER = [{"role": "user", "content": "hello"}]
+
+
+async def closed_by_server(c: HydraClient) -> bool:
+    """EOF or a reset: either way the server closed without answering."""
+    try:
+        return await asyncio.wait_for(c.reader.read(1), 5) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.asyncio
+async def test_connection_limit_answers_busy(tiny_model_path):
+    server = start_server("--model", "tiny", "--no-http", "--max-connections", "2", "--log-level", "WARNING")
+    try:
+        a = await HydraClient.connect(server.host, server.port)
+        b = await HydraClient.connect(server.host, server.port)
+        assert (await a.request(Op.INFO)).ok and (await b.request(Op.INFO)).ok
+        c = await HydraClient.connect(server.host, server.port)
+        r = await c.request(Op.INFO)
+        assert r.status == Status.BUSY and "connection limit" in r.meta["error"]
+        assert await closed_by_server(c)
+        await c.close()
+        await b.close()
+        await asyncio.sleep(0.2)
+        d = await HydraClient.connect(server.host, server.port)
+        assert (await d.request(Op.INFO)).ok
+        for x in (a, d):
+            await x.close()
+    finally:
+        assert server.stop() == 0, server.log
+
+
+@pytest.mark.asyncio
+async def test_allow_list_refuses_other_networks(tiny_model_path):
+    server = start_server("--model", "tiny", "--no-http", "--allow", "10.0.0.0/8")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        await c.send(Op.INFO)
+        assert await closed_by_server(c)
+        await c.close()
+        assert "not in --allow" in server.log
+    finally:
+        server.stop()
+    server = start_server("--model", "tiny", "--no-http", "--allow", "127.0.0.0/8", "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        assert (await c.request(Op.INFO)).ok
+        await c.close()
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.fixture
+def small_model():
+    from engine.model_files import ensure_tiny_model
+
+    return str(ensure_tiny_model("small"))
+
+
+@pytest.mark.asyncio
+async def test_graceful_shutdown_finishes_the_request_in_flight(small_model):
+    server = start_server("--model", small_model, "--no-http", "--shutdown-timeout", "120", "--log-level", "WARNING")
+    c = await HydraClient.connect(server.host, server.port)
+    idle = await HydraClient.connect(server.host, server.port)
+    assert (await idle.request(Op.INFO)).ok
+    body = {"n_predict": 300, "messages": USER, "stream": False}
+    task = asyncio.create_task(c.request(Op.DECODE, "0", json.dumps(body).encode(), timeout=60))
+    poll = await HydraClient.connect(server.host, server.port)
+    async with asyncio.timeout(20):
+        while not (await poll.request(Op.STATE_META, "0")).meta["is_processing"]:
+            await asyncio.sleep(0.005)
+    await poll.close()
+    server.proc.send_signal(signal.SIGINT)
+    r = await task  # the server waits for it before stopping
+    assert r.ok and r.meta["tokens_generated"] > 0
+    assert await closed_by_server(idle)  # idle connection closed at once
+    rc = await asyncio.to_thread(server.proc.wait, 20)
+    assert rc == 0
+    server.stop()
+    assert "stopped" in server.log
+    await c.close()
+    await idle.close()
+
+
+@pytest.mark.asyncio
+async def test_second_signal_forces_exit(small_model):
+    server = start_server("--model", small_model, "--no-http", "--shutdown-timeout", "60", "--log-level", "WARNING")
+    c = await HydraClient.connect(server.host, server.port)
+    await c.send(Op.DECODE, "0", json.dumps({"n_predict": 4000, "messages": USER, "stream": False}).encode())
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGINT)
+    await asyncio.sleep(0.3)
+    server.proc.send_signal(signal.SIGINT)
+    rc = await asyncio.to_thread(server.proc.wait, 20)
+    assert rc == 0 and time.monotonic() - t0 < 15
+    server.stop()
+    assert "forcing exit" in server.log
+    await c.close()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_loop_option(tiny_model_path):
+    server = start_server("--model", "tiny", "--no-http", "--loop", "asyncio", "--log-level", "WARNING")
+    try:
+        c = await HydraClient.connect(server.host, server.port)
+        assert (await c.request(Op.STATE_META, "0")).ok
+        await c.close()
+    finally:
+        assert server.stop() == 0
+
+
+def test_call_command(tiny_model_path):
+    server = start_server("--model", "tiny", "--no-http", "--log-level", "WARNING")
+    target = f"{server.host}:{server.port}"
+
+    def call(*args):
+        return subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "call", *args, "--target", target],
+                              capture_output=True, timeout=60)
+
+    try:
+        r = call("INFO")
+        assert r.returncode == 0 and b'"engine": "llama-server-hydra"' in r.stderr
+        r = call("PREFILL", "--key", "0", "--json", json.dumps({"messages": USER}))
+        assert r.returncode == 0 and b"kv_hash_str" in r.stderr
+        r = call("DECODE", "--key", "0", "--json", '{"n_predict":5,"messages":null}')
+        assert r.returncode == 0 and b"[5 tokens streamed]" in r.stderr and r.stdout
+        r = call("STATE_META", "--key", "9")
+        assert r.returncode == 1 and b"NOT_FOUND" in r.stderr
+    finally:
+        assert server.stop() == 0
