@@ -14,9 +14,8 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-HYDRA_MAX_STATE_BYTES = 4 * GiB
-HYDRA_MAX_JSON_HEADER = 32 * KiB
-HYDRA_MAX_PROMPT_BYTES = 64 * MiB
+# The C++ caps themselves live with the payload codecs that enforce them.
+from .payloads import HYDRA_MAX_JSON_HEADER, HYDRA_MAX_PROMPT_BYTES, HYDRA_MAX_STATE_BYTES  # noqa: E402
 
 # Ops whose handlers read no payload: anything sent is drained and ignored.
 NO_PAYLOAD_OPS = frozenset({Op.STATE_GET, Op.STATE_META, Op.INFO})

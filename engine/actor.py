@@ -175,9 +175,13 @@ class Engine:
         }
 
     def devices(self) -> list[str]:
+        """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""
         if not self.params.rpc_servers:
             return ["CPU"]
-        return ["CPU"] + [f"RPC[{ep}]" for ep in self.params.rpc_servers]
+        from .ggml_rpc_lib import list_devices
+
+        return [f"{d['name']}[{d['description']}]" if d["name"].startswith("RPC") else d["name"]
+                for d in list_devices()]
 
     @staticmethod
     def _identity_of(model: LoadedModel) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import argparse
 import ctypes
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -32,6 +33,9 @@ __all__ = [
     "start_embedded_rpc_server",
     "serve_forever_subprocess_main",
     "find_free_port",
+    "probe_rpc_server",
+    "RpcServerError",
+    "client_proto_version",
     "READY_PREFIX",
     "main",
 ]
@@ -39,9 +43,10 @@ __all__ = [
 #: printed (and flushed) by :func:`serve_forever_subprocess_main` once the port accepts connections
 READY_PREFIX = "HYDRA_GGML_RPC_READY"
 
+_FALLBACK_PROTO = (7, 0, 0)  # llama-cpp-python 0.3.36
 _DEV_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _lib: ctypes.CDLL | None = None
 _registered: dict[str, str] = {}  # endpoint -> first device name it added
 _ADD_SERVER_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
@@ -115,12 +120,90 @@ def list_devices() -> list[dict[str, Any]]:
     return [_dev_info(g, g.ggml_backend_dev_get(i)) for i in range(int(g.ggml_backend_dev_count()))]
 
 
+def client_proto_version() -> tuple[int, int, int]:
+    """The ggml RPC protocol version this llama-cpp-python build speaks (from its ggml-rpc.h)."""
+    import re
+
+    import llama_cpp
+
+    site = os.path.dirname(os.path.dirname(llama_cpp.__file__))
+    try:
+        with open(os.path.join(site, "include", "ggml-rpc.h"), encoding="utf-8") as f:
+            text = f.read()
+        v = [int(re.search(rf"#define\s+RPC_PROTO_{k}_VERSION\s+(\d+)", text).group(1))  # type: ignore[union-attr]
+             for k in ("MAJOR", "MINOR", "PATCH")]
+        return v[0], v[1], v[2]
+    except (OSError, AttributeError):
+        return _FALLBACK_PROTO
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"RPC endpoint must be 'host:port', not {endpoint!r}")
+    return host, int(port)
+
+
+class RpcServerError(ConnectionError):
+    """A ggml RPC server is unreachable, busy, not a ggml RPC server, or incompatible."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise RpcServerError("connection closed during the HELLO handshake")
+        buf += chunk
+    return buf
+
+
+def probe_rpc_server(endpoint: str, timeout: float = 5.0) -> tuple[int, int, int]:
+    """HELLO handshake with a ggml RPC server; returns its (major, minor, patch).
+
+    Raises ConnectionError if it is unreachable, busy with another client (it serves one at a
+    time) for longer than ``timeout``, not a ggml RPC server, or of an incompatible version
+    (llama.cpp's client would abort the whole process in these cases instead of failing).
+    """
+    host, port = _split_endpoint(endpoint)
+    mine = client_proto_version()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            if mine[0] >= 4:  # 4.0+: 24 bytes of conn caps each way (zeros: TCP only)
+                s.sendall(b"\x0e" + struct.pack("<Q", 24) + bytes(24))
+                size = struct.unpack("<Q", _recv_exact(s, 8))[0]
+                if size != 28:
+                    raise RpcServerError(f"unexpected HELLO reply size {size}")
+                body = _recv_exact(s, 28)
+            else:  # pragma: no cover - older builds
+                s.sendall(b"\x0e" + struct.pack("<Q", 0))
+                size = struct.unpack("<Q", _recv_exact(s, 8))[0]
+                if size != 3:
+                    raise RpcServerError(f"unexpected HELLO reply size {size}")
+                body = _recv_exact(s, 3)
+    except RpcServerError as e:
+        raise RpcServerError(f"ggml RPC server {endpoint} is not usable: {e}") from None
+    except (OSError, ValueError) as e:  # refused, timeout (busy server), reset ...
+        raise RpcServerError(f"ggml RPC server {endpoint} is unreachable or busy: {e}") from e
+    theirs = (body[0], body[1], body[2])
+    if theirs[0] != mine[0] or theirs[1] > mine[1]:
+        raise RpcServerError(
+            f"ggml RPC server {endpoint} speaks protocol {'.'.join(map(str, theirs))}, "
+            f"this client {'.'.join(map(str, mine))} (major must match, server minor <= client minor)"
+        )
+    return theirs
+
+
 def register_rpc_server(endpoint: str) -> str:
     """Connect to a ggml RPC server ("host:port") and register its devices for libllama.
 
     Returns the name of the (first) new device, e.g. "RPC0". Cached per endpoint: a second
-    call returns the same name. Raises ConnectionError if the server is unreachable or speaks
-    another protocol version. Process-global and irreversible; register before loading models.
+    call returns the same name. Raises ConnectionError if the server is unreachable, busy or
+    speaks another protocol version (checked first with :func:`probe_rpc_server`, because
+    llama.cpp itself aborts the process on a failed connect). Process-global and irreversible;
+    register before loading models. Note that llama.cpp also aborts the process if a
+    registered server dies while a model uses it.
     """
     with _lock:
         if endpoint in _registered:
@@ -130,10 +213,11 @@ def register_rpc_server(endpoint: str) -> str:
     with _lock:
         if endpoint in _registered:
             return _registered[endpoint]
+        probe_rpc_server(endpoint)
         before = {d["name"] for d in list_devices()}
         reg = add(endpoint.encode())
         if not reg:
-            raise ConnectionError(
+            raise RpcServerError(
                 f"ggml RPC server {endpoint} is unreachable or incompatible (ggml_backend_rpc_add_server returned NULL)"
             )
         g.ggml_backend_register(reg)
@@ -211,7 +295,9 @@ def start_embedded_rpc_server(host: str = "127.0.0.1", port: int = 0, n_threads:
 def serve_forever_subprocess_main(host: str = "127.0.0.1", port: int = 0, threads: int = 1) -> None:
     """Run the embedded server and block forever; prints ``HYDRA_GGML_RPC_READY host:port``."""
     host, port = start_embedded_rpc_server(host, port, threads)
-    print(f"{READY_PREFIX} {host}:{port}", flush=True)
+    sys.stdout.flush()
+    # one write(2), on a line of its own: llama.cpp's server printf()s to the same fd 1
+    os.write(sys.stdout.fileno(), f"\n{READY_PREFIX} {host}:{port}\n".encode())
     try:
         while True:
             time.sleep(3600)
