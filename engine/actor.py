@@ -297,7 +297,9 @@ class Engine:
             self._finish(r)
 
     def _step(self, running: list[Running]) -> None:
-        run_step(self.model, running, n_ctx_slot=self.params.n_ctx_slot, token_budget=self.cfg.token_budget,
+        # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
+        budget = min(self.cfg.token_budget, self.model.n_batch)
+        run_step(self.model, running, n_ctx_slot=self.params.n_ctx_slot, token_budget=budget,
                  time_slice=self.cfg.time_slice)
 
     def _after_step(self, running: list[Running]) -> None:

@@ -242,11 +242,25 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot start the ggml RPC server on {host}:{port}: {e.strerror}") from e
+
+
 def _wait_port(host: str, port: int, deadline: float, thread: threading.Thread | None) -> None:
     while True:
         try:
             with socket.create_connection((host, port), timeout=0.5):
-                return
+                pass
+            if thread is not None:
+                thread.join(0.05)  # a server that failed to bind returns at once
+                if not thread.is_alive():
+                    raise RuntimeError(f"the embedded ggml RPC server on {host}:{port} exited (port in use?)")
+            return
         except OSError:
             pass
         if thread is not None and not thread.is_alive():
@@ -284,6 +298,8 @@ def start_embedded_rpc_server(host: str = "127.0.0.1", port: int = 0, n_threads:
     """
     if port == 0:
         port = find_free_port(host)
+    else:
+        _check_port_free(host, port)
     t = threading.Thread(
         target=_start_server_blocking, args=(host, port, n_threads), name=f"ggml-rpc-server-{port}", daemon=True
     )

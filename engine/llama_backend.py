@@ -21,7 +21,7 @@ import hashlib
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence, overload
 
@@ -681,7 +681,9 @@ class LoadedModel:
             out.append("<|assistant|>\n")
         return "".join(out)
 
-    def chat_tokens(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
         """:meth:`apply_chat_template` + tokenize (parse_special) with exactly one leading BOS
         when the model adds BOS."""
         toks = self.tokenize(self.apply_chat_template(messages, add_generation_prompt, **extra),
@@ -875,35 +877,47 @@ class LoadedModel:
     def state_seq_size(self, seq: int) -> int:
         return int(L.llama_state_seq_get_size(self._ctx_handle(), self._check_seq(seq)))
 
-    def state_seq_get(self, seq: int) -> bytes:
-        """Snapshot of ``seq``'s KV cells (restorable into any seq with :meth:`state_seq_set`)."""
+    def state_seq_get(self, seq: int) -> memoryview:
+        """Snapshot of ``seq``'s KV cells (restorable into any seq with :meth:`state_seq_set`).
+
+        Returned as a read-only view of the one buffer llama.cpp wrote into — no second copy,
+        which matters for multi-hundred-MiB states (peak memory ≈ 1× the state).
+        """
         seq = self._check_seq(seq)
         ctx = self._ctx_handle()
         size = int(L.llama_state_seq_get_size(ctx, seq))
         buf = (ctypes.c_uint8 * max(size, 1))()
         n = int(L.llama_state_seq_get_data(ctx, buf, size, seq))
-        return ctypes.string_at(buf, n)
+        return memoryview(buf).cast("B")[:n].toreadonly()
 
-    def state_seq_set(self, seq: int, data: bytes) -> int:
+    def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         """Replace ``seq``'s cells with a snapshot from :meth:`state_seq_get`; returns bytes read.
 
-        The sequence is cleared first; raises :class:`StateError` if llama.cpp rejects the data.
+        ``data`` is read in place (bytes, or a writable contiguous buffer such as a bytearray
+        slice) — never copied. The sequence is cleared first; raises :class:`StateError` if
+        llama.cpp rejects the data.
         """
         seq = self._check_seq(seq)
         ctx = self._ctx_handle()
         L.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._logit_idx.pop(seq, None)
-        data = bytes(data)
-        if not data:
+        n_bytes = len(data) if not isinstance(data, memoryview) else data.nbytes
+        if not n_bytes:
             return 0
-        src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        if isinstance(data, bytes):
+            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        else:
+            mv = memoryview(data).cast("B")
+            if mv.readonly:
+                mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
+            src = ctypes.cast((ctypes.c_uint8 * n_bytes).from_buffer(mv), ctypes.POINTER(ctypes.c_uint8))
         _recent_errors.clear()
-        n = int(L.llama_state_seq_set_data(ctx, src, len(data), seq))
+        n = int(L.llama_state_seq_set_data(ctx, src, n_bytes, seq))
         if n == 0:
             L.llama_memory_seq_rm(self._mem, seq, -1, -1)
             logs = "; ".join(last_llama_errors(3))
             raise StateError(
-                f"llama_state_seq_set_data rejected {len(data)} bytes for seq {seq}"
+                f"llama_state_seq_set_data rejected {n_bytes} bytes for seq {seq}"
                 + (f": {logs}" if logs else "")
             )
         return n

@@ -27,7 +27,7 @@ GREEDY = SamplerParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path: str) -> Iterator[LoadedModel]:
-    m = LoadedModel(tiny_model_path, n_ctx=2048, n_seq_max=4, n_batch=512)
+    m = LoadedModel(tiny_model_path, n_ctx=2048, n_seq_max=4, n_batch=512, n_threads=1)
     yield m
     m.close()
 
@@ -77,10 +77,10 @@ def test_identity(m: LoadedModel, tiny_model_path: str) -> None:
     assert m.is_eog(m.eos) and not m.is_eog(m.bos)
 
 
-def test_quant_name_of_small(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_quant_name_of_small() -> None:
     from engine.model_files import ensure_tiny_model
 
-    with LoadedModel(ensure_tiny_model("small"), n_ctx=256, n_seq_max=1) as s:
+    with LoadedModel(ensure_tiny_model("small"), n_ctx=256, n_seq_max=1, n_threads=1) as s:
         assert s.identity["model_quant"] == "Q8_0"
         assert s.identity["tokenizer"] == "llama/2048"
         assert s.identity["model_name"] == "hydra-tiny-small"
@@ -88,8 +88,8 @@ def test_quant_name_of_small(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "hello", " leading space", "double  space\tand tab\nnewline", "accents: éàü", "CJK 你好世界", "emoji 🎉🦙!",
-     "<s> looks special"],
+    ["", "hello", " leading space", "double  space\tand tab\nnewline", "accents: éàü", "CJK 你好世界",
+     "emoji 🎉🦙!", "<s> looks special"],
 )
 def test_tokenize_roundtrip(m: LoadedModel, text: str) -> None:
     toks = m.tokenize(text)
@@ -126,7 +126,7 @@ def test_chat_template(m: LoadedModel) -> None:
 
 
 def test_chat_fallbacks(tiny_model_path: str) -> None:
-    with LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1) as x:
+    with LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=1) as x:
         x._template_src = None  # pretend the GGUF has no template
         msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
                 {"role": "assistant", "content": "yo"}]
@@ -350,7 +350,7 @@ def test_decode_validation(m: LoadedModel) -> None:
 
 
 def test_context_full(tiny_model_path: str) -> None:
-    with LoadedModel(tiny_model_path, n_ctx=512, n_seq_max=2, n_batch=512) as x:
+    with LoadedModel(tiny_model_path, n_ctx=512, n_seq_max=2, n_batch=512, n_threads=1) as x:
         x.decode([BatchItem(0, [5] * 400, 0)])
         # unified KV: one sequence may use most of the context...
         assert x.seq_pos_max(0) == 399
@@ -362,7 +362,7 @@ def test_context_full(tiny_model_path: str) -> None:
 
 
 def test_close_idempotent(tiny_model_path: str) -> None:
-    x = LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1)
+    x = LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=1)
     x.close()
     x.close()
     assert x.closed
@@ -386,7 +386,8 @@ def test_extra_params_validated(tiny_model_path: str) -> None:
         LoadedModel(tiny_model_path, extra_ctx_params={"no_such_field": 1})
     with pytest.raises(ValueError, match="unknown llama_model_params"):
         LoadedModel(tiny_model_path, extra_model_params={"no_such_field": 1})
-    with LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, extra_ctx_params={"type_k": 0, "type_v": 0}) as x:
+    f32_kv = {"type_k": 0, "type_v": 0}
+    with LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=1, extra_ctx_params=f32_kv) as x:
         x.decode([BatchItem(0, x.tokenize("hi"), 0)])  # f32 KV cache works too
 
 
@@ -398,7 +399,7 @@ def test_inference_executor_low_priority(tiny_model_path: str) -> None:
         assert nice == 19
         assert name.startswith("hydra-inference")
         # the whole model lifecycle on that one thread
-        x = ex.submit(LoadedModel, tiny_model_path, n_ctx=256, n_seq_max=1).result()
+        x = ex.submit(LoadedModel, tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=1).result()
         ex.submit(x.decode, [BatchItem(0, [1, 5, 6], 0)]).result()
         assert ex.submit(x.seq_pos_max, 0).result() == 2
         ex.submit(x.close).result()
