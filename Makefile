@@ -28,6 +28,8 @@ run: install-gemma
 test: install
 	bash scripts/install_test_tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+	# the client side of the integration tests once more on the plain asyncio loop
+	HYDRA_TEST_LOOP=asyncio $(PY) -m pytest -q -p no:cacheprovider tests/test_server_basic.py tests/test_engine_opcodes.py
 
 bench: install
 	$(VENV)/bin/hydra-rpc bench --model tiny $(ARGS)
