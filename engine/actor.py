@@ -393,7 +393,7 @@ class Engine:
         slot = self.slots[job.slot]
         if job.cancelled:
             self._fail(job, asyncio.CancelledError())
-        elif slot.busy or self.reload.state == "draining" or slot.queue:
+        elif slot.busy or self.reload.state == "draining" or slot.queue or self.model is None:
             if len(slot.queue) >= self.cfg.slot_queue:
                 self._fail(job, EngineBusy(f"slot {slot.id} is busy and its queue is full"))
             else:
@@ -402,7 +402,12 @@ class Engine:
             self._admit(slot, job)
         self._publish()
 
+    def _require_model(self) -> None:
+        if self.model is None:  # an in-place reload freed it and is loading the next one
+            raise EngineBusy("no model loaded: an in-place reload is in progress", self._retry_after_ms())
+
     async def _on_state_get(self, slot_id: int) -> StateOut:
+        self._require_model()
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineBusy(f"slot {slot_id} is busy")
@@ -420,6 +425,7 @@ class Engine:
 
     async def _on_state_put(self, arg) -> int:
         slot_id, tokens, state = arg
+        self._require_model()
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineBusy(f"slot {slot_id} is busy")
@@ -451,6 +457,7 @@ class Engine:
         return n
 
     async def _on_erase(self, slot_id: int) -> None:
+        self._require_model()
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineBusy(f"slot {slot_id} is processing")

@@ -127,11 +127,14 @@ async def test_failed_reload_leaves_serving_intact(tiny_model_path, tmp_path):
 @pytest.mark.asyncio
 async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_and_b):
     small, model_b = small_and_b
-    server = start_server("--model", small, "--no-http", "--drain-timeout", "0.5", "--log-level", "WARNING")
+    server = start_server("--model", small, "--no-http", "--drain-timeout", "0.3", "--ctx", "16384",
+                          "--log-level", "WARNING")
+    busy = await HydraClient.connect(server.host, server.port)
     try:
         c = await HydraClient.connect(server.host, server.port)
         gen0 = (await info(c))["config_generation"]
-        decode = asyncio.create_task(long_decode(server, "0", 3000))
+        # A generation that runs until its 16k-token context is full: far longer than the drain timeout.
+        await busy.send(Op.DECODE, "0", json.dumps({"n_predict": 10**6, "messages": USER, "stream": False}).encode())
         await wait_processing(c, "0")
         assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
         r = await c.request(Op.CONFIGURE, "", json.dumps({"n_ctx": 2048}).encode())
@@ -141,10 +144,12 @@ async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_
         m = await wait_reload_settled(c)
         assert m["reload"]["state"] == "dropped" and "drain timeout" in m["reload"]["error"]
         assert m["config_generation"] == gen0
-        meta = await decode
-        assert meta["config_generation"] == gen0
+        meta = (await c.request(Op.STATE_META, "0")).meta
+        assert meta["is_processing"] and meta["config_generation"] == gen0  # still on the old config
         await c.close()
     finally:
+        busy.writer.transport.abort()  # the server cancels the generation
+        await busy.close()
         assert server.stop() == 0, server.log
 
 

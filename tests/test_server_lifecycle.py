@@ -55,6 +55,10 @@ async def test_allow_list_refuses_other_networks(tiny_model_path):
         await c.send(Op.INFO)
         assert await closed_by_server(c)
         await c.close()
+        for _ in range(100):  # the log line travels through a pipe
+            if "not in --allow" in server.log:
+                break
+            await asyncio.sleep(0.05)
         assert "not in --allow" in server.log
     finally:
         server.stop()
