@@ -340,12 +340,29 @@ async def run_job(req: Request, engine: Engine, job: GenJob) -> GenResult:
 
 
 async def stream_pin(req: Request, resp: ResponseWriter, engine: Engine, job: GenJob) -> None:
-    """PIN dialect: ``OK, meta 0, payload 0`` then ``[u32 len][piece]`` frames, then close."""
+    """PIN dialect: ``OK, meta 0, payload 0`` then ``[u32 len][piece]`` frames, then close.
+
+    Tokens that arrived together (one engine step) go out in one write: every frame is
+    whole inside it, and small models do not pay a syscall per token.
+    """
     engine.submit(job)
     await resp.start_eof_stream(Status.OK, None)
     try:
-        async for ev in job.stream():
-            await resp.write(P.encode_piece(ev.piece))
+        while True:
+            ev = await job.events.get()
+            if ev is None:
+                break
+            frames = [P.encode_piece(ev.piece)]
+            done = False
+            while not job.events.empty():
+                more = job.events.get_nowait()
+                if more is None:
+                    done = True
+                    break
+                frames.append(P.encode_piece(more.piece))
+            await resp.write(b"".join(frames))
+            if done:
+                break
         with contextlib.suppress(asyncio.CancelledError):
             await job.result()
     finally:
