@@ -1,6 +1,7 @@
 """Test helpers: a real server process on 127.0.0.1 and small client utilities."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -76,3 +77,13 @@ def start_server(*args: str, timeout: float = 60.0, env: dict | None = None) -> 
     sp.pump = threading.Thread(target=pump, daemon=True)
     sp.pump.start()
     return sp
+
+
+@contextlib.contextmanager
+def serving(*args: str, **kw):
+    """``start_server`` as a context manager that also checks the clean exit (code 0)."""
+    sp = start_server(*args, **kw)
+    try:
+        yield sp
+    finally:
+        assert sp.stop() == 0, sp.log

@@ -8,7 +8,7 @@ import pytest
 
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
-from tests.helpers import start_server
+from tests.helpers import serving, start_server
 
 USER = [{"role": "user", "content": "hello there"}]
 
@@ -56,11 +56,10 @@ def small_and_b(tiny_model_b_path):
 @pytest.mark.asyncio
 async def test_t3_reload_while_decoding_serve_old(small_and_b):
     small, model_b = small_and_b
-    server = start_server("--model", small, "--no-http", "--log-level", "WARNING")
-    try:
+    with serving("--model", small, "--no-http", "--ctx", "8192", "--no-low-priority", "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         gen0 = (await info(c))["config_generation"]
-        decode = asyncio.create_task(long_decode(server, "0", 1500))
+        decode = asyncio.create_task(long_decode(server, "0", 2000))
         await wait_processing(c, "0")
         r = await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())
         assert r.ok and r.meta["tier"] == "T3" and r.meta["deferred_keys"] == ["model_path"]
@@ -79,37 +78,35 @@ async def test_t3_reload_while_decoding_serve_old(small_and_b):
         r = await c.request(Op.PREFILL, "1", json.dumps({"messages": USER}).encode())
         assert r.ok and r.meta["config_generation"] == gen0 + 1 and r.meta["model_name"] == "hydra-tiny-b"
         await c.close()
-    finally:
-        assert server.stop() == 0, server.log
 
 
 @pytest.mark.asyncio
 async def test_reject_policy_answers_busy_while_pending(small_and_b):
     small, model_b = small_and_b
-    server = start_server("--model", small, "--no-http", "--reload-policy", "reject", "--log-level", "WARNING")
-    try:
+    with serving("--model", small, "--no-http", "--ctx", "16384", "--reload-policy", "reject",
+                 "--no-low-priority", "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
-        decode = asyncio.create_task(long_decode(server, "0", 1500))
+        busy = await HydraClient.connect(server.host, server.port)
+        # runs until its 16k context is full: the reload stays pending until we cancel it
+        await busy.send(Op.DECODE, "0", json.dumps({"n_predict": 10**6, "messages": USER, "stream": False}).encode())
         await wait_processing(c, "0")
         assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
         r = await c.request(Op.PREFILL, "1", json.dumps({"messages": USER}).encode())
         assert r.status == Status.BUSY and r.meta["error"] == "reloading" and r.meta["retry_after_ms"] > 0
         assert (await c.request(Op.STATE_META, "1")).ok
-        await decode
-        await wait_reload_settled(c)
+        busy.writer.transport.abort()  # client gone → generation cancelled → drain completes
+        await busy.close()
+        assert (await wait_reload_settled(c))["reload"]["state"] == "swapped"
         r = await c.request(Op.PREFILL, "1", json.dumps({"messages": USER}).encode())
         assert r.ok and r.meta["model_name"] == "hydra-tiny-b"
         await c.close()
-    finally:
-        assert server.stop() == 0, server.log
 
 
 @pytest.mark.asyncio
 async def test_failed_reload_leaves_serving_intact(tiny_model_path, tmp_path):
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + b"\x00" * 64 + b"garbage" * 100)
-    server = start_server("--model", "tiny", "--no-http", "--log-level", "WARNING")
-    try:
+    with serving("--model", "tiny", "--no-http", "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         gen0 = (await info(c))["config_generation"]
         for bad in (str(tmp_path / "missing.gguf"), str(corrupt)):
@@ -120,15 +117,13 @@ async def test_failed_reload_leaves_serving_intact(tiny_model_path, tmp_path):
             r = await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())
             assert r.ok and r.meta["config_generation"] == gen0
         await c.close()
-    finally:
-        assert server.stop() == 0, server.log
 
 
 @pytest.mark.asyncio
 async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_and_b):
     small, model_b = small_and_b
     server = start_server("--model", small, "--no-http", "--drain-timeout", "0.3", "--ctx", "16384",
-                          "--log-level", "WARNING")
+                          "--no-low-priority", "--log-level", "WARNING")
     busy = await HydraClient.connect(server.host, server.port)
     try:
         c = await HydraClient.connect(server.host, server.port)
@@ -155,9 +150,8 @@ async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_
 
 @pytest.mark.asyncio
 async def test_t2_n_ctx_change_takes_effect(tiny_model_path):
-    server = start_server("--model", "tiny", "--no-http", "--ctx", "64", "--log-level", "WARNING")
     long_prompt = {"prompt": "one two three four five six seven eight nine ten " * 8}
-    try:
+    with serving("--model", "tiny", "--no-http", "--ctx", "64", "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         r = await c.request(Op.PREFILL, "0", json.dumps(long_prompt).encode())
         assert r.status == Status.BAD_REQUEST and "does not fit" in r.meta["error"]
@@ -168,15 +162,12 @@ async def test_t2_n_ctx_change_takes_effect(tiny_model_path):
         r = await c.request(Op.PREFILL, "0", json.dumps(long_prompt).encode())
         assert r.ok and r.meta["n_past"] > 64
         await c.close()
-    finally:
-        assert server.stop() == 0, server.log
 
 
 @pytest.mark.asyncio
 async def test_prefill_model_alias_swaps_and_reports_load_time(tiny_model_path, tiny_model_b_path):
-    server = start_server("--model", "tiny", "--model-alias", f"fast={tiny_model_b_path}", "--no-http",
-                          "--log-level", "WARNING")
-    try:
+    with serving("--model", "tiny", "--model-alias", f"fast={tiny_model_b_path}", "--no-http",
+                          "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         assert (await info(c))["preset_aliases"] == ["fast"]
         r = await c.request(Op.PREFILL, "0", json.dumps({"model": "fast", "messages": USER}).encode())
@@ -190,15 +181,12 @@ async def test_prefill_model_alias_swaps_and_reports_load_time(tiny_model_path, 
         r = await c.request(Op.SWAP_QUANT, "", encode_swap_quant("fast", ""))
         assert r.ok and r.meta["success"] is True
         await c.close()
-    finally:
-        assert server.stop() == 0, server.log
 
 
 @pytest.mark.asyncio
 async def test_inplace_mode_reload(small_and_b):
     small, model_b = small_and_b
-    server = start_server("--model", "tiny", "--no-http", "--reload-mode", "inplace", "--log-level", "WARNING")
-    try:
+    with serving("--model", "tiny", "--no-http", "--reload-mode", "inplace", "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         assert (await info(c))["reload_mode"] == "inplace"
         assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
@@ -206,5 +194,3 @@ async def test_inplace_mode_reload(small_and_b):
         assert m["reload"]["state"] == "swapped" and m["model_name"] == "hydra-tiny-b"
         assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())).ok
         await c.close()
-    finally:
-        assert server.stop() == 0, server.log
