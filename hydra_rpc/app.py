@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.actor import Engine, EngineConfig
 
 from .config import ServerConfig
+from .decode_v3_handler import DecodeV3
 from .handlers import Handlers
 from .server import HydraServer
 
@@ -26,37 +27,32 @@ class App:
     extras: dict = field(default_factory=dict)
 
     async def start(self) -> None:
+        """HTTP first (so ``/health`` says 503 while the first model loads), then the
+        engine, then the Hydra port."""
         from engine.llama_backend import check_rpc_support
 
         check_rpc_support()  # fail fast: a wheel built without GGML_RPC is a broken install
         self.engine = Engine(self.engine_cfg)
-        await self.engine.start()
-        handlers = Handlers(self.engine)
-        try:
-            from .decode_v3_handler import DecodeV3
-        except ImportError:
-            pass
-        else:
-            dv3 = DecodeV3(self.engine, handlers._select_model)
-            handlers.decode_v3 = dv3.handle
-            self.extras["decode_results"] = dv3.results
-        metrics = None
         try:
             from .metrics import Metrics
         except ImportError:
-            pass
+            metrics = None
         else:
-            metrics = Metrics()
-            self.extras["metrics"] = metrics
+            metrics = self.extras.setdefault("metrics", Metrics())
+        if self.http_port is not None:
+            from .http_app import start_http
+
+            self.http = await start_http(self, self.http_host or self.server_cfg.host, self.http_port)
+        await self.engine.start()
+        handlers = Handlers(self.engine)
+        dv3 = DecodeV3(self.engine, handlers._select_model)
+        handlers.decode_v3 = dv3.handle
+        self.extras["decode_results"] = dv3.results
         self.server = HydraServer(self.server_cfg, handlers.table(),
                                   on_request=metrics.observe_request if metrics else None)
         if self.server_cfg.ggml_rpc_embedded:
             self.server.passthrough.start_embedded()
         await self.server.start()
-        if self.http_port is not None:
-            from .http_app import start_http
-
-            self.http = await start_http(self, self.http_host or self.server_cfg.host, self.http_port)
 
     @property
     def address(self) -> tuple[str, int]:

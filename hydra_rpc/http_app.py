@@ -1,0 +1,362 @@
+"""The engine's HTTP side (reference §4.7, §13), served by aiohttp on the RPC server's event loop.
+
+Routes (the contract is written down in ``docs/http.md``)::
+
+    GET  /health                       200 ready, 503 while the first model loads (or failed)
+    GET  /version, /v1/models, /models
+    GET  /slots                        one entry per slot, from the actor's snapshots
+    GET  /slots/{id}/state/meta        the STATE_META fields
+    POST /slots/{id}?action=erase      409 while the slot works
+    GET  /v1/decode/{decode_request_id}  merged DECODE v3 result: 202 running, 200 done, 404 gone
+    DELETE /v1/decode/{decode_request_id}  (extension) cancel a running merged DECODE
+    POST /v1/chat/completions, /v1/completions (+ unversioned twins)   see http_openai
+    GET  /metrics                      Prometheus text format
+
+Reads (health, slots, meta, decode progress, metrics) come from published snapshots and
+plain attributes, never from the actor's mailbox, so they answer while every slot is busy.
+Every failure is a JSON error object with a real status; a bug in a handler becomes a
+500 with the exception's type and message, never a traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+
+from codec.limits import HYDRA_MAX_PROMPT_BYTES
+from engine.actor import ENGINE_NAME, ENGINE_VERSION
+from engine.jobs import EngineBusy
+
+from .http_openai import (
+    FINISH_REASON,
+    ApiError,
+    OpenAIRoutes,
+    completion_object,
+    cut_at_stop,
+    error_body,
+    json_response,
+    require_ready,
+    timings_of,
+)
+from .metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger("hydra_rpc.http")
+
+try:
+    from importlib.metadata import version as _pkg_version
+
+    IMPL_VERSION = _pkg_version("hydra-rpc")
+except Exception:  # running from a checkout that is not installed
+    IMPL_VERSION = "0.0.0+local"
+
+# Bodies above this are refused with 413; HYDRA_HTTP_MAX_BODY overrides (bytes).
+DEFAULT_MAX_BODY = HYDRA_MAX_PROMPT_BYTES
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class HttpSide:
+    """What ``App`` keeps: the bound address and an idempotent ``cleanup()``."""
+
+    def __init__(self, runner: web.AppRunner):
+        self.runner = runner
+        self._closed = False
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.runner.addresses[0][:2]
+        return host, port
+
+    @property
+    def connections(self) -> int:
+        server = self.runner.server
+        return len(server.connections) if server is not None else 0
+
+    async def cleanup(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self.runner.cleanup()
+
+
+async def start_http(app: Any, host: str, port: int) -> HttpSide:
+    """Bind the HTTP side (port 0 picks a free port) on the running loop."""
+    max_body = int(os.environ.get("HYDRA_HTTP_MAX_BODY", DEFAULT_MAX_BODY))
+    metrics = app.extras.get("metrics")
+    if metrics is None:  # app.py makes one when metrics.py imports; keep /metrics working regardless
+        metrics = app.extras["metrics"] = Metrics()
+    webapp = build_web_app(app, metrics, max_body)
+    cfg = getattr(app, "server_cfg", None)
+    grace = getattr(cfg, "shutdown_timeout", 10.0)
+    # handler_cancellation: a client that disconnects while its request waits (in a slot's
+    # queue, or for a non-streamed result) gets its handler cancelled, which cancels its job.
+    runner = web.AppRunner(webapp, access_log=None, handle_signals=False, handler_cancellation=True,
+                           shutdown_timeout=grace, logger=_OneLineErrors(log, {}))
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True, shutdown_timeout=grace)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    side = HttpSide(runner)
+    metrics.bind(app, lambda: side.connections)
+    return side
+
+
+class _OneLineErrors(logging.LoggerAdapter):
+    """aiohttp logs every request it cannot parse (bad method, oversized header line, …)
+    with a traceback; for a peer's malformed bytes one warning line says all there is."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        detail = " ".join(str(exc).split())[:200] if exc is not None else ""
+        self.logger.warning(f"{msg}: %s: %s", *args, type(exc).__name__, detail)
+
+
+def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
+    webapp = web.Application(client_max_size=max_body, middlewares=[_middleware(app, metrics)])
+    routes = Routes(app, metrics)
+    r = webapp.router
+    r.add_get("/health", routes.health)
+    r.add_get("/version", routes.version)
+    r.add_get("/v1/models", routes.models)
+    r.add_get("/models", routes.models)
+    r.add_get("/slots", routes.slots)
+    r.add_get("/slots/{slot_id}/state/meta", routes.slot_meta)
+    r.add_post("/slots/{slot_id}", routes.slot_action)
+    r.add_get("/v1/decode/{decode_request_id}", routes.decode_result)
+    r.add_delete("/v1/decode/{decode_request_id}", routes.decode_cancel)
+    r.add_get("/metrics", routes.prometheus)
+    OpenAIRoutes(app, max_body, metrics).add_to(r)
+    return webapp
+
+
+def _middleware(app: Any, metrics: Metrics):
+    cfg = getattr(app, "server_cfg", None)
+
+    @web.middleware
+    async def errors_and_metrics(request: web.Request, handler) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        code = 500
+        try:
+            peer = request.remote or ""
+            if cfg is not None and not cfg.peer_allowed(peer):  # the same --allow list as the engine port
+                raise ApiError(403, f"client {peer} is not in the allow list")
+            resp = await handler(request)
+            code = resp.status
+            return resp
+        except ApiError as e:
+            code = e.status
+            return e.response()
+        except web.HTTPException as e:  # aiohttp's own: 404 no route, 405, 413 body too large
+            code = e.status
+            if e.status < 400:
+                raise
+            headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+            return json_response(error_body(e.status, _http_error_message(request, e)), status=e.status,
+                                 headers=headers)
+        except asyncio.CancelledError:
+            code = 499  # client closed the request (nginx's convention)
+            raise
+        except ConnectionResetError:
+            code = 499
+            raise
+        except Exception as e:
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return json_response(error_body(500, f"internal error: {type(e).__name__}: {e}"), status=500)
+        finally:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            method = request.method if request.method in KNOWN_METHODS else "other"  # bounded labels
+            metrics.observe_http(route, method, code, time.perf_counter() - t0)
+
+    return errors_and_metrics
+
+
+def _http_error_message(request: web.Request, e: web.HTTPException) -> str:
+    if e.status == 404:
+        return f"no such endpoint: {request.method} {request.path}"
+    if e.status == 405:
+        return f"method {request.method} not allowed on {request.path} (allowed: {e.headers.get('Allow', '')})"
+    if e.status == 413:  # aiohttp's text names the limit and the size seen
+        return f"request body too large: {e.text}"
+    return e.text or e.reason
+
+
+def _number(raw: str) -> int | None:
+    """A path id: ASCII digits only (``str.isdigit`` also accepts "²"), and short."""
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
+
+
+def _slot_of(request: web.Request, engine: Any) -> int:
+    raw = request.match_info["slot_id"]
+    slot = _number(raw)
+    if slot is None:
+        raise ApiError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}")
+    n = engine.n_slots if engine is not None else 0
+    if slot >= n:
+        raise ApiError(404, f"unknown slot {slot} (this engine has slots 0..{n - 1})")
+    return slot
+
+
+class Routes:
+    def __init__(self, app: Any, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    @property
+    def engine(self) -> Any:
+        return self.app.engine
+
+    # ---------------------------------------------------------------- status
+    async def health(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        server = self.app.server
+        stage = eng.startup_stage if eng is not None else "init"
+        ready = stage == "ready" and eng.model is not None
+        body: dict[str, Any] = {
+            "status": "ok" if ready else ("error" if stage == "failed" else "loading"),
+            "startup_stage": stage,
+            "has_model": ready,
+            "model_name": (eng.identity.get("model_name") or "") if eng is not None else "",
+            "rpc_active": server is not None and bool(server.sockets),
+        }
+        if eng is not None:
+            body["config_generation"] = eng.generation
+            body["reload"] = eng.reload.state
+            if stage == "failed":
+                body["error"] = eng.startup_error
+        return json_response(body, status=200 if ready else 503,
+                             headers=None if ready or stage == "failed" else {"Retry-After": "1"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        return json_response({"version": ENGINE_VERSION, "engine": ENGINE_NAME, "implementation": "hydra-rpc",
+                              "implementation_version": IMPL_VERSION,
+                              "config_generation": eng.generation if eng is not None else 0})
+
+    async def models(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        require_ready(eng)
+        ident = eng.identity
+        resident = ident.get("model_alias") or ident.get("model_name") or "hydra-rpc"
+        meta = {k: v for k, v in ident.items() if k != "model_path"}
+        data = [{"id": resident, "object": "model", "created": 0, "owned_by": "hydra-rpc", "resident": True,
+                 "meta": {**meta, "n_ctx_slot": eng.n_ctx_slot, "n_slots": eng.n_slots,
+                          "config_generation": eng.generation}}]
+        for alias, path in sorted(eng.cfg.aliases.items()):
+            try:
+                here = str(eng.cfg.resolve_model(path)) == eng.params.model_path
+            except Exception:
+                here = False
+            if alias != resident:
+                data.append({"id": alias, "object": "model", "created": 0, "owned_by": "hydra-rpc",
+                             "resident": here})
+        return json_response({"object": "list", "data": data})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # ---------------------------------------------------------------- slots
+    async def slots(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        if eng is None:
+            return json_response([])
+        out = []
+        for s in eng.snapshots:
+            entry = {"id": s.slot_id, "n_ctx": eng.n_ctx_slot, "queued": s.queued}
+            entry.update(s.meta())
+            out.append(entry)
+        return json_response(out)
+
+    async def slot_meta(self, request: web.Request) -> web.Response:
+        slot = _slot_of(request, self.engine)
+        return json_response(self.engine.snapshot(slot).meta(slot))
+
+    async def slot_action(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        slot = _slot_of(request, eng)
+        action = request.query.get("action", "")
+        if action != "erase":
+            raise ApiError(400, f"unsupported slot action {action!r} (only action=erase)", param="action")
+        require_ready(eng)
+        snap = eng.snapshot(slot)
+        if snap.is_processing or snap.is_transferring or snap.queued:
+            raise self._busy(slot, snap)
+        try:
+            await eng.erase(slot)
+        except EngineBusy:  # became busy between the snapshot and the actor
+            raise self._busy(slot, eng.snapshot(slot)) from None
+        return json_response({"id_slot": slot, "n_erased": snap.n_past})
+
+    @staticmethod
+    def _busy(slot: int, snap: Any) -> ApiError:
+        what = "transferring state" if snap.is_transferring else f"processing ({snap.operation})"
+        reason = f"slot {slot} is {what}" + (f" with {snap.queued} job(s) queued" if snap.queued else "")
+        return ApiError(409, reason, extra={"reason": reason, "slot_id": slot, "operation": snap.operation,
+                                            "queued": snap.queued})
+
+    # ---------------------------------------------------------------- merged DECODE results
+    def _decode_entry(self, request: web.Request) -> Any:
+        raw = request.match_info["decode_request_id"]
+        decode_id = _number(raw)
+        results = self.app.extras.get("decode_results")
+        entry = results.get(decode_id) if results is not None and decode_id is not None else None
+        if entry is None:
+            ttl = getattr(results, "ttl", 0)
+            raise ApiError(404, f"no merged DECODE result {raw[:40]!r} (unknown, or evicted after {ttl:g} s / "
+                                f"beyond the newest {getattr(results, 'max_entries', 0)})",
+                           extra={"decode_request_id": -1 if decode_id is None else decode_id})
+        return entry
+
+    async def decode_cancel(self, request: web.Request) -> web.Response:
+        """Extension: stop a running merged DECODE (its slot frees before the next step);
+        the entry then answers GET with the partial result and ``stop_reason`` cancelled."""
+        entry = self._decode_entry(request)
+        running = entry.state == "running"
+        if running:
+            entry.job.cancel()
+        return json_response({"decode_request_id": entry.id, "status": "cancelling" if running else entry.state,
+                              "cancelled": running}, status=202 if running else 200)
+
+    async def decode_result(self, request: web.Request) -> web.Response:
+        entry = self._decode_entry(request)
+        base = {"decode_request_id": entry.id, "slot": entry.slot, "n_past_after_restore": entry.n_past_after_restore}
+        age_ms = round((time.monotonic() - entry.created) * 1000, 3)
+        if entry.state == "running":
+            return json_response({**base, "status": "running", **self._progress(entry), "elapsed_ms": age_ms},
+                                 status=202)
+        res = entry.result
+        if entry.state == "failed" or res is None:
+            # failed: the engine raised (500); cancelled with nothing generated: the engine
+            # was stopping (503). A cancelled job that did produce a result is answered below.
+            status = 500 if entry.state == "failed" else 503
+            msg = entry.error or entry.state
+            return json_response({**error_body(status, f"merged DECODE {entry.id} {entry.state}: {msg}"), **base,
+                                  "status": entry.state}, status=status)
+        eng = self.engine
+        model = entry.model or (eng.identity.get("model_alias") or eng.identity.get("model_name") or "")
+        text, hit = cut_at_stop(res.text.decode("utf-8", "replace"), entry.job.stop)
+        finish = "stop" if hit else FINISH_REASON.get(res.stop_reason)
+        created = int(time.time() - (time.monotonic() - entry.created))
+        obj = completion_object("chat", f"chatcmpl-decode-{entry.id}", created, model, text, finish, res,
+                                res.config_generation)
+        obj.update(base)
+        obj.update(status=entry.state, n_past=res.n_past, tokens_generated=res.tokens_generated,
+                   stop_reason=res.stop_reason, config_generation=res.config_generation, timings=timings_of(res))
+        return json_response(obj)
+
+    def _progress(self, entry: Any) -> dict[str, Any]:
+        # Tokens delivered so far sit in the job's event queue: nobody consumes them for a
+        # merged DECODE. The slot snapshot adds the phase when this job is the one running.
+        out: dict[str, Any] = {"tokens_generated": entry.job.events.qsize(), "operation": "queued"}
+        eng = self.engine
+        if eng is not None and 0 <= entry.slot < eng.n_slots and eng.slots[entry.slot].job is entry.job:
+            snap = eng.snapshot(entry.slot)
+            out.update(operation=snap.operation, n_past=snap.n_past, tokens_processed=snap.tokens_processed,
+                       tokens_total=snap.tokens_total, progress=round(snap.progress, 6))
+        return out

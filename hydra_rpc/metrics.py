@@ -1,0 +1,172 @@
+"""Prometheus metrics for ``GET /metrics``.
+
+Two kinds of series:
+
+* **event series**, observed when something happens: Hydra requests (by op and status,
+  duration histogram per op, payload bytes), HTTP requests (by route, method, code) and
+  HTTP generations (by finish reason). The Hydra server calls :meth:`Metrics.observe_request`
+  once per request; the HTTP side calls :meth:`observe_http` / :meth:`observe_generation`.
+* **state series**, read from the app at scrape time by :class:`_AppCollector`: tokens
+  generated (the engine's own counter, so RPC and HTTP work both count), slots busy/queued,
+  reload state and timings, open connections, ggml-RPC passthrough bytes. Reading at scrape
+  time means nothing has to remember to update a gauge, and a scrape never enters the
+  engine's mailbox (snapshots and plain attributes only).
+
+Each ``Metrics`` has its own ``CollectorRegistry`` rather than the process-global one, so
+several apps (tests run many in one process) never collide on metric names.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Latency buckets from 100 µs (a STATE_META on loopback) to 5 min (a long DECODE).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RELOAD_STATES = ("idle", "loading", "draining", "swapped", "failed", "dropped")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("hydra_requests", "Hydra RPC requests answered, by opcode and status",
+                                ["op", "status"], registry=r)
+        self.duration = Histogram("hydra_request_duration_seconds",
+                                  "Hydra RPC request duration (header read to last response byte), by opcode",
+                                  ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.payload_bytes = Counter("hydra_request_payload_bytes", "Hydra RPC payload bytes, by opcode and direction",
+                                     ["op", "direction"], registry=r)
+        self.http_requests = Counter("hydra_http_requests", "HTTP requests answered, by route, method and code",
+                                     ["route", "method", "code"], registry=r)
+        self.http_duration = Histogram("hydra_http_request_duration_seconds",
+                                       "HTTP request duration (a stream counts until its last chunk), by route",
+                                       ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.generations = Counter("hydra_http_generations",
+                                   "HTTP completions finished, by endpoint and finish reason (cancelled: the "
+                                   "client went away)", ["endpoint", "reason"], registry=r)
+        self._collector: _AppCollector | None = None
+
+    # ---------------------------------------------------------------- observers
+    def observe_request(self, op_name: str, status_name: str, seconds: float, req_bytes: int,
+                        resp_bytes: int) -> None:
+        """Called by the Hydra connection loop once per answered request."""
+        self.requests.labels(op_name, status_name).inc()
+        self.duration.labels(op_name).observe(seconds)
+        if req_bytes:
+            self.payload_bytes.labels(op_name, "in").inc(req_bytes)
+        if resp_bytes:
+            self.payload_bytes.labels(op_name, "out").inc(resp_bytes)
+
+    def observe_http(self, route: str, method: str, code: int, seconds: float) -> None:
+        self.http_requests.labels(route, method, str(code)).inc()
+        self.http_duration.labels(route).observe(seconds)
+
+    def observe_generation(self, endpoint: str, reason: str) -> None:
+        self.generations.labels(endpoint, reason).inc()
+
+    # ---------------------------------------------------------------- state at scrape time
+    def bind(self, app: Any, http_connections: Callable[[], int] | None = None) -> None:
+        """Read engine/server state from ``app`` at every scrape (idempotent)."""
+        if self._collector is None:
+            self._collector = _AppCollector(app, http_connections)
+            self.registry.register(self._collector)
+        else:
+            self._collector.app, self._collector.http_connections = app, http_connections
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _AppCollector:
+    """Gauges and engine-owned counters computed from the app when scraped.
+
+    Every attribute may still be missing (HTTP can come up before the engine finishes
+    loading or before the Hydra server listens), so each read is guarded.
+    """
+
+    def __init__(self, app: Any, http_connections: Callable[[], int] | None):
+        self.app = app
+        self.http_connections = http_connections
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration time: the app may not be running yet
+
+    def collect(self) -> Iterable[Metric]:
+        engine = getattr(self.app, "engine", None)
+        server = getattr(self.app, "server", None)
+        if engine is not None:
+            yield from self._engine(engine)
+        conns = GaugeMetricFamily("hydra_connections_open", "Open client connections, by port", labels=["port"])
+        if server is not None:
+            conns.add_metric(["engine"], len(server.connections))
+        if self.http_connections is not None:
+            conns.add_metric(["http"], self.http_connections())
+        yield conns
+        if server is not None:
+            pt = server.passthrough
+            b = CounterMetricFamily("hydra_passthrough_bytes", "ggml-RPC passthrough bytes copied, by direction",
+                                    labels=["direction"])
+            b.add_metric(["up"], pt.bytes_up)
+            b.add_metric(["down"], pt.bytes_down)
+            yield b
+            s = CounterMetricFamily("hydra_passthrough_sessions", "ggml-RPC passthrough sessions started")
+            s.add_metric([], pt.sessions)
+            yield s
+            acc = CounterMetricFamily("hydra_engine_port_connections",
+                                      "Engine-port connections: accepted, then by first bytes (hydra, ggml, "
+                                      "closed_unknown) or refusal (refused_limit, refused_allow)", labels=["kind"])
+            for kind, n in server.stats.items():
+                acc.add_metric([kind], n)
+            yield acc
+        results = getattr(self.app, "extras", {}).get("decode_results")
+        if results is not None:
+            g = GaugeMetricFamily("hydra_decode_results_stored", "Merged DECODE results kept for GET /v1/decode/{id}")
+            g.add_metric([], len(results))
+            yield g
+
+    @staticmethod
+    def _engine(engine: Any) -> Iterable[Metric]:
+        stats = engine.stats
+        for name, key, doc in (("hydra_tokens_generated", "tokens_generated", "Tokens generated (RPC and HTTP)"),
+                               ("hydra_prompt_tokens", "prompt_tokens", "Prompt tokens decoded (cache hits excluded)"),
+                               ("hydra_engine_steps", "steps", "Batched decode steps run"),
+                               ("hydra_engine_jobs", "jobs", "Generation/prefill jobs admitted")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], stats.get(key, 0))
+            yield c
+        snaps = engine.snapshots
+        slots = GaugeMetricFamily("hydra_slots", "Slots, by state (busy: generating or transferring state)",
+                                  labels=["state"])
+        busy = sum(1 for s in snaps if s.is_processing or s.is_transferring)
+        slots.add_metric(["total"], len(snaps))
+        slots.add_metric(["busy"], busy)
+        slots.add_metric(["idle"], len(snaps) - busy)
+        yield slots
+        q = GaugeMetricFamily("hydra_slots_queued_jobs", "Generation jobs waiting for a busy slot")
+        q.add_metric([], sum(s.queued for s in snaps))
+        yield q
+        gen = GaugeMetricFamily("hydra_config_generation", "Config generation being served")
+        gen.add_metric([], engine.generation)
+        yield gen
+        rl = engine.reload
+        st = GaugeMetricFamily("hydra_reload_state", "Reload state (1 for the current one)", labels=["state"])
+        for name in RELOAD_STATES:
+            st.add_metric([name], 1.0 if rl.state == name else 0.0)
+        yield st
+        for name, value, doc in (
+                ("hydra_reload_last_load_seconds", rl.load_ms / 1000, "Load time of the latest reload's new model"),
+                ("hydra_reload_last_swap_seconds", rl.swap_ms / 1000, "Swap time of the latest reload"),
+                ("hydra_reload_pending_seconds", (time.time() - rl.started_at) if rl.pending else 0.0,
+                 "How long the pending reload has been pending (0: none)")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        up = GaugeMetricFamily("hydra_model_loaded", "1 when a model is loaded and serving")
+        up.add_metric([], 1.0 if engine.startup_stage == "ready" else 0.0)
+        yield up
