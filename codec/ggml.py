@@ -414,10 +414,18 @@ class _FrameDecoder:
 
     def eof(self) -> None:
         """Call at end of stream: stopping inside a frame is Truncated."""
+        pending = getattr(self, "_pending_error", None)
+        if pending is not None:
+            raise pending
         if self.in_frame:
             raise Truncated("stream ended inside a ggml-rpc frame", rule="ggml.eof")
 
     def _feed(self, data: Buffer) -> list[Any]:
+        # A refused frame found after complete ones in the same feed() is raised on the
+        # next call, so the frames before it are never lost.
+        pending = getattr(self, "_pending_error", None)
+        if pending is not None:
+            raise pending
         events: list[Any] = []
         mv = memoryview(data).cast("B")
         pos, n, hsize = 0, len(mv), self._HEADER.size
@@ -436,6 +444,9 @@ class _FrameDecoder:
                 if self.max_size is not None and size > self.max_size:
                     err = FrameTooLarge(f"ggml-rpc frame of {size} bytes > {self.max_size}", rule="ggml.size")
                     err.recoverable = False
+                    if events:
+                        self._pending_error = err
+                        return events
                     raise err
                 events.append(self._on_header(fields))
                 self._remaining = size

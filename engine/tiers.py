@@ -9,6 +9,7 @@ Keys the C++ denies, keys with no equivalent here, and unknown keys are reported
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,8 @@ class Classified:
 def _num(key: str, v: Any, kind=(int, float)) -> Any:
     if isinstance(v, bool) or not isinstance(v, kind):
         raise ConfigError(f"T1 key {key} has wrong type ({type(v).__name__})")
+    if isinstance(v, float) and not math.isfinite(v):  # 1e400 parses to inf: not a usable value
+        raise ConfigError(f"T1 key {key} must be finite")
     return v
 
 

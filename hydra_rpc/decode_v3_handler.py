@@ -21,7 +21,7 @@ from engine.actor import Engine
 from engine.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
 
-from .wire import Request, ResponseWriter
+from .wire import Request, ResponseWriter, lazy_buffer
 
 CAP_NAMES = ["MTP", "VISION", "REASONING", "TOOL_USE", "CODE"]
 
@@ -69,7 +69,7 @@ class DecodeV3:
             if seg.id == "prompt":
                 prompt = await body.read_exactly(seg.len)
             else:
-                kv = bytearray(seg.len)  # ≤ 4 GiB, checked by validate_decode_v3
+                kv = lazy_buffer(seg.len)  # ≤ 4 GiB (validated); memory follows what arrives
                 await body.read_into(kv)
         await body.drain(5.0)  # nothing should be left; sums were validated
         V3.validate_kv_segment(kv, len(kv))

@@ -23,7 +23,7 @@ from engine.llama_backend import SamplerParams
 from engine.tiers import ConfigError
 
 from .keys import parse_slot_key
-from .wire import PeerGone, Request, ResponseWriter
+from .wire import PeerGone, Request, ResponseWriter, lazy_buffer
 
 KV_VERSION = 3
 
@@ -76,7 +76,7 @@ class Handlers:
         slot = self.slot(req)
         if req.body.length == 0:
             raise MalformedPayload("STATE_PUT needs a KV blob", rule="state_put.empty")
-        buf = bytearray(req.body.length)  # size already checked against the STATE_PUT cap
+        buf = lazy_buffer(req.body.length)  # size checked against the STATE_PUT cap already
         await req.body.read_into(buf)
         layout = parse_kv_blob(buf, has_logits=False)
         t0 = time.perf_counter()

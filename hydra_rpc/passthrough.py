@@ -63,7 +63,11 @@ class GgmlPassthrough:
         t1 = asyncio.create_task(self._pump(reader, up_w, "up"))
         t2 = asyncio.create_task(self._pump(up_r, writer, "down"))
         try:
-            await asyncio.wait({t1, t2}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({t1, t2}, return_when=asyncio.FIRST_COMPLETED)
+            if t2 not in done:
+                # The client half-closed (or vanished): its EOF went upstream; replies still owed
+                # keep flowing until the upstream closes too.
+                await t2
         finally:
             for t in (t1, t2):
                 t.cancel()
