@@ -14,6 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
+
+import numpy as np
 
 from .config import ServerConfig
 
@@ -75,6 +78,107 @@ class _Leg(asyncio.Protocol):
         self.peer.transport.resume_reading()
 
 
+GRAPH_COMPUTE = 0x0A
+GRAPH_BUFFER_CAP = 256 << 20  # a GRAPH_COMPUTE is node ids + tensor headers: megabytes, not more
+_HDR = struct.Struct("<BQ")
+_TENSOR_SIZE = 296  # rpc_tensor; its first u64 is the id
+
+
+def graph_problem(payload: bytes) -> str | None:
+    """Why a GRAPH_COMPUTE (protocol ≥ 3.0: device, nodes, tensors) must not reach the server.
+
+    llama.cpp's rpc-server in llama-cpp-python 0.3.36 segfaults on a node id that names no
+    tensor (found by ``hydra-rpc fuzz --protocol ggml``: node id 0). With
+    ``--ggml-rpc-embedded`` that server lives in our process, so the passthrough checks
+    every graph's node ids against its tensor ids before forwarding it.
+    """
+    n = len(payload)
+    if n < 8:
+        return "GRAPH_COMPUTE shorter than its counts"
+    n_nodes = struct.unpack_from("<I", payload, 4)[0]
+    off = 8 + 8 * n_nodes
+    if off + 4 > n:
+        return f"GRAPH_COMPUTE claims {n_nodes} nodes in {n} bytes"
+    n_tensors = struct.unpack_from("<I", payload, off)[0]
+    end = off + 4 + n_tensors * _TENSOR_SIZE
+    if end > n:
+        return f"GRAPH_COMPUTE claims {n_tensors} tensors in {n} bytes"
+    nodes = np.frombuffer(payload, dtype="<u8", count=n_nodes, offset=8)
+    ids = np.frombuffer(payload, dtype="<u8", count=n_tensors * 37, offset=off + 4).reshape(n_tensors, 37)[:, 0]
+    if (nodes == 0).any():
+        return "GRAPH_COMPUTE with a null node id"
+    if not np.isin(nodes, ids).all():
+        return "GRAPH_COMPUTE node id names no tensor of the graph"
+    return None
+
+
+class _GuardedLeg(_Leg):
+    """The client→upstream direction, followed frame by frame (``[cmd u8][size u64][payload]``).
+
+    Frames stream through untouched, except GRAPH_COMPUTE, which is held until complete and
+    checked by :func:`graph_problem`; a bad one closes the session instead of reaching (and
+    crashing) the server. ggml-RPC has no error frame, so a close is the only answer.
+    """
+
+    def __init__(self, name, counter, done, peer_desc: str):
+        super().__init__(name, counter, done)
+        self.peer_desc = peer_desc
+        self._hdr = b""
+        self._left = 0  # payload bytes of the current frame still to pass
+        self._graph: bytearray | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self.counter[0] += len(data)
+        out = []
+        pos, n = 0, len(data)
+        while pos < n:
+            if self._left == 0 and self._graph is None:
+                take = min(9 - len(self._hdr), n - pos)
+                self._hdr += data[pos:pos + take]
+                pos += take
+                if len(self._hdr) < 9:
+                    break
+                cmd, size = _HDR.unpack(self._hdr)
+                if cmd == GRAPH_COMPUTE:
+                    if size > GRAPH_BUFFER_CAP:
+                        return self._refuse(f"GRAPH_COMPUTE of {size} bytes")
+                    self._graph = bytearray(self._hdr)
+                    self._left = size
+                else:
+                    out.append(self._hdr)
+                    self._left = size
+                self._hdr = b""
+                if self._left == 0 and self._graph is not None:
+                    problem = graph_problem(bytes(self._graph[9:]))
+                    if problem:
+                        return self._refuse(problem)
+                    out.append(bytes(self._graph))
+                    self._graph = None
+                continue
+            take = min(self._left, n - pos)
+            chunk = data[pos:pos + take]
+            pos += take
+            self._left -= take
+            if self._graph is None:
+                out.append(chunk)
+                continue
+            self._graph += chunk
+            if self._left == 0:
+                problem = graph_problem(bytes(self._graph[9:]))
+                if problem:
+                    return self._refuse(problem)
+                out.append(bytes(self._graph))
+                self._graph = None
+        if out:
+            peer = self.peer.transport
+            if not peer.is_closing():
+                peer.write(b"".join(out))
+
+    def _refuse(self, why: str) -> None:
+        log.warning("closed ggml-RPC client %s: %s (not forwarded)", self.peer_desc, why)
+        self._finish()
+
+
 class GgmlPassthrough:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
@@ -110,7 +214,7 @@ class GgmlPassthrough:
             return
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        client_leg = _Leg("up", self._up, done)  # receives from the client
+        client_leg = _GuardedLeg("up", self._up, done, peer)  # receives from the client
         upstream_leg = _Leg("down", self._down, done)  # receives from the upstream
         client_leg.peer, upstream_leg.peer = upstream_leg, client_leg
         try:
@@ -125,9 +229,9 @@ class GgmlPassthrough:
         # Bytes the dispatcher (and the stream reader) already took off the client socket.
         buffered = bytes(reader._buffer)  # noqa: SLF001 - the stream layer is being left behind
         reader._buffer.clear()  # noqa: SLF001
-        up_transport.write(first + buffered)
-        self._up[0] += len(first) + len(buffered)
         transport = writer.transport
+        client_leg.peer.transport = up_transport
+        client_leg.data_received(first + buffered)
         client_leg.connection_made(transport)
         transport.set_protocol(client_leg)
         transport.resume_reading()

@@ -225,7 +225,8 @@ def test_token_frames_struct_equals_construct(data: bytes) -> None:
     # compare bytes, not floats: NaN != NaN
     enc = lambda o: (o[0], None if o[1] is None else b"".join(encode_token_frame(f.token_id, f.logprob, flags=f.flags) for f in o[1]))
     assert enc(a) == enc(b)
-    if a[0] == "ok":
+    if a[0] == "ok" and not any(f.logprob != f.logprob for f in a[1]):
+        # (a signalling NaN comes back quieted through a Python float: not a byte round trip)
         assert enc(a)[1] == data
 
 

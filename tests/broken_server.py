@@ -1,0 +1,133 @@
+"""A deliberately broken Hydra server: the fuzzer's known-bad target.
+
+It behaves like a careful server except for the three C++ engine failure classes of
+hydra-wire-facts §2.4, so a fuzzer run against it must find exactly these:
+
+1. **desync** — an unknown opcode is answered ``ERROR(0,0)`` *without reading its payload*:
+   the payload bytes are then parsed as the next request header;
+2. **hang** — a payload_len above 1 GiB on an opcode that reads its payload makes the
+   handler give up silently: no reply, the connection is never closed (the WS/NEW thread
+   pool swallows the allocation exception);
+3. **crash** — a DECODE v3 frame whose control-header hash does not match aborts the
+   process (SIGABRT, like an uncaught exception in a detached std::thread).
+
+Standalone on purpose (stdlib + xxhash, no project imports), so nothing the fuzzer tests
+leaks into it. Usage: ``python tests/broken_server.py --port 0`` prints
+``broken-server listening on HOST:PORT``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import struct
+
+import xxhash
+
+REQ = struct.Struct("<HBBHQH")
+MAGIC = 0x4859
+OK, NOT_FOUND, ERROR, BAD_REQUEST, NOT_IMPLEMENTED = 0, 1, 2, 5, 6
+KNOWN = {0x30, 0x31, 0x32, 0x40, 0x41, 0x42, 0x43, 0x44, 0x45, 0x46}
+NO_PAYLOAD = {0x30, 0x32, 0x41}
+HANG_ABOVE = 1 << 30
+MAX_DRAIN = 64 << 20
+N_SLOTS = 4
+
+
+def response(status: int, meta: dict | None = None, payload: bytes = b"") -> bytes:
+    m = json.dumps(meta, separators=(",", ":")).encode() if meta is not None else b""
+    return struct.pack("<IQ", status | (len(m) << 8), len(payload)) + m + payload
+
+
+def slot_of(key: bytes) -> int | None:
+    try:
+        s = int(key.decode("ascii").strip() or "0")
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return s if 0 <= s < N_SLOTS else None
+
+
+def abort_like_cpp() -> None:
+    # No core file for a deliberate abort; then die by SIGABRT as std::terminate does.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.abort()
+
+
+def answer(op: int, key: bytes, payload: bytes) -> bytes:
+    if op == 0x41:
+        return response(OK, {"engine": "broken-server", "version": "E1", "capabilities": []})
+    slot = slot_of(key)
+    if slot is None and op != 0x40 and op != 0x44 and op != 0x45:
+        return response(NOT_FOUND, {"error": "invalid slot ID"})
+    if op == 0x32:
+        return response(OK, {"slot_id": slot, "n_past": 0, "state_size": 0, "is_processing": False,
+                             "is_transferring": False})
+    if op == 0x30:
+        return response(NOT_FOUND, {"error": "slot has no state"})
+    if op == 0x43 and len(payload) >= 12:
+        hdr_len, hdr_hash = struct.unpack_from("<IQ", payload)
+        if 0 < hdr_len <= 32768 and 12 + hdr_len <= len(payload) and payload[12:13] == b"{":
+            if xxhash.xxh3_64_intdigest(payload[12:12 + hdr_len]) != hdr_hash:
+                abort_like_cpp()  # failure class 3
+            return response(BAD_REQUEST, {"error": "merged decode is not supported here"})
+    if op == 0x46:
+        return response(NOT_IMPLEMENTED, {"error": "not implemented", "success": False})
+    if op in (0x42, 0x43, 0x31):
+        return response(ERROR, {"error": "this test server runs no model"})
+    return response(OK, {"success": True})
+
+
+async def read_exact(reader: asyncio.StreamReader, n: int) -> bytes:
+    return await reader.readexactly(n) if n else b""
+
+
+async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            try:
+                head = await reader.readexactly(16)
+            except asyncio.IncompleteReadError:
+                return
+            magic, op, _flags, key_len, payload_len, trace_len = REQ.unpack(head)
+            if magic != MAGIC:
+                return  # bad magic: close without a reply
+            key = await read_exact(reader, key_len)
+            await read_exact(reader, trace_len)
+            if op not in KNOWN:
+                writer.write(response(ERROR))  # failure class 1: the payload stays unread
+                await writer.drain()
+                continue
+            if op not in NO_PAYLOAD and payload_len > HANG_ABOVE:
+                await asyncio.Event().wait()  # failure class 2: the exception was swallowed
+            if op in NO_PAYLOAD and payload_len > MAX_DRAIN:
+                writer.write(response(ERROR, {"error": "payload too large to drain"}))
+                await writer.drain()
+                return
+            payload = await read_exact(reader, payload_len)
+            writer.write(answer(op, key, b"" if op in NO_PAYLOAD else payload))
+            await writer.drain()
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main(host: str, port: int) -> None:
+    server = await asyncio.start_server(serve, host, port, reuse_address=True, limit=1 << 20)
+    h, p = server.sockets[0].getsockname()[:2]
+    print(f"broken-server listening on {h}:{p}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args()
+    try:
+        asyncio.run(main(args.host, args.port))
+    except KeyboardInterrupt:
+        pass

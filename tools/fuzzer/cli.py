@@ -1,0 +1,205 @@
+"""``hydra-rpc fuzz``: fuzz a Hydra port (or a ggml-RPC passthrough, or the codec in-process).
+
+    hydra-rpc fuzz --target 127.0.0.1:9503 --seconds 60 --seed 1 --out findings/
+    hydra-rpc fuzz --target 127.0.0.1:0 --spawn 'hydra-rpc serve --model tiny --port {port} --no-http'
+    hydra-rpc fuzz --replay findings/desync-op.sweep-s1-i40.json
+    hydra-rpc fuzz --codec --cases 20000
+    hydra-rpc fuzz --protocol ggml --target 127.0.0.1:9503 --i-know-upstream-may-crash
+
+Exit status: 0 nothing found (replay: the case no longer fails), 1 findings (replay: it
+still fails), 2 usage or target errors.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+from pathlib import Path
+
+from .execute import RunConfig
+from .progress import Progress, summary_table
+from .runner import Options, Runner, replay
+from .target import Target, TargetError, is_loopback, parse_hostport
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    t = p.add_argument_group("target")
+    t.add_argument("--target", metavar="HOST:PORT", help="the port to fuzz (loopback only unless --allow-remote); "
+                                                         "port 0 with --spawn picks a free one")
+    t.add_argument("--allow-remote", action="store_true", help="allow a target that is not a loopback address")
+    t.add_argument("--spawn", metavar="CMD", help="start the target with CMD ({port} is replaced), restart it "
+                                                  "after crashes and record how it died")
+    t.add_argument("--protocol", choices=["hydra", "ggml"], default="hydra",
+                   help="ggml: malformed ggml-RPC through a passthrough (needs --i-know-upstream-may-crash)")
+    t.add_argument("--i-know-upstream-may-crash", action="store_true",
+                   help="confirm that --protocol ggml may crash the upstream rpc-server behind the target")
+    t.add_argument("--codec", action="store_true", help="fuzz the codec's decoders in-process (no target)")
+    r = p.add_argument_group("run")
+    r.add_argument("--seconds", type=float, help="stop generating cases after this long (default 60 unless --cases "
+                                                 "is given); confirmed findings are minimized after that")
+    r.add_argument("--cases", type=int, help="stop after this many cases")
+    r.add_argument("--seed", type=int, help="case sequence seed (default: random, printed)")
+    r.add_argument("--start", type=int, default=0, help="first case index")
+    r.add_argument("--index", type=int, action="append", help="run only this case index (repeatable)")
+    r.add_argument("--deadline", type=float, default=2.0,
+                   help="seconds a reply, a close or a liveness INFO may take (default 2)")
+    r.add_argument("--slots", type=int, default=2, help="slot ids the cases may use: 0..N-1 (default 2)")
+    r.add_argument("--max-rss-growth", type=int, default=1024, metavar="MB",
+                   help="with --spawn: a jump of the target's peak RSS above this in one case is a finding")
+    r.add_argument("--list", action="store_true", help="print the cases (index, phase, generator, digest) and exit")
+    o = p.add_argument_group("findings")
+    o.add_argument("--out", type=Path, default=Path("fuzz-findings"),
+                   help="where case files, results.json and target.log go (default fuzz-findings)")
+    o.add_argument("--no-minimize", action="store_true", help="save findings as found")
+    o.add_argument("--minimize-seconds", type=float, default=30.0, help="minimization budget per finding")
+    o.add_argument("--replay", type=Path, metavar="CASE",
+                   help="run one saved case again (against its recorded target/spawn unless --target is given)")
+    o.add_argument("--json", action="store_true", help="print the results as JSON on stdout (for CI)")
+    o.add_argument("--progress", choices=["auto", "bar", "plain", "none"], default="auto")
+
+
+def _progress(args: argparse.Namespace, total_cases: int | None, total_seconds: float | None) -> Progress:
+    tty = {"bar": True, "plain": False}.get(args.progress)
+    return Progress(sys.stderr, total_cases=total_cases, total_seconds=total_seconds, tty=tty,
+                    quiet=args.progress == "none")
+
+
+def _usage(message: str) -> SystemExit:
+    print(f"hydra-rpc fuzz: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _target(args: argparse.Namespace, fallback: str | None = None, spawn: str | None = None) -> Target:
+    spec = args.target or fallback
+    if not spec:
+        raise _usage("--target HOST:PORT is required")
+    try:
+        host, port = parse_hostport(spec)
+    except ValueError as e:
+        raise _usage(str(e)) from None
+    if not args.allow_remote and not is_loopback(host):
+        raise _usage(f"{host} is not a loopback address; fuzzing it needs --allow-remote")
+    spawn = args.spawn or spawn
+    if port == 0 and not spawn:
+        raise _usage("port 0 needs --spawn (the fuzzer then picks a free port)")
+    return Target(host, port, spawn, None if args.codec else args.out)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_main(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _main(args: argparse.Namespace) -> int:
+    if args.replay is not None:
+        return await _replay(args)
+    protocol = "codec" if args.codec else args.protocol
+    if protocol == "ggml" and not args.i_know_upstream_may_crash:
+        print("hydra-rpc fuzz: --protocol ggml sends malformed ggml-RPC through the passthrough to the upstream "
+              "rpc-server, which is known to crash on bad input (ggml-rpc-facts §12). Add "
+              "--i-know-upstream-may-crash to go ahead.", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    seconds = args.seconds if args.seconds is not None or args.cases is not None or args.index else 60.0
+    if args.list:
+        return _list(args, seed, protocol)
+    cfg = RunConfig(deadline=args.deadline, slots=args.slots, max_rss_growth_mb=args.max_rss_growth)
+    opts = Options(seed=seed, cases=args.cases, seconds=seconds, start=args.start, only=args.index,
+                   protocol=protocol, out=args.out, minimize=not args.no_minimize,
+                   minimize_seconds=args.minimize_seconds, cfg=cfg)
+    target = None if protocol == "codec" else _target(args)
+    progress = _progress(args, args.cases or (len(args.index) if args.index else None), seconds)
+    runner = Runner(opts, target, progress)
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+    except (NotImplementedError, RuntimeError):
+        pass
+    try:
+        if target is not None:
+            await target.start()
+        results = await runner.run()
+    except TargetError as e:
+        print(f"hydra-rpc fuzz: {e}", file=sys.stderr)
+        return 2
+    except (OSError, TimeoutError) as e:
+        print(f"hydra-rpc fuzz: cannot reach the target {target.address if target else ''}: {e}", file=sys.stderr)
+        return 2
+    except asyncio.CancelledError:
+        progress.close()
+        results = runner.results(0.0)
+        results["stopped_early"] = "interrupted"
+    finally:
+        try:
+            loop.remove_signal_handler(signal.SIGINT)
+        except (NotImplementedError, RuntimeError):
+            pass
+        if target is not None:
+            await target.close()
+    if args.out is not None and (results["findings"] or args.out.exists()):
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = summary_table(results)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        print(table, file=sys.stderr)
+    else:
+        print(table)
+    if results.get("stopped_early"):
+        print(f"stopped early: {results['stopped_early']}", file=sys.stderr)
+    return 1 if results["findings"] else 0
+
+
+def _list(args: argparse.Namespace, seed: int, protocol: str) -> int:
+    from .runner import case_source
+    from .schedule import GenSettings
+
+    source = case_source(protocol, GenSettings(slots=args.slots))
+    indexes = args.index or range(args.start, args.start + (args.cases or 100))
+    for i in indexes:
+        c = source(seed, i)
+        print(f"{seed}/{i}\t{c.phase}\t{c.generator}\t{c.digest()}\t{c.size}\t{c.note[:100]}")
+    return 0
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    try:
+        doc = json.loads(args.replay.read_text())
+    except (OSError, ValueError) as e:
+        print(f"hydra-rpc fuzz: cannot read {args.replay}: {e}", file=sys.stderr)
+        return 2
+    protocol = doc.get("case", {}).get("protocol", "hydra")
+    target = None
+    if protocol != "codec":
+        recorded = doc.get("target")
+        spawn = None if args.target else doc.get("spawn")  # an explicit --target is used as it is
+        if spawn and "{port}" in spawn and recorded:
+            recorded = recorded.rsplit(":", 1)[0] + ":0"  # a fresh free port for the spawned copy
+        args.codec = False
+        target = _target(args, recorded, spawn)
+        target.log_dir = None  # a replay leaves the run's target.log alone
+    cfg = RunConfig(deadline=args.deadline, slots=args.slots) if args.deadline != 2.0 else None
+    try:
+        if target is not None:
+            await target.start()
+        code, report = await replay(args.replay, target, cfg)
+    except TargetError as e:
+        print(f"hydra-rpc fuzz: {e}", file=sys.stderr)
+        return 2
+    except (OSError, TimeoutError) as e:
+        print(f"hydra-rpc fuzz: cannot reach the target: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if target is not None:
+            await target.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return code

@@ -1,0 +1,275 @@
+"""What must hold after every case, and the expectations they are judged against.
+
+The expectation comes from the bytes we sent, parsed the way a correct server must parse
+them (``plan_frames``): N complete requests → up to N responses, in order, each one
+well-formed (or a close instead, after which nothing more). What follows them decides the
+rest: nothing (clean — the connection must still serve a follow-up INFO), an unfinished
+request (partial — we half-close; the server may refuse it once, then must close), or
+bytes that are not a request (garbage — no reply to them, then a close).
+
+Oracles (finding classes in ``cases.CLASSES``):
+
+* liveness  — a fresh connection's INFO answers as it did at the start, within the deadline;
+* crash     — the spawned target is still running / the port still accepts connections;
+* hang      — the fuzzed connection answers or closes within the deadline (a slow generation
+              that still makes progress, seen through STATE_META, is not a hang);
+* desync    — no reply to bytes that were not a request, no extra replies, the follow-up
+              INFO on the same connection answers like the baseline, replies match requests;
+* resource  — (spawn) the target's peak RSS does not jump during one case;
+* bad-status / malformed — every reply has a defined status and sane framing.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+
+from codec.enums import Op, Status, status_name
+from codec.errors import BadMagic
+from codec.framing import REQUEST_HEADER_SIZE, decode_request_header, encode_request
+from codec.payloads import classify_decode
+
+from .cases import Outcome
+from .responses import Closed, Conn, Malformed, Resp, Stalled, read_response
+from .target import Target
+
+_STOI = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+PROBE = encode_request(Op.INFO, b"", b"", b"probe")
+GENERATION_OPS = (Op.PREFILL, Op.DECODE)
+DEFINED_STATUSES = frozenset(int(s) for s in Status)
+
+
+def stoi(key: bytes) -> int | None:
+    """The slot id a C++ ``std::stoi`` would read from ``key`` (None if it would throw)."""
+    m = _STOI.match(key)
+    if not m:
+        return None
+    v = int(m.group(1))
+    return v if -2**31 <= v < 2**31 else None
+
+
+@dataclass
+class SentFrame:
+    op: int
+    key: bytes
+    payload: bytes
+
+    @property
+    def pin_ok(self) -> bool:
+        """A JSON DECODE may be answered in PIN style (OK, payload 0, then pieces until close)."""
+        return self.op == Op.DECODE and len(self.payload) > 0 and classify_decode(self.payload) == "json"
+
+
+@dataclass
+class Plan:
+    frames: list[SentFrame] = field(default_factory=list)
+    tail: str = "clean"  # clean | partial | garbage
+    tail_bytes: int = 0
+
+
+def plan_frames(data: bytes) -> Plan:
+    """Split what we sent into the requests a correct server sees (no limits assumed)."""
+    plan = Plan()
+    pos = 0
+    while pos < len(data):
+        if len(data) - pos < REQUEST_HEADER_SIZE:
+            plan.tail, plan.tail_bytes = "partial", len(data) - pos
+            return plan
+        try:
+            h = decode_request_header(data[pos:pos + REQUEST_HEADER_SIZE])
+        except BadMagic:
+            plan.tail, plan.tail_bytes = "garbage", len(data) - pos
+            return plan
+        end = pos + REQUEST_HEADER_SIZE + h.body_len
+        if end > len(data):
+            plan.tail, plan.tail_bytes = "partial", len(data) - pos
+            return plan
+        k0 = pos + REQUEST_HEADER_SIZE
+        plan.frames.append(SentFrame(h.op, data[k0:k0 + h.key_len], data[k0 + h.key_len + h.trace_len:end]))
+        pos = end
+    return plan
+
+
+@dataclass
+class Baseline:
+    """How the target answers INFO on a fresh connection when all is well."""
+
+    status: int
+    has_engine: bool
+
+    def matches(self, r: Resp) -> bool:
+        return r.status == self.status and (not self.has_engine or bool(r.meta and "engine" in r.meta))
+
+    def describe(self) -> str:
+        return f"{status_name(self.status)}{' with an engine key' if self.has_engine else ''}"
+
+
+async def probe_info(target: Target, deadline: float) -> Resp:
+    conn = await Conn.open(target.host, target.port, deadline)
+    try:
+        return await conn.request(PROBE, deadline)
+    finally:
+        await conn.close()
+
+
+async def take_baseline(target: Target, deadline: float) -> Baseline:
+    r = await probe_info(target, deadline)
+    return Baseline(r.status, bool(r.meta and "engine" in r.meta))
+
+
+def judge(resp: Resp, frame: SentFrame | None, baseline: Baseline, out: Outcome) -> None:
+    """Per-reply checks: defined status, sane meta, and the reply fits its request."""
+    if resp.status not in DEFINED_STATUSES:
+        out.fail("bad-status", f"reply with undefined status 0x{resp.status:02x}")
+    if resp.meta_error:
+        out.fail("malformed", f"{status_name(resp.status)} meta is not a JSON object: {resp.meta_error}"
+                              f" (meta {resp.meta_raw[:120]!r})", rule="meta")
+    if frame is None or resp.status != Status.OK or resp.meta is None:
+        return
+    if frame.op == Op.INFO and baseline.has_engine and "engine" not in resp.meta:
+        out.fail("desync", "an OK reply to INFO has no 'engine' key: it answers another request", rule="mismatch")
+    if frame.op == Op.STATE_META and "slot_id" in resp.meta:
+        want = stoi(frame.key)
+        if want is not None and resp.meta["slot_id"] != want:
+            out.fail("desync", f"STATE_META for slot {want} answered with slot_id {resp.meta['slot_id']}",
+                     rule="mismatch")
+
+
+async def followup_probe(conn_inbox, writer, baseline: Baseline, deadline: float, out: Outcome) -> None:
+    """The fuzzed connection stayed open: the next request on it must be answered normally."""
+    try:
+        writer.write(PROBE)
+        await asyncio.wait_for(writer.drain(), deadline)
+        r = await read_response(conn_inbox, deadline)
+    except Closed:
+        out.fail("desync", "the connection closed instead of answering the follow-up INFO", rule="followup-closed")
+        return
+    except (Stalled, TimeoutError):
+        out.fail("desync", "the follow-up INFO on the same connection was not answered (eaten as payload?)",
+                 rule="followup")
+        return
+    except Malformed as e:
+        out.fail("desync", f"the follow-up INFO got a broken reply: {e}", rule="followup")
+        return
+    except (ConnectionError, OSError) as e:
+        out.fail("desync", f"the follow-up INFO failed: {e}", rule="followup-closed")
+        return
+    if r.status not in DEFINED_STATUSES:
+        out.fail("desync", f"the follow-up INFO got status 0x{r.status:02x}: the stream is off", rule="followup")
+    elif not baseline.matches(r):
+        out.fail("desync", f"the follow-up INFO got {status_name(r.status)} (meta {r.meta_raw[:100]!r}), "
+                           f"a fresh connection gets {baseline.describe()}", rule="followup")
+
+
+async def progressing(target: Target, frame: SentFrame, deadline: float, window: float,
+                      arrived=lambda: False, interval: float = 0.25) -> bool | None:
+    """Is the engine still working on this (generation) request? STATE_META of its slot every
+    ``interval`` for up to ``window`` seconds: True as soon as anything moved (or the reply
+    started to arrive), False if nothing moved for the whole window while the slot is busy,
+    None if META cannot tell or the slot is idle (an idle slot owes us a reply: a hang)."""
+    slot = stoi(frame.key) if frame.key else 0
+    if frame.op not in GENERATION_OPS or slot is None:
+        return None
+    key = str(slot).encode()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + window
+    first = None
+    while True:
+        if arrived():
+            return True
+        try:
+            conn = await Conn.open(target.host, target.port, deadline)
+            try:
+                r = await conn.request(encode_request(Op.STATE_META, key), deadline)
+            finally:
+                await conn.close()
+        except (OSError, TimeoutError, Closed, Stalled, Malformed):
+            return None
+        if r.status != Status.OK or not r.meta:
+            return None
+        snap = {k: r.meta.get(k) for k in ("n_past", "tokens_processed", "is_processing", "operation")}
+        if not snap.get("is_processing") and snap.get("operation") in (None, "idle"):
+            return None
+        if first is None:
+            first = snap
+        elif snap != first:
+            return True
+        if loop.time() >= end:
+            return False
+        await asyncio.sleep(interval)
+
+
+class Hang(Exception):
+    """No reply, no close, and (for generation requests) no visible progress."""
+
+
+class Slow(Exception):
+    """Still making progress when we stopped waiting: not a finding."""
+
+
+async def await_reply(inbox, frame: SentFrame, target: Target, deadline: float, max_wait: float, *,
+                      until: float | None = None) -> Resp:
+    """One reply to ``frame``. A generation request may take longer than ``deadline`` while
+    STATE_META shows its slot moving (up to ``max_wait``); anything else that stalls is a Hang."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + max_wait
+    while True:
+        try:
+            return await read_response(inbox, deadline, pin_ok=frame.pin_ok, until=until)
+        except Stalled as e:
+            if getattr(e, "mid", False):
+                raise Hang(f"the reply to {frame_name(frame)} stopped half-way for {deadline}s") from None
+            moving = await progressing(target, frame, deadline, deadline,
+                                       arrived=lambda: bool(inbox.buf) or inbox.eof)
+            if not moving:
+                raise Hang(f"no reply to {frame_name(frame)} and no close within {deadline}s"
+                           + (" while its slot made no progress" if moving is False else "")) from None
+            if loop.time() >= give_up:
+                raise Slow(f"slow: the engine was still working on {frame_name(frame)} after {max_wait:.0f}s; "
+                           f"gave up") from None
+
+
+def frame_name(frame: SentFrame) -> str:
+    from codec.enums import op_name
+
+    return f"{op_name(frame.op)} (key {frame.key[:16]!r}, {len(frame.payload)} payload bytes)"
+
+
+async def after_case(target: Target, baseline: Baseline, deadline: float, out: Outcome,
+                     rss_before: int | None = None, max_rss_growth_kb: int = 1 << 20) -> None:
+    """Process still running (spawn), a fresh connection still served (liveness), and no
+    memory jump (spawn): a server that allocates what a length field claims shows it here
+    long before it runs out of memory."""
+    await _liveness(target, baseline, deadline, out)
+    after = target.peak_rss_kb()
+    if rss_before is not None and after is not None and after - rss_before > max_rss_growth_kb:
+        out.fail("resource", f"the target's peak RSS grew by {(after - rss_before) // 1024} MiB during this case "
+                             f"({rss_before // 1024} → {after // 1024} MiB)")
+
+
+async def _liveness(target: Target, baseline: Baseline, deadline: float, out: Outcome) -> None:
+    info = target.exit_info()
+    if info is not None:
+        out.exit = info
+        out.fail("crash", f"the target exited: {info}")
+        return
+    try:
+        r = await probe_info(target, deadline)
+    except (ConnectionRefusedError, ConnectionResetError) as e:
+        await asyncio.sleep(0.1)  # a dying process closes its sockets before it can be reaped
+        info = target.exit_info()
+        out.exit = info
+        out.fail("crash", f"the target exited: {info}" if info else f"the target port refuses connections: {e}")
+        return
+    except (OSError, TimeoutError, Closed, Stalled, Malformed) as e:
+        await asyncio.sleep(0.1)
+        info = target.exit_info()
+        if info is not None:
+            out.exit = info
+            out.fail("crash", f"the target exited: {info}")
+        else:
+            out.fail("liveness", f"INFO on a fresh connection failed: {type(e).__name__}: {e}")
+        return
+    if not baseline.matches(r):
+        out.fail("liveness", f"INFO on a fresh connection got {status_name(r.status)} "
+                             f"(meta {r.meta_raw[:100]!r}), at the start it got {baseline.describe()}")

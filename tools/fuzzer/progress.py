@@ -1,0 +1,112 @@
+"""Live progress (a bar on a TTY, plain lines otherwise) and the end-of-run summary table."""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from typing import IO, Any
+
+from .cases import CLASSES
+
+
+class Progress:
+    def __init__(self, stream: IO[str] | None = None, *, total_cases: int | None = None,
+                 total_seconds: float | None = None, tty: bool | None = None, interval: float | None = None,
+                 quiet: bool = False):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.total_cases = total_cases
+        self.total_seconds = total_seconds
+        # A TTY redraws often; a log file gets a line every few seconds.
+        self.interval = interval if interval is not None else (0.2 if self.tty else 5.0)
+        self.quiet = quiet
+        self.t0 = time.monotonic()
+        self._last = 0.0
+        self._drawn = False
+
+    def _fraction(self, cases: int) -> float | None:
+        parts = []
+        if self.total_cases:
+            parts.append(cases / self.total_cases)
+        if self.total_seconds:
+            parts.append((time.monotonic() - self.t0) / self.total_seconds)
+        return min(1.0, max(parts)) if parts else None
+
+    def line(self, cases: int, phase: str, findings: Counter, activity: str = "") -> str:
+        elapsed = time.monotonic() - self.t0
+        rate = cases / elapsed if elapsed > 0 else 0.0
+        found = " ".join(f"{c}={findings[c]}" for c in CLASSES if findings.get(c)) or "none"
+        text = f"{cases} cases  {rate:6.1f}/s  {elapsed:5.1f}s  phase {phase:<8} findings: {found}"
+        if activity:
+            text += f"  [{activity}]"
+        return text
+
+    def update(self, cases: int, phase: str, findings: Counter, activity: str = "", force: bool = False) -> None:
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        text = self.line(cases, phase, findings, activity)
+        if self.tty:
+            frac = self._fraction(cases)
+            bar = ""
+            if frac is not None:
+                n = int(frac * 24)
+                bar = f"[{'#' * n}{'-' * (24 - n)}] {frac * 100:3.0f}%  "
+            self.stream.write("\r\x1b[2K" + bar + text)
+            self._drawn = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        """A line that stays (a finding, a restart) — printed above the bar."""
+        if self.quiet:
+            return
+        if self.tty and self._drawn:
+            self.stream.write("\r\x1b[2K")
+            self._drawn = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self._drawn and not self.quiet:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    lines = []
+    head = (f"hydra-rpc fuzz: {results['cases']} cases in {results['elapsed_s']:.1f}s "
+            f"({results['rate']:.1f} cases/s), seed {results['seed']}, target {results.get('target') or '-'}")
+    if results.get("total_s", 0) > results["elapsed_s"] + 0.5:
+        head += f"; minimizing the findings took {results['total_s'] - results['elapsed_s']:.1f}s more"
+    lines.append(head)
+    if results.get("restarts"):
+        lines.append(f"target restarted {results['restarts']} time(s); exits: {results.get('exits')}")
+    if results.get("notes"):
+        lines.append("notes (not findings): " + ", ".join(f"{k} {v}" for k, v in sorted(results["notes"].items())))
+    findings = results["findings"]
+    if not findings:
+        lines.append("No findings: every oracle held for every case.")
+        return "\n".join(lines)
+    rows = [("class", "count", "generator", "first case", "after", "bytes orig→min", "case file")]
+    for f in findings:
+        size = f"{f['original_bytes']}→{f['minimized_bytes']}" if f.get("minimized_bytes") is not None else "-"
+        rows.append((f["class"] + (f":{f['rule']}" if f.get("rule") else ""), str(f["count"]), f["generator"],
+                     f"{f['seed']}/{f['index']}", f"{f.get('found_after_s', 0):.1f}s", size, f.get("file") or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for n, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    by_class = Counter()
+    for f in findings:
+        by_class[f["class"]] += f["count"]
+    lines.append("by class: " + ", ".join(f"{c} {by_class[c]}" for c in CLASSES if by_class[c]))
+    if results.get("flaky"):
+        lines.append(f"did not reproduce on re-run (not saved): {results['flaky']}")
+    return "\n".join(lines)

@@ -1,0 +1,396 @@
+"""The run loop: generate case i, run it, judge it; on a finding confirm, minimize, save.
+
+A finding is identified by its signature (class + generator [+ invariant rule]): the first
+one of each signature is re-run once ("does it reproduce?"), minimized and written to
+``--out`` as a self-contained case file; later ones are only counted (their indexes are
+listed, so each stays addressable). With ``--spawn`` the target is restarted after a crash,
+hang or liveness failure and before every minimization attempt of those classes, so a
+poisoned engine never makes an innocent candidate look guilty.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .cases import CASE_FORMAT, Case, Failure, Outcome, safe_name, signature
+from .execute import RunConfig, run_case
+from .minimize import Minimizer
+from .oracles import Baseline, probe_info, take_baseline
+from .progress import Progress
+from .target import Target, TargetError
+
+KEEP_PRECEDING = 5
+STATE_POISONING = ("crash", "hang", "liveness", "resource")
+CONFIRM_GRACE = 0.5  # a re-run waits this long for a legal close before the follow-up INFO
+
+
+@dataclass
+class Options:
+    seed: int = 0
+    cases: int | None = None
+    seconds: float | None = None
+    start: int = 0
+    only: list[int] | None = None  # run exactly these indexes
+    protocol: str = "hydra"  # hydra | ggml | codec
+    out: Path | None = None
+    minimize: bool = True
+    minimize_seconds: float = 30.0
+    minimize_attempts: int = 200
+    cfg: RunConfig = field(default_factory=RunConfig)
+    replay_cmd: str = "hydra-rpc fuzz --replay"
+
+
+@dataclass
+class Finding:
+    sig: str
+    failure: Failure
+    case: Case
+    count: int = 1
+    indexes: list[int] = field(default_factory=list)
+    file: str | None = None
+    original_bytes: int = 0
+    minimized_bytes: int | None = None
+    confirmed: Outcome | None = None  # the re-run that reproduced it (None: could not re-run)
+    found_after_s: float = 0.0  # seconds into the run
+    preceding: list[int] = field(default_factory=list)  # indexes of the cases run just before it
+
+    def to_json(self) -> dict[str, Any]:
+        return {"class": self.failure.oracle, "rule": self.failure.rule, "signature": self.sig,
+                "generator": self.case.generator, "seed": self.case.seed, "index": self.case.index,
+                "detail": self.failure.detail, "count": self.count, "indexes": self.indexes[:100],
+                "file": self.file, "original_bytes": self.original_bytes, "minimized_bytes": self.minimized_bytes,
+                "found_after_s": round(self.found_after_s, 2)}
+
+
+def case_source(protocol: str, settings):
+    if protocol == "codec":
+        from .codec_mode import case_at as codec_case_at
+
+        return lambda seed, i: codec_case_at(seed, i)
+    if protocol == "ggml":
+        from .ggml_mode import case_at as ggml_case_at
+
+        return lambda seed, i: ggml_case_at(seed, i)
+    from .schedule import case_at
+
+    return lambda seed, i: case_at(seed, i, settings)
+
+
+class Runner:
+    def __init__(self, opts: Options, target: Target | None, progress: Progress):
+        from .schedule import GenSettings
+
+        self.opts = opts
+        self.target = target
+        self.progress = progress
+        self.case_at = case_source(opts.protocol, GenSettings(slots=opts.cfg.slots))
+        self.baseline: Baseline | None = None
+        self.findings: dict[str, Finding] = {}
+        self.by_class: Counter = Counter()
+        self.notes: Counter = Counter()
+        self.flaky: Counter = Counter()
+        self.cases_run = 0
+        self.phase = "-"
+        self.stopped_early = ""
+        self.t0 = time.monotonic()
+        # The cases just before the current one: a finding that needs the state they left
+        # behind is replayed with them (boofuzz keeps "the N passing cases before a failure").
+        self.recent: deque[int] = deque(maxlen=KEEP_PRECEDING)
+
+    # ---------------------------------------------------------------- the loop
+    async def run(self) -> dict[str, Any]:
+        t0 = self.t0 = time.monotonic()
+        if self.opts.protocol == "hydra":
+            self.baseline = await take_baseline(self.target, self.opts.cfg.deadline)
+        elif self.opts.protocol == "ggml":
+            from .ggml_mode import take_ggml_baseline
+
+            self.baseline = await take_ggml_baseline(self.target, self.opts.cfg.deadline)
+        indexes = iter(self.opts.only) if self.opts.only is not None else _count(self.opts.start)
+        for i in indexes:
+            if self.stopped_early:
+                break
+            if self.opts.cases is not None and self.cases_run >= self.opts.cases:
+                break
+            if self.opts.seconds is not None and time.monotonic() - t0 >= self.opts.seconds:
+                break
+            case = self.case_at(self.opts.seed, i)
+            self.phase = case.phase
+            if not await self._target_ready():
+                break
+            out = await run_case(case, self.target, self.baseline, self.opts.cfg)
+            self.cases_run += 1
+            for note in out.notes:
+                self.notes[note.split(":")[0]] += 1
+            if out.failures:
+                await self._on_finding(case, out)
+            self.recent.append(i)
+            self.progress.update(self.cases_run, self.phase, self.by_class)
+        fuzzing = time.monotonic() - t0
+        await self.minimize_all()  # after the case budget: --seconds bounds the fuzzing itself
+        self.progress.update(self.cases_run, self.phase, self.by_class, force=True)
+        self.progress.close()
+        return self.results(fuzzing, time.monotonic() - t0)
+
+    async def _target_ready(self) -> bool:
+        if self.target is None:
+            return True
+        try:
+            if await self.target.ensure_running():
+                self.progress.message(f"restarted the target (start #{self.target.starts})")
+        except TargetError as e:
+            self.stopped_early = f"cannot restart the target: {e}"
+            self.progress.message(self.stopped_early)
+            return False
+        return True
+
+    async def _after_poisoning(self, failure: Failure) -> None:
+        """A crash/hang/liveness finding may leave the target unusable: restart or wait for it."""
+        if self.target is None or failure.oracle not in STATE_POISONING:
+            return
+        if self.target.spawn:
+            try:
+                await self.target.restart()
+            except TargetError as e:
+                self.stopped_early = f"cannot restart the target: {e}"
+            return
+        if failure.oracle == "crash":  # not ours to restart: give it a moment to come back
+            for _ in range(20):
+                await asyncio.sleep(0.5)
+                try:
+                    r, w = await self.target.connect(1.0)
+                    w.close()
+                    return
+                except (OSError, TimeoutError):
+                    continue
+
+    # ---------------------------------------------------------------- findings
+    async def _on_finding(self, case: Case, out: Outcome) -> None:
+        failure = out.primary
+        sig = signature(case, failure)
+        known = self.findings.get(sig)
+        if known is not None:
+            known.count += 1
+            known.indexes.append(case.index)
+            self.by_class[failure.oracle] += 1
+            await self._after_poisoning(failure)
+            return
+        self.progress.update(self.cases_run, self.phase, self.by_class, activity=f"confirming {sig}", force=True)
+        await self._after_poisoning(failure)
+        if not await self._healthy():
+            # The target (or, behind a passthrough, its upstream) did not come back: nothing
+            # can be re-run against it. Save what we saw and stop rather than blame every later case.
+            self.by_class[failure.oracle] += 1
+            finding = Finding(sig, failure, case, indexes=[case.index], original_bytes=case.size,
+                              found_after_s=time.monotonic() - self.t0)
+            self.findings[sig] = finding
+            finding.file = self._write(finding, case, case, out, 0, 0.0, unconfirmed=True)
+            self.stopped_early = (f"the target stopped answering after case {case.seed}/{case.index} "
+                                  f"({failure.oracle}) and did not recover")
+            self.progress.message(f"[{case.seed}/{case.index}] FINDING {failure.oracle} via {case.generator} "
+                                  f"(not re-run: the target did not recover): {failure.detail[:160]}")
+            return
+        confirm = await self._rerun(case, failure)
+        if confirm is None or not confirm.same_failure(failure):
+            self.flaky[sig] += 1
+            self.progress.message(f"[{case.seed}/{case.index}] {failure.oracle} did not reproduce on a re-run "
+                                  f"({case.generator}): {failure.detail[:120]}")
+            await self._after_poisoning(failure)
+            return
+        self.by_class[failure.oracle] += 1
+        finding = Finding(sig, failure, case, indexes=[case.index], original_bytes=case.size,
+                          confirmed=confirm, found_after_s=time.monotonic() - self.t0, preceding=list(self.recent))
+        self.findings[sig] = finding
+        self.progress.message(f"[{case.seed}/{case.index}] FINDING {failure.oracle}"
+                              f"{':' + failure.rule if failure.rule else ''} via {case.generator}: "
+                              f"{failure.detail[:160]}")
+        # Saved at once (an interrupted run keeps it); minimized after the run (``minimize_all``).
+        finding.file = self._write(finding, case, case, confirm, 0, 0.0)
+        await self._after_poisoning(failure)
+
+    async def minimize_all(self) -> None:
+        """Shrink every confirmed finding, in the order found, and rewrite its case file."""
+        for finding in list(self.findings.values()):
+            if finding.confirmed is None or not self.opts.minimize or self.stopped_early:
+                continue
+            case, failure = finding.case, finding.failure
+            self.phase = "minimize"
+            final_case, final_out, attempts, secs = await self._minimize(case, finding.confirmed, failure, finding.sig)
+            if case.program is not None:  # step programs shrink in steps, byte cases in bytes
+                finding.original_bytes, finding.minimized_bytes = len(case.program), len(final_case.program or [])
+            else:
+                finding.original_bytes, finding.minimized_bytes = case.size, final_case.size
+            finding.case = final_case
+            finding.file = self._write(finding, case, final_case, final_out, attempts, secs)
+            await self._after_poisoning(failure)
+
+    async def _healthy(self, wait: float = 10.0) -> bool:
+        """Does the target answer like at the start (for a while, if it is busy recovering)?"""
+        if self.target is None or self.baseline is None:
+            return True
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self.opts.protocol == "ggml":
+                    from .ggml_mode import take_ggml_baseline
+
+                    now = await take_ggml_baseline(self.target, self.opts.cfg.deadline)
+                    if now.hello_size == self.baseline.hello_size:
+                        return True
+                else:
+                    r = await probe_info(self.target, self.opts.cfg.deadline)
+                    if self.baseline.matches(r):
+                        return True
+            except Exception:  # noqa: BLE001 - any failure means "not yet"
+                pass
+            if time.monotonic() >= deadline or (self.target.spawn and not self.target.alive):
+                return False
+            await asyncio.sleep(0.5)
+
+    async def _rerun(self, case: Case, failure: Failure) -> Outcome | None:
+        if not await self._target_ready():
+            return None
+        return await run_case(case, self.target, self.baseline, replace(self.opts.cfg, grace=CONFIRM_GRACE))
+
+    async def _minimize(self, case: Case, out: Outcome, failure: Failure, sig: str):
+        if not self.opts.minimize:
+            return case, out, 0, 0.0
+        last = {"out": out, "dirty": True}
+
+        async def still_fails(cand: Case) -> bool:
+            # A hang, liveness or memory failure may leave the engine stuck (a slot that never
+            # frees, gigabytes still being zeroed): after a failing attempt, start the next one
+            # from a fresh target, or an innocent candidate looks guilty.
+            if last["dirty"] and failure.oracle in STATE_POISONING and self.target is not None and self.target.spawn:
+                await self.target.restart()
+            elif not await self._target_ready():
+                return False
+            if last["dirty"] and not await self._healthy():
+                raise TargetError("the target did not recover between minimization attempts")
+            self.progress.update(self.cases_run, self.phase, self.by_class, activity=f"minimizing {sig}")
+            o = await run_case(cand, self.target, self.baseline, replace(self.opts.cfg, grace=CONFIRM_GRACE))
+            last["dirty"] = not o.ok
+            if o.same_failure(failure):
+                last["out"] = o
+                return True
+            return False
+
+        t0 = time.monotonic()
+        m = Minimizer(still_fails, self.opts.minimize_attempts, self.opts.minimize_seconds)
+        try:
+            small = await m.run(case)
+        except TargetError as e:
+            self.stopped_early = str(e)
+            small = m.best
+        return small, last["out"], m.attempts, time.monotonic() - t0
+
+    def _write(self, finding: Finding, original: Case, case: Case, out: Outcome, attempts: int, secs: float,
+               unconfirmed: bool = False) -> str | None:
+        if self.opts.out is None:
+            return None
+        self.opts.out.mkdir(parents=True, exist_ok=True)
+        name = safe_name(f"{finding.failure.oracle}-{case.generator}-s{case.seed}-i{case.index}") + ".json"
+        path = self.opts.out / name
+        doc = case_document(case, out, finding.failure, self.target, self.opts, original, attempts, secs)
+        doc["replay"] = f"{self.opts.replay_cmd} {path}"
+        if finding.preceding and self.opts.protocol != "codec":
+            idx = " ".join(f"--index {i}" for i in [*finding.preceding, original.index])
+            where = f"--target {self.target.address}"
+            if self.target.spawn:
+                where = f"--target {self.target.host}:0 --spawn {shlex.quote(self.target.spawn)}"
+            doc["preceding_cases"] = {
+                "indexes": finding.preceding,
+                "rerun": f"hydra-rpc fuzz {where} --seed {original.seed} {idx}",
+                "why": "if the case alone does not reproduce, the state these cases left behind may matter",
+            }
+        if unconfirmed:
+            doc["unconfirmed"] = "not re-run or minimized: the target did not recover after it"
+        if finding.failure.oracle == "crash" and self.target is not None:
+            doc["target_log_tail"] = self.target.log_tail()
+        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        return str(path)
+
+    def results(self, elapsed: float, total: float | None = None) -> dict[str, Any]:
+        """``elapsed``: the fuzzing (cases/s is measured on it); ``total`` adds minimization."""
+        t = self.target
+        return {
+            "format": "hydra-rpc-fuzz-results/1", "seed": self.opts.seed, "protocol": self.opts.protocol,
+            "target": t.address if t else None, "spawn": t.spawn if t else None, "cases": self.cases_run,
+            "elapsed_s": round(elapsed, 3), "total_s": round(elapsed if total is None else total, 3),
+            "rate": round(self.cases_run / elapsed, 2) if elapsed else 0.0,
+            "findings": [f.to_json() for f in self.findings.values()],
+            "by_class": dict(self.by_class), "notes": dict(self.notes), "flaky": dict(self.flaky),
+            "restarts": max(0, t.starts - 1) if t and t.spawn else 0, "exits": t.exits if t else [],
+            "stopped_early": self.stopped_early,
+        }
+
+
+def _count(start: int):
+    i = start
+    while True:
+        yield i
+        i += 1
+
+
+def case_document(case: Case, out: Outcome, failure: Failure, target: Target | None, opts: Options,
+                  original: Case | None = None, attempts: int = 0, secs: float = 0.0) -> dict[str, Any]:
+    detail = next((f.detail for f in out.failures if f.oracle == failure.oracle and f.rule == failure.rule),
+                  failure.detail)
+    doc: dict[str, Any] = {
+        "format": CASE_FORMAT,
+        "oracle": failure.oracle, "rule": failure.rule, "detail": detail,
+        "failures": [f.to_json() for f in out.failures],
+        "case": case.to_json(),
+        "sent_hex": [m.hex() for m in out.sent],
+        "received": out.responses,
+        "received_hex": out.received.hex(),
+        "exit": out.exit, "notes": out.notes,
+        "target": target.address if target else None,
+        "spawn": target.spawn if target else None,
+        "settings": {"deadline": opts.cfg.deadline, "slots": opts.cfg.slots, "max_stream": opts.cfg.max_stream,
+                     "max_rss_growth_mb": opts.cfg.max_rss_growth_mb, "protocol": opts.protocol},
+    }
+    if original is not None:
+        doc["original"] = {"digest": original.digest(), "bytes": original.size,
+                           "messages": len(original.messages), "steps": len(original.program or [])}
+        doc["minimized"] = {"attempts": attempts, "seconds": round(secs, 2), "bytes": case.size,
+                            "steps": len(case.program or [])}
+    return doc
+
+
+async def replay(path: Path, target: Target | None, cfg: RunConfig | None) -> tuple[int, dict]:
+    """Run one saved case again. Returns (exit code, report): 1 if any oracle fails, else 0."""
+    doc = json.loads(path.read_text())
+    case = Case.from_json(doc["case"])
+    settings = doc.get("settings", {})
+    cfg = cfg or RunConfig(deadline=settings.get("deadline", 2.0), slots=settings.get("slots", 2),
+                           max_stream=settings.get("max_stream", 6.0),
+                           max_rss_growth_mb=settings.get("max_rss_growth_mb", 1024))
+    cfg = replace(cfg, grace=CONFIRM_GRACE)
+    baseline = None
+    if case.protocol == "hydra":
+        baseline = await take_baseline(target, cfg.deadline)
+    elif case.protocol == "ggml":
+        from .ggml_mode import take_ggml_baseline
+
+        baseline = await take_ggml_baseline(target, cfg.deadline)
+    out = await run_case(case, target, baseline, cfg)
+    report = {"case": str(path), "recorded": {"oracle": doc.get("oracle"), "rule": doc.get("rule")},
+              "reproduced": out.same_failure(Failure(doc.get("oracle", ""), "", doc.get("rule", ""))),
+              "failures": [f.to_json() for f in out.failures], "received": out.responses, "exit": out.exit,
+              "notes": out.notes}
+    # The verdict is the result of a replay, not progress: it is printed whatever --progress says.
+    if out.failures:
+        p = out.primary
+        print(f"REPRODUCED {p.oracle}{':' + p.rule if p.rule else ''}: {p.detail}" if report["reproduced"]
+              else f"FAILS differently: {p.oracle}: {p.detail}", file=sys.stderr)
+    else:
+        print(f"not reproduced: every oracle held (recorded: {doc.get('oracle')})", file=sys.stderr)
+    return (1 if out.failures else 0), report
