@@ -156,6 +156,8 @@ class ResponseWriter:
             raise RuntimeError("writing past the promised payload_len")
         if not self.streaming_eof:
             self._left -= len(data)
+        if self._w.transport.is_closing():  # the client reset mid-response
+            raise PeerGone("client went away during the response")
         self._w.write(data)
         await self._w.drain()
 
