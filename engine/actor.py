@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from . import tiers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
-from .llama_backend import LoadedModel, SamplerParams, make_inference_executor
+from .llama_backend import LoadedModel, SamplerParams, make_inference_executor, make_loader_executor
 from .reload import ModelParams, ReloadInfo, build_model
 from .slots import Slot, SlotSnapshot
 from .stepper import Running, run_step
@@ -91,7 +91,7 @@ class Engine:
     async def start(self) -> None:
         """Load the first model (off-loop) and start the actor task."""
         self._infer = make_inference_executor(low_priority=self.cfg.low_priority)
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hydra-loader")
+        self._loader = make_loader_executor(low_priority=self.cfg.low_priority)
         loop = asyncio.get_running_loop()
         self.startup_stage = "loading_model"
         t0 = time.perf_counter()

@@ -962,6 +962,19 @@ def _lower_thread_priority() -> None:
         pass
 
 
+def make_loader_executor(low_priority: bool = True) -> concurrent.futures.ThreadPoolExecutor:
+    """A single-thread executor for building (shadow) models.
+
+    With ``low_priority`` it runs at nice 19 like the inference thread, so a shadow load never
+    outranks live generation; the event loop (nice 0) preempts both.
+    """
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix="hydra-loader",
+        initializer=_lower_thread_priority if low_priority else None,
+    )
+
+
 def make_inference_executor(low_priority: bool = True) -> concurrent.futures.ThreadPoolExecutor:
     """A single-thread executor for all llama.cpp calls of one model.
 
