@@ -220,6 +220,10 @@ class ResponseWriter:
         m = encode_meta(meta)
         self.status, self.meta_len, self.payload_len = int(status), len(m), payload_len
         self._left = payload_len
+        if payload_len >= DIRECT_MIN:
+            # Fewer drain round trips for big payloads; the transport keeps references to
+            # the chunks (memoryviews of the state), not copies.
+            self._w.transport.set_write_buffer_limits(high=8 << 20)
         self._w.write(encode_response_header(int(status), len(m), payload_len) + m)
         if payload_len == 0:
             await self._w.drain()
