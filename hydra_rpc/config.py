@@ -7,6 +7,24 @@ from dataclasses import dataclass, field
 from codec.limits import Limits
 
 
+def parse_hostport(s: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 may be bracketed) → (host, port); ValueError otherwise."""
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {s!r}")
+    return host.strip("[]"), int(port)
+
+
+def hostport_arg(s: str) -> tuple[str, int]:
+    """``parse_hostport`` for argparse ``type=``."""
+    import argparse
+
+    try:
+        return parse_hostport(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"

@@ -14,15 +14,8 @@ import sys
 
 from codec.limits import Limits
 
-from .config import ServerConfig
+from .config import ServerConfig, hostport_arg
 from .logs import setup_logging
-
-
-def _hostport(s: str) -> tuple[str, int]:
-    host, _, port = s.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {s!r}")
-    return host, int(port)
 
 
 def _alias(s: str) -> tuple[str, str]:
@@ -66,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--stall-timeout", type=float, default=30.0)
     n.add_argument("--shutdown-timeout", type=float, default=10.0)
     n.add_argument("--max-drain", type=int, default=64 << 20, help="bytes of a refused payload drained before closing")
-    n.add_argument("--ggml-rpc-upstream", type=_hostport, default=None, metavar="HOST:PORT",
+    n.add_argument("--ggml-rpc-upstream", type=hostport_arg, default=None, metavar="HOST:PORT",
                    help="pass ggml-RPC connections (first byte 0x0E) through to this rpc-server")
     n.add_argument("--ggml-rpc-embedded", action="store_true",
                    help="start llama.cpp's ggml RPC server in-process and pass ggml-RPC connections to it")

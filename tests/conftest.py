@@ -9,6 +9,7 @@ import asyncio
 import os
 
 import pytest
+import pytest_asyncio
 
 LOOP = os.environ.get("HYDRA_TEST_LOOP", "uvloop")
 
@@ -37,3 +38,13 @@ def tiny_model_b_path(tmp_path_factory) -> str:
     from engine.model_files import ensure_tiny_model
 
     return str(ensure_tiny_model(variant="b"))
+
+
+@pytest_asyncio.fixture
+async def client(server):
+    """A Hydra client on the module's ``server`` fixture (a real server process)."""
+    from hydra_rpc.client import HydraClient
+
+    c = await HydraClient.connect(server.host, server.port)
+    yield c
+    await c.close()

@@ -6,7 +6,6 @@ import json
 import struct
 
 import pytest
-import pytest_asyncio
 
 from codec import decode_v3 as V3
 from codec.enums import Op, Status
@@ -24,13 +23,6 @@ def server(tiny_model_path):
     sp = start_server("--model", "tiny", "--no-http", "--slots", "4", "--ctx", "4096", "--log-level", "WARNING")
     yield sp
     assert sp.stop() == 0, sp.log
-
-
-@pytest_asyncio.fixture
-async def client(server):
-    c = await HydraClient.connect(server.host, server.port)
-    yield c
-    await c.close()
 
 
 async def prefill(c, slot: str, messages=MESSAGES, **extra):

@@ -7,7 +7,6 @@ import socket
 import struct
 
 import pytest
-import pytest_asyncio
 
 from codec.enums import Op, Status
 from codec.framing import encode_request, encode_request_header
@@ -21,13 +20,6 @@ def server(tiny_model_path):
                       "--stall-timeout", "2", "--max-drain", str(4 << 20), "--log-level", "WARNING")
     yield sp
     assert sp.stop() == 0, sp.log
-
-
-@pytest_asyncio.fixture
-async def client(server):
-    c = await HydraClient.connect(server.host, server.port)
-    yield c
-    await c.close()
 
 
 async def assert_info_ok(c: HydraClient) -> None:

@@ -17,6 +17,8 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+
+from hydra_rpc.config import parse_hostport  # noqa: F401 - re-exported for the fuzzer
 from typing import IO, Any
 
 from .responses import set_nodelay
@@ -24,13 +26,6 @@ from .responses import set_nodelay
 
 class TargetError(Exception):
     """The target cannot be reached or started (an infrastructure problem, not a finding)."""
-
-
-def parse_hostport(s: str) -> tuple[str, int]:
-    host, sep, port = s.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {s!r}")
-    return host.strip("[]"), int(port)
 
 
 def is_loopback(host: str) -> bool:

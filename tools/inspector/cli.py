@@ -27,15 +27,10 @@ from typing import TextIO
 from .filters import FilterError, compile_filter
 from .model import Message
 from .render import Renderer, ndjson
+from hydra_rpc.config import hostport_arg
+
 from .session import Options, Session
 from .stats import Stats
-
-
-def _hostport(s: str) -> tuple[str, int]:
-    host, _, port = s.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {s!r}")
-    return host.strip("[]"), int(port)
 
 
 def _version(s: str) -> tuple[int, int, int]:
@@ -63,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i = p.add_argument_group("input")
     i.add_argument("file", nargs="?", help="capture file (pcap/pcapng, may be gzip'd); '-' for stdin")
     i.add_argument("-r", dest="read_file", metavar="FILE", help="same as the positional FILE (tshark style)")
-    i.add_argument("--listen", type=_hostport, metavar="HOST:PORT", help="live tap: accept clients here …")
-    i.add_argument("--upstream", type=_hostport, metavar="HOST:PORT", help="… and forward them to this server")
+    i.add_argument("--listen", type=hostport_arg, metavar="HOST:PORT", help="live tap: accept clients here …")
+    i.add_argument("--upstream", type=hostport_arg, metavar="HOST:PORT", help="… and forward them to this server")
     i.add_argument("--write", metavar="FILE.pcap", help="live tap: also record the traffic as a pcap")
     i.add_argument("--hex", action="store_true", help="read one direction as hex text from stdin")
     i.add_argument("--raw", action="store_true", help="read one direction as raw bytes from stdin")
