@@ -276,6 +276,7 @@ class Engine:
                 except asyncio.QueueEmpty:
                     break
                 await self._handle(msg)
+                del msg  # its future may hold a multi-MiB state: do not keep it until the next one
             self._reap_cancelled()
             await self._maybe_swap()
             running = [r for r in self._running.values() if not r.finished]
@@ -283,6 +284,7 @@ class Engine:
                 self._publish()
                 msg = await self._mailbox.get()
                 await self._handle(msg)
+                del msg
                 continue
             try:
                 await loop.run_in_executor(self._infer, self._step, running)

@@ -67,7 +67,13 @@ class ModelParams:
             elif key in T4_CTX_PARAMS:
                 ctx[T4_CTX_PARAMS[key]] = v
             elif key in T4_MODEL_PARAMS:
-                mp[T4_MODEL_PARAMS[key]] = v
+                if not isinstance(v, bool):
+                    raise ValueError(f"{key} must be true or false")
+                # LLAMA_LOAD_MODE_*: bit 0 = mmap, bit 1 = mlock; AUTO (-1) counts as mmap
+                mode = mp.get("load_mode", 1)
+                mode = 1 if mode < 0 else mode
+                bit = 1 if key == "use_mmap" else 2
+                mp["load_mode"] = (mode | bit) if v else (mode & ~bit)
         return replace(p, ctx_params=tuple(sorted(ctx.items())), model_params=tuple(sorted(mp.items())))
 
 

@@ -31,7 +31,8 @@ T4_CTX_PARAMS = {
     "swa_full": "swa_full",
     "offload_kqv": "offload_kqv",
 }
-T4_MODEL_PARAMS = {"use_mmap": "use_mmap", "use_mlock": "use_mlock"}
+# llama.cpp folds these two into one ``load_mode`` enum (see reload.ModelParams.derive)
+T4_MODEL_PARAMS = {"use_mmap": "load_mode", "use_mlock": "load_mode"}
 DENIED = {"n_batch", "threads", "threads_batch", "devices", "main_gpu", "n_parallel", "fit", "fit_print",
           "fit_target", "fit_ctx"}
 # llama-server options that exist in the C++ but have no meaning in this engine.

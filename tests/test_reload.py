@@ -194,3 +194,16 @@ async def test_inplace_mode_reload(small_and_b):
         assert m["reload"]["state"] == "swapped" and m["model_name"] == "hydra-tiny-b"
         assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())).ok
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_t4_use_mmap_reload(tiny_model_path):
+    """T4 keys map onto llama.cpp's model/context parameters (use_mmap → load_mode)."""
+    with serving("--model", "tiny", "--no-http", "--log-level", "WARNING") as server:
+        c = await HydraClient.connect(server.host, server.port)
+        r = await c.request(Op.CONFIGURE, "", json.dumps({"use_mmap": False, "flash_attn": 0}).encode())
+        assert r.ok and r.meta["tier"] == "T4" and sorted(r.meta["deferred_keys"]) == ["flash_attn", "use_mmap"]
+        m = await wait_reload_settled(c)
+        assert m["reload"]["state"] == "swapped", m["reload"]
+        assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())).ok
+        await c.close()
