@@ -84,7 +84,7 @@ _HDR = struct.Struct("<BQ")
 _TENSOR_SIZE = 296  # rpc_tensor; its first u64 is the id
 
 
-def graph_problem(payload: bytes) -> str | None:
+def graph_problem(payload: bytes | bytearray | memoryview) -> str | None:
     """Why a GRAPH_COMPUTE (protocol ≥ 3.0: device, nodes, tensors) must not reach the server.
 
     llama.cpp's rpc-server in llama-cpp-python 0.3.36 segfaults on a node id that names no
@@ -107,7 +107,8 @@ def graph_problem(payload: bytes) -> str | None:
     ids = np.frombuffer(payload, dtype="<u8", count=n_tensors * 37, offset=off + 4).reshape(n_tensors, 37)[:, 0]
     if (nodes == 0).any():
         return "GRAPH_COMPUTE with a null node id"
-    if not np.isin(nodes, ids).all():
+    known = set(ids.tolist())  # graphs are small: a set beats np.isin's sort here
+    if not known.issuperset(nodes.tolist()):
         return "GRAPH_COMPUTE node id names no tensor of the graph"
     return None
 
@@ -149,30 +150,33 @@ class _GuardedLeg(_Leg):
                     self._left = size
                 self._hdr = b""
                 if self._left == 0 and self._graph is not None:
-                    problem = graph_problem(bytes(self._graph[9:]))
-                    if problem:
-                        return self._refuse(problem)
-                    out.append(bytes(self._graph))
-                    self._graph = None
+                    if not self._graph_ok(out):
+                        return None
                 continue
             take = min(self._left, n - pos)
-            chunk = data[pos:pos + take]
+            chunk = data[pos:pos + take] if (pos or take != n) else data
             pos += take
             self._left -= take
             if self._graph is None:
                 out.append(chunk)
                 continue
             self._graph += chunk
-            if self._left == 0:
-                problem = graph_problem(bytes(self._graph[9:]))
-                if problem:
-                    return self._refuse(problem)
-                out.append(bytes(self._graph))
-                self._graph = None
+            if self._left == 0 and not self._graph_ok(out):
+                return None
         if out:
             peer = self.peer.transport
             if not peer.is_closing():
                 peer.write(b"".join(out))
+
+    def _graph_ok(self, out: list) -> bool:
+        """The held GRAPH_COMPUTE is complete: queue it for forwarding, or refuse the session."""
+        graph, self._graph = self._graph, None
+        problem = graph_problem(memoryview(graph)[9:])
+        if problem:
+            self._refuse(problem)
+            return False
+        out.append(graph)  # handed over whole; never touched again
+        return True
 
     def _refuse(self, why: str) -> None:
         log.warning("closed ggml-RPC client %s: %s (not forwarded)", self.peer_desc, why)
