@@ -1,0 +1,45 @@
+"""``hydra-rpc bench --quick`` end to end, so the harness does not rot.
+
+Every scenario runs for a few seconds against real server processes; the test checks that
+each one produced its JSON (samples, summary, budget rows), the markdown table and the
+charts. It asserts nothing about speed: figures belong to the benchmark's report.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.bench.cli import SCENARIOS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_quick_bench_writes_every_result(tmp_path):
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "bench", "--quick", "--plot", "--blocking-baseline",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    for name in SCENARIOS:
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data["scenario"] == name and not data["error"], data["error"]
+        assert data["rows"] and data["summary"] and data["samples"], name
+        assert data["machine"]["cpu_count"] and "loadavg_1m_before" in data["machine"], name
+        assert (out / f"{name}.png").stat().st_size > 1000, name
+    summary = (out / "summary.md").read_text()
+    assert "| scenario | metric |" in summary and all(name in summary for name in SCENARIOS)
+    reload = json.loads((out / "reload-stall.json").read_text())
+    assert {r["variant"] for r in reload["samples"]["runs"]} == {"serve-old", "reject", "blocking"}
+    for run in reload["samples"]["runs"]:  # every variant really reloaded, and said so
+        assert run["generation_after"] > run["generation_before"] and run["reload"]["state"] == "swapped"
+
+
+def test_unknown_scenario_is_refused():
+    done = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "bench", "no-such-scenario"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown scenario" in done.stderr

@@ -1,0 +1,123 @@
+"""``hydra-rpc bench [SCENARIO...]``: measure the DESIGN.md performance budgets.
+
+Each scenario starts its own server process(es) on 127.0.0.1 and drives them from this
+process (and worker subprocesses); every candidate figure is reported next to a baseline
+measured in the same run. Writes ``OUT/<scenario>.json`` (raw samples + summary),
+``OUT/summary.md`` and, with ``--plot``, ``OUT/<scenario>.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import shlex
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SCENARIOS = {
+    "meta-under-decode": "tools.bench.meta_under_decode",
+    "decode-overhead": "tools.bench.decode_overhead",
+    "slots-scaling": "tools.bench.slots_scaling",
+    "reload-stall": "tools.bench.reload_stall",
+    "state-transfer": "tools.bench.state_transfer",
+    "passthrough": "tools.bench.passthrough",
+    "connections": "tools.bench.connections",
+}
+BUSY_WARNING_PCT = 20
+DOCS_PAGE = Path("docs/performance.md")
+DOCS_IMAGES = Path("docs/performance")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                   help=f"scenarios to run (default: all): {', '.join(SCENARIOS)}")
+    p.add_argument("--model", default="tiny",
+                   help="tiny (generated models, default), gemma-270m, or a GGUF path")
+    p.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
+    p.add_argument("--plot", action="store_true", help="draw PNG charts (matplotlib)")
+    p.add_argument("--quick", action="store_true", help="a few seconds per scenario, one repetition")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default: 3, or 1 with --quick)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all usable cores)")
+    p.add_argument("--blocking-baseline", action="store_true",
+                   help="reload-stall: also run a server whose T3 reload blocks its event loop, as the C++ "
+                        "engine's does (an emulation in the harness)")
+    p.add_argument("--docs", action="store_true",
+                   help=f"also draw the charts, copy them to {DOCS_IMAGES}/ and the table into {DOCS_PAGE} "
+                        "(between its bench:table markers); needs every scenario; run from the repository root")
+
+
+def _run_async(coro):
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .common import BenchContext, Result, background_busy, load_between, load_now, machine_info, usable_cpus
+    from .models import model_set
+    from .procs import raise_fd_limit
+    from .report import markdown, replace_table, table
+
+    names = args.scenarios or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        print(f"hydra-rpc bench: unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}",
+              file=sys.stderr)
+        return 2
+    if args.docs and set(names) != set(SCENARIOS):
+        print("hydra-rpc bench: --docs rewrites the whole table, so it needs every scenario", file=sys.stderr)
+        return 2
+    raise_fd_limit(4096)  # 1,000+ sockets in the connections scenario; servers inherit the limit
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"hydra-rpc bench: preparing models for --model {args.model}", file=sys.stderr, flush=True)
+    models = model_set(args.model)
+    ctx = BenchContext(quick=args.quick, models=models, reps=args.reps or (1 if args.quick else 3),
+                       threads=args.threads or usable_cpus(), blocking_baseline=args.blocking_baseline,
+                       http=importlib.util.find_spec("hydra_rpc.http_app") is not None)
+    machine = machine_info()
+    machine["background"] = background_busy(1.0)
+    busy = machine["background"].get("cpu_busy_pct") or 0
+    if busy > BUSY_WARNING_PCT:
+        print(f"hydra-rpc bench: warning: the host is {busy:.0f} % busy before the run; other processes will "
+              "disturb the figures (and the server's nice-19 inference thread yields to them)",
+              file=sys.stderr, flush=True)
+    command = "hydra-rpc bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    results: list[Result] = []
+    for name in names:
+        mod = importlib.import_module(SCENARIOS[name])
+        print(f"hydra-rpc bench: {name} …", file=sys.stderr, flush=True)
+        before, t0 = load_now(), time.monotonic()
+        try:
+            res = _run_async(mod.run(ctx))
+        except Exception as e:
+            traceback.print_exc()
+            res = Result(name, error=f"{type(e).__name__}: {e}")
+        res.machine = {**machine, **load_between(before, load_now()), "duration_s": round(time.monotonic() - t0, 1)}
+        res.config = {"model_spec": args.model, "quick": args.quick, "threads": ctx.threads, **res.config}
+        res.write(out)
+        results.append(res)
+        print(f"hydra-rpc bench: {name} done in {res.machine['duration_s']} s"
+              + (f" — FAILED: {res.error}" if res.error else ""), file=sys.stderr, flush=True)
+    plots: list[Path] = []
+    if args.plot or args.docs:
+        from .plots import draw_all
+
+        plots = draw_all(results, out)
+    (out / "summary.md").write_text(markdown(results, machine, command, models.describe(), plots))
+    if args.docs:
+        DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
+        for p in plots:
+            shutil.copy2(p, DOCS_IMAGES / p.name)
+        if not DOCS_PAGE.is_file() or not replace_table(DOCS_PAGE, results):
+            print(f"hydra-rpc bench: {DOCS_PAGE} has no bench:table markers; table not copied", file=sys.stderr)
+    print(table(results))
+    print(f"\nresults in {out}/ (summary.md, <scenario>.json{', <scenario>.png' if plots else ''})")
+    return 1 if any(r.error for r in results) else 0

@@ -1,0 +1,167 @@
+"""decode-overhead: tokens/s through the server vs a bare llama-cpp-python loop.
+
+Same model, threads, context size, slots, prompt and priority (the bare loop runs at nice 19
+like the server's inference thread, so both yield alike to whatever else runs on the host);
+greedy. Two processes either way:
+the server + this client, or the bare loop (``workers bare-decode``) + this idle harness.
+Candidates: the PIN streaming DECODE (rate from first to last streamed piece, against the
+bare loop's first to last sampled token) and, when the server has its HTTP side, DECODE v3
+with its result fetched from ``GET /v1/decode/{id}`` (end to end, against the bare loop's
+end to end). Runs are interleaved bare / PIN / v3, rotating each repetition.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from codec import decode_v3 as V3
+from codec.enums import Op, Status
+from hydra_rpc.client import HydraClient
+
+from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread
+from .procs import HydraServer, run_worker
+from .traffic import messages_for, pin_decode
+
+NAME = "decode-overhead"
+SLOTS = 4
+# How often the v3 result is polled: each poll costs CPU on both sides (taken from the
+# decode on a 2-core host), and the end time is known to within this much of a ~1.5 s run.
+RESULT_POLL_S = 0.02
+INFERENCE_NICE = 19  # the server's inference thread priority (its default; see DESIGN.md)
+DONE_STATES = ("done", "completed", "finished", "ok", "success", "complete")
+COUNT_KEYS = ("tokens_generated", "tokens_predicted", "completion_tokens", "n_decoded", "n_generated")
+
+
+def budget_for(tiny: bool) -> float:
+    return 0.90 if tiny else 0.97
+
+
+def _find_count(obj: Any) -> int | None:
+    """The generated-token count in a result body, wherever the HTTP side puts it."""
+    if isinstance(obj, dict):
+        for k in COUNT_KEYS:
+            if isinstance(obj.get(k), int) and not isinstance(obj.get(k), bool):
+                return obj[k]
+        for v in obj.values():
+            n = _find_count(v)
+            if n is not None:
+                return n
+    return None
+
+
+async def v3_decode(srv: HydraServer, slot: int, n_predict: int, messages: list, http,
+                    cap_s: float) -> dict[str, Any]:
+    """DECODE v3 (no KV segment, prompt = messages array), then poll the HTTP result until done.
+
+    After ``cap_s`` the generation is cancelled (``DELETE /v1/decode/{id}``) and the partial
+    result counts: a busy host must not stretch one run into minutes.
+    """
+    prompt = json.dumps(messages).encode()
+    gen = {"n_predict": n_predict, "sampling": {"temperature": 0}, "stop": [], "stream": False}
+    payload = V3.encode_decode_v3({"generation": gen}, prompt)
+    t_send = now()
+    async with await HydraClient.connect(srv.host, srv.port) as c:
+        r = await c.request(Op.DECODE, str(slot), payload)
+    if r.status != Status.OK or not (r.meta or {}).get("valid"):
+        raise BenchError(f"DECODE v3 refused: {r!r}")
+    url = f"http://127.0.0.1:{srv.http_port}/v1/decode/{r.meta['decode_request_id']}"
+    deadline, cancelled = t_send + cap_s, False
+    while True:
+        if not cancelled and now() > deadline:
+            async with http.delete(url) as resp:
+                cancelled = resp.status in (200, 202)
+        async with http.get(url) as resp:
+            body = await resp.json(content_type=None) if resp.status in (200, 202) else await resp.text()
+            if resp.status == 202:
+                pass
+            elif resp.status == 200:
+                state = str(body.get("state") or body.get("status") or "done").lower() if isinstance(body, dict) else ""
+                if state in DONE_STATES or state == "cancelled":
+                    t_done = now()
+                    n = _find_count(body)
+                    if n is None:
+                        raise BenchError(f"no token count in the decode result: {str(body)[:300]}")
+                    return {"tokens": n, "e2e_rate": n / (t_done - t_send)}
+                if state not in ("running", "pending", "loading", "queued"):
+                    raise BenchError(f"decode result in state {state!r}: {str(body)[:300]}")
+            else:
+                raise BenchError(f"GET {url} answered {resp.status}: {str(body)[:300]}")
+        await asyncio.sleep(RESULT_POLL_S)
+
+
+async def run(ctx: BenchContext) -> Result:
+    res = Result(NAME)
+    tiny = ctx.models.tiny
+    n_max = ctx.pick(3000 if tiny else 256, 400 if tiny else 48)
+    target_s = ctx.pick(1.5, 0.5)  # seconds of decoding per run aimed at
+    cap_s = 4 * target_s  # and never more than this, however slow the host is today
+    slot_ctx = 8192 if tiny else 4096
+    msgs = messages_for(0)
+    variants = ["bare", "pin"] + (["v3"] if ctx.http else [])
+    if not ctx.http:
+        res.notes.append("DECODE v3 + HTTP not measured: this build has no HTTP side (hydra_rpc.http_app).")
+    runs: list[dict[str, Any]] = []
+    with HydraServer(["--model", ctx.models.main, "--slots", str(SLOTS), "--ctx", str(slot_ctx),
+                      "--threads", str(ctx.threads)], http=ctx.http) as srv:
+        await pin_decode(srv.host, srv.port, 0, 32, msgs)  # warm-up
+        # Every run decodes the same number of tokens: as many as ~target_s takes right now
+        cal = (await pin_decode(srv.host, srv.port, 0, n_max, msgs, until=now() + target_s)).check(n_max)
+        n = max(32, min(n_max, int((cal.decode_rate() or 0) * target_s)))
+        bare_params = {"model": ctx.models.main, "n_ctx": slot_ctx * SLOTS, "n_seq_max": SLOTS, "n_batch": 512,
+                       "n_threads": ctx.threads, "messages": msgs, "n_predict": n, "warmup": 32,
+                       "nice": INFERENCE_NICE, "max_seconds": cap_s}
+        res.config = {"model": ctx.models.main, "n_predict": n, "n_predict_max": n_max,
+                      "calibration_tok_s": cal.decode_rate(), "cap_seconds": cap_s, "slot_ctx": slot_ctx,
+                      "slots": SLOTS, "threads": ctx.threads, "reps": ctx.reps, "variants": variants,
+                      "bare_loop_nice": INFERENCE_NICE}
+        http = None
+        if ctx.http:
+            import aiohttp
+
+            http = aiohttp.ClientSession()
+        try:
+            for rep, v in interleaved(ctx.reps, variants):
+                if v == "bare":
+                    out = await run_worker("bare-decode", bare_params)
+                    runs.append({"variant": v, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
+                                 "e2e_rate": out["e2e_rate"]})
+                elif v == "pin":
+                    r = (await pin_decode(srv.host, srv.port, 0, n, msgs, until=now() + cap_s)).check(n)
+                    runs.append({"variant": v, "rep": rep, "tokens": r.tokens, "decode_rate": r.decode_rate(),
+                                 "e2e_rate": r.e2e_rate()})
+                else:
+                    out = await v3_decode(srv, 0, n, msgs, http, cap_s)
+                    runs.append({"variant": v, "rep": rep, **out})
+        finally:
+            if http is not None:
+                await http.close()
+
+    def med(variant: str, key: str) -> float | None:
+        return spread(r.get(key) for r in runs if r["variant"] == variant)["median"]
+
+    def per_rep(variant: str, key: str) -> dict:
+        pairs = {}
+        for r in runs:
+            pairs.setdefault(r["rep"], {})[r["variant"]] = r.get(key)
+        return spread(ratio(p.get(variant), p.get("bare")) for p in pairs.values())
+
+    res.samples = {"runs": runs}
+    res.summary = {v: {"decode_rate": spread(r.get("decode_rate") for r in runs if r["variant"] == v),
+                       "e2e_rate": spread(r["e2e_rate"] for r in runs if r["variant"] == v),
+                       "tokens": spread(r["tokens"] for r in runs if r["variant"] == v)} for v in variants}
+    res.summary["pin_vs_bare_per_rep"] = per_rep("pin", "decode_rate")
+    goal = budget_for(tiny)
+    budget = f"≥ {goal:.0%} of bare ({'tiny model' if tiny else 'real model'})"
+    pin, bare = med("pin", "decode_rate"), med("bare", "decode_rate")
+    q = ratio(pin, bare)
+    res.rows.append(Row("PIN streaming DECODE tok/s", pin, "tok/s", bare, "bare llama-cpp-python loop", budget,
+                        None if q is None else q >= goal,
+                        f"per-rep ratio {res.summary['pin_vs_bare_per_rep']['min']}–"
+                        f"{res.summary['pin_vs_bare_per_rep']['max']}"))
+    if ctx.http:
+        v3, bare_e2e = med("v3", "e2e_rate"), med("bare", "e2e_rate")
+        q = ratio(v3, bare_e2e)
+        res.rows.append(Row("DECODE v3 + HTTP result tok/s (end to end)", v3, "tok/s", bare_e2e,
+                            "bare loop, end to end", budget, None if q is None else q >= goal))
+    return res

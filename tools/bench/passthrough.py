@@ -1,0 +1,116 @@
+"""passthrough: a real ggml-RPC client through our port vs straight to the ggml RPC server.
+
+Upstream: llama.cpp's own RPC server from the wheel (``python -m engine.ggml_rpc_lib``).
+Candidate: our server with ``--ggml-rpc-upstream`` pointing at it, so the client's
+connections (first byte 0x0E) are spliced through. The client is llama.cpp itself
+(``workers ggml-client``: register the endpoint, load with every layer offloaded, decode
+greedily), once against our port and once against the upstream directly, interleaved.
+
+Bulk: one large SET_TENSOR (what a weight upload is) into a freshly allocated remote
+buffer, timed until a later answered command (GET_ALIGNMENT) returns — the server handles
+a connection's commands in order, so that answer means every byte was received and stored.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+from codec import ggml as G
+
+from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread
+from .procs import GgmlRpcServer, HydraServer, run_worker
+from .traffic import messages_for
+
+NAME = "passthrough"
+MiB = 1 << 20
+UPSTREAM_THREADS = 1
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = s.recv_into(view[got:])
+        if not k:
+            raise BenchError("ggml RPC server closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def _call(s: socket.socket, cmd: int, fields: dict, version) -> dict:
+    """A fixed-layout command and its answer, laid out for the server's protocol version."""
+    s.sendall(G.encode_request(cmd, G.request_layout(cmd, version).build(fields)))
+    size = struct.unpack("<Q", _recv_exact(s, 8))[0]
+    return G.response_layout(cmd, version).parse(_recv_exact(s, size))
+
+
+def bulk_set_tensor(host: str, port: int, data: memoryview) -> float:
+    """Seconds to upload ``data`` with one SET_TENSOR (blocking sockets; run in a thread)."""
+    n = len(data)
+    with socket.create_connection((host, port), timeout=120) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(G.encode_hello_request())
+        size = struct.unpack("<Q", _recv_exact(s, 8))[0]
+        version = G.parse_hello_response(_recv_exact(s, size)).version
+        buf = _call(s, G.Cmd.ALLOC_BUFFER, {"device": 0, "size": n}, version)
+        if not buf.remote_ptr:
+            raise BenchError(f"ALLOC_BUFFER of {n} bytes refused")
+        base = _call(s, G.Cmd.BUFFER_GET_BASE, {"remote_ptr": buf.remote_ptr}, version).base_ptr
+        tensor = G.RpcTensor(id=1, type=0, buffer=buf.remote_ptr, ne=(n // 4, 1, 1, 1), nb=(4, n, n, n), data=base,
+                             name=b"hydra-bench-bulk")  # f32 vector filling the buffer
+        head = G.encode_set_tensor(tensor, 0, b"", version=version)
+        t0 = now()
+        s.sendall(bytes([G.Cmd.SET_TENSOR]) + struct.pack("<Q", len(head) + n) + head)  # header only
+        s.sendall(data)
+        _call(s, G.Cmd.GET_ALIGNMENT, {"device": 0}, version)
+        seconds = now() - t0
+        s.sendall(G.encode_request(G.Cmd.FREE_BUFFER, struct.pack("<Q", buf.remote_ptr)))
+    return seconds
+
+
+async def run(ctx: BenchContext) -> Result:
+    res = Result(NAME)
+    tiny = ctx.models.tiny
+    n_predict = ctx.pick(1000 if tiny else 64, 100 if tiny else 16)
+    bulk = ctx.pick(256, 32) * MiB
+    res.config = {"model": ctx.models.main, "n_predict": n_predict, "bulk_bytes": bulk, "reps": ctx.reps,
+                  "upstream_threads": UPSTREAM_THREADS}
+    decodes, bulks = [], []
+    data = memoryview(bytes(bulk))
+    # one compute thread, rpc-server's default: with two OpenMP threads on a 2-core host that
+    # also runs the client and our server, barrier spin-waits make every run a lottery
+    upstream = GgmlRpcServer(UPSTREAM_THREADS)
+    try:
+        with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024",
+                          "--ggml-rpc-upstream", f"{upstream.host}:{upstream.port}"]) as srv:
+            ends = {"direct": (upstream.host, upstream.port), "proxy": (srv.host, srv.port)}
+            params = {"model": ctx.models.main, "n_ctx": n_predict + 512, "n_threads": ctx.threads,
+                      "messages": messages_for(0), "n_predict": n_predict, "warmup": 16,
+                      "max_seconds": ctx.pick(5.0, 1.5)}
+            for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
+                out = await run_worker("ggml-client", {**params, "endpoint": "%s:%d" % ends[way]})
+                if not str(out.get("device", "")).startswith("RPC"):
+                    raise BenchError(f"the ggml client did not offload to RPC: {out}")
+                decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
+                                "load_ms": out["load_ms"], "register_ms": out["register_ms"]})
+            await asyncio.to_thread(bulk_set_tensor, *ends["direct"], data[:MiB])  # warm-up
+            for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
+                sec = await asyncio.to_thread(bulk_set_tensor, *ends[way], data)
+                bulks.append({"way": way, "rep": rep, "seconds": sec, "mb_s": bulk / sec / 1e6})
+    finally:
+        upstream.stop()
+    res.samples = {"decodes": decodes, "bulk": bulks}
+    tok = {w: spread(d["decode_rate"] for d in decodes if d["way"] == w) for w in ("direct", "proxy")}
+    mbs = {w: spread(b["mb_s"] for b in bulks if b["way"] == w) for w in ("direct", "proxy")}
+    load = {w: spread(d["load_ms"] for d in decodes if d["way"] == w) for w in ("direct", "proxy")}
+    res.summary = {"decode_tok_s": tok, "bulk_mb_s": mbs, "model_load_ms": load}
+    q = ratio(tok["proxy"]["median"], tok["direct"]["median"])
+    res.rows.append(Row("llama.cpp ggml-RPC client tok/s through our port", tok["proxy"]["median"], "tok/s",
+                        tok["direct"]["median"], "direct to the ggml server", "≥ 90 % of direct",
+                        None if q is None else q >= 0.9,
+                        f"model load {load['proxy']['median']:.0f} vs {load['direct']['median']:.0f} ms"))
+    q = ratio(mbs["proxy"]["median"], mbs["direct"]["median"])
+    res.rows.append(Row(f"bulk SET_TENSOR of {bulk // MiB} MiB through our port", mbs["proxy"]["median"], "MB/s",
+                        mbs["direct"]["median"], "direct", "≥ 80 % of direct", None if q is None else q >= 0.8))
+    return res

@@ -1,0 +1,90 @@
+"""The markdown summary: one table of every scenario's rows, and the machine it ran on."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .common import Result, Row
+
+TABLE_START = "<!-- bench:table:start -->"
+TABLE_END = "<!-- bench:table:end -->"
+
+
+def _num(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "—"
+    a = abs(x)
+    s = f"{x:.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.2f}" if a >= 0.1 else f"{x:.3f}"
+    return f"{s} {unit}".strip()
+
+
+def _verdict(r: Row) -> str:
+    if not r.budget:
+        return ""
+    return {True: "✅ met", False: "❌ **missed**", None: "n/a"}[r.ok]
+
+
+NOISY_PCT = 25  # other processes' share of all CPUs above which a scenario's figures are flagged
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| scenario | metric | value | baseline (same run) | ratio | budget | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for res in results:
+        if res.error:
+            lines.append(f"| {res.scenario} | **failed**: {res.error.splitlines()[0][:150]} | | | | | |")
+            continue
+        other = res.machine.get("cpu_other_processes_pct") or 0
+        noisy = f" ⚠ other processes used {other:.0f} % of the CPUs" if other > NOISY_PCT else ""
+        for r in res.rows:
+            base = f"{_num(r.baseline, r.unit)} ({r.baseline_label})" if r.baseline is not None else "—"
+            ratio = f"{r.ratio:.2f}×" if r.ratio is not None else "—"
+            metric = r.metric + (f" — {r.note}" if r.note else "")
+            lines.append(f"| {res.scenario} | {metric} | {_num(r.value, r.unit)} | {base} | {ratio} | "
+                         f"{r.budget or '—'} | {_verdict(r)}{noisy if r.budget else ''} |")
+    return "\n".join(lines)
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    bg = machine.get("background") or {}
+    return (f"{machine.get('cpus_usable')} usable CPUs ({machine.get('cpu_model')}), "
+            f"{machine.get('mem_total_mib')} MiB, Python {machine.get('python')}, "
+            f"llama-cpp-python {machine.get('llama_cpp_python')}, commit {machine.get('git_commit') or '?'}, "
+            f"{machine.get('date')}; host {bg.get('cpu_busy_pct', '?')} % busy before the run "
+            f"(load average {bg.get('loadavg_1m_after', '?')})")
+
+
+def markdown(results: list[Result], machine: dict[str, Any], command: str, models: dict[str, Any],
+             plots: list[Path]) -> str:
+    out = ["# hydra-rpc benchmark results\n", f"`{command}`\n", f"Machine: {machine_line(machine)}.\n",
+           "Models: " + ", ".join(f"{k} = `{Path(v).name}`" for k, v in models.items()
+                                   if k in ("main", "busy", "state", "reload_target")) + ".\n",
+           TABLE_START, table(results), TABLE_END, ""]
+    notes = [(res.scenario, n) for res in results for n in res.notes]
+    if notes:
+        out.append("## Notes\n")
+        out += [f"- **{s}**: {n}" for s, n in notes]
+        out.append("")
+    out.append("Host load while each scenario ran (the share of all CPUs; \"other processes\" excludes the "
+               "benchmark's own):\n")
+    for res in results:
+        m = res.machine
+        if "duration_s" in m:
+            out.append(f"- {res.scenario}: {m['duration_s']} s, CPU {m.get('cpu_busy_pct', '?')} % busy of which "
+                       f"{m.get('cpu_other_processes_pct', '?')} % other processes, steal "
+                       f"{m.get('cpu_steal_pct', '?')} %, load average {m.get('loadavg_1m_before')} → "
+                       f"{m.get('loadavg_1m_after')}")
+    if plots:
+        out.append("\n## Charts\n")
+        out += [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(out) + "\n"
+
+
+def replace_table(doc: Path, results: list[Result]) -> bool:
+    """Swap the table between the markers in ``doc`` for this run's; False if there are no markers."""
+    text = doc.read_text()
+    a, b = text.find(TABLE_START), text.find(TABLE_END)
+    if a < 0 or b < a:
+        return False
+    doc.write_text(text[:a + len(TABLE_START)] + "\n" + table(results) + "\n" + text[b:])
+    return True

@@ -1,0 +1,76 @@
+"""slots-scaling: aggregate tokens/s with 1, 2 and 4 slots generating at once.
+
+The engine puts one token of every decoding slot into one ``llama_decode`` (continuous
+batching); the C++ queue serialises them. Each stream is a PIN DECODE on its own
+connection. The aggregate rate is counted in the steady window where every stream is
+producing (from the last stream's first piece to the first stream's last piece), so
+prefills and stragglers do not blur it. Baseline: the single stream, interleaved.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from .common import BenchContext, Result, Row, interleaved, now, ratio, spread
+from .procs import HydraServer
+from .traffic import PinRun, messages_for, pin_decode, tokens_between
+
+NAME = "slots-scaling"
+COUNTS = [1, 2, 4]
+
+
+def aggregate_rate(runs: list[PinRun]) -> float | None:
+    """Tokens of all streams per second, inside the window where all of them were producing."""
+    if any(len(r.times) < 2 for r in runs):
+        return None
+    a = max(r.times[0] for r in runs)
+    b = min(r.times[-1] for r in runs)
+    if b <= a:
+        return None
+    return sum(tokens_between(r.times, a, b) for r in runs) / (b - a)
+
+
+async def _measure(ctx: BenchContext, model: str, n: int, cap_s: float) -> list[dict]:
+    rounds = []
+    with HydraServer(["--model", model, "--slots", str(max(COUNTS)), "--ctx", "4096",
+                      "--threads", str(ctx.threads)]) as srv:
+        await asyncio.gather(*(pin_decode(srv.host, srv.port, i, 32, messages_for(i)) for i in range(max(COUNTS))))
+        for rep, k in interleaved(ctx.reps, COUNTS):
+            until = now() + cap_s  # a busy host must not stretch a round into minutes
+            runs = await asyncio.gather(*(pin_decode(srv.host, srv.port, i, n, messages_for(i), until=until)
+                                          for i in range(k)))
+            for r in runs:
+                r.check(n)
+            rounds.append({"rep": rep, "streams": k, "aggregate_tok_s": aggregate_rate(runs),
+                           "per_stream_tok_s": [r.decode_rate() for r in runs], "tokens": [r.tokens for r in runs]})
+    return rounds
+
+
+async def run(ctx: BenchContext) -> Result:
+    res = Result(NAME)
+    ms = ctx.models
+    # The budget is about batching amortising llama.cpp's per-token work, which dominates
+    # for real models. The tiny model (~0.1 ms/token) is bound by our per-token Python
+    # instead, which batching cannot amortise: measured too, for contrast, without a budget.
+    models = [("tiny-small", ms.busy, True), ("tiny", ms.main, False)] if ms.tiny else [(ms.label, ms.main, True)]
+    n = ctx.pick(1000 if ms.tiny else 128, 200 if ms.tiny else 32)
+    cap_s = ctx.pick(6.0, 2.0)
+    res.config = {"models": {name: path for name, path, _ in models}, "n_predict_per_stream": n, "cap_seconds": cap_s,
+                  "threads": ctx.threads, "reps": ctx.reps, "counts": COUNTS, "slots": max(COUNTS)}
+    res.samples = {"rounds": []}
+    for name, path, budgeted in models:
+        rounds = await _measure(ctx, path, n, cap_s)
+        res.samples["rounds"] += [{"model": name, **r} for r in rounds]
+        agg = {k: spread(r["aggregate_tok_s"] for r in rounds if r["streams"] == k) for k in COUNTS}
+        res.summary[name] = {"aggregate_tok_s": {str(k): v for k, v in agg.items()}}
+        one = agg[1]["median"]
+        for k in COUNTS[1:]:
+            v = agg[k]["median"]
+            q = ratio(v, one)
+            budget, ok = ("aggregate ≥ 2.5× of 1 slot", None if q is None else q >= 2.5) \
+                if k == 4 and budgeted else ("", None)
+            note = f"spread {agg[k]['min']:.0f}–{agg[k]['max']:.0f}" if v is not None else "no steady window"
+            if not budgeted:
+                note += "; bound by per-token Python, not llama.cpp: no budget"
+            res.rows.append(Row(f"aggregate tok/s, {k} slots decoding at once ({name})", v, "tok/s", one,
+                                "1 slot", budget, ok, note))
+    return res

@@ -1,0 +1,191 @@
+"""Client-side traffic shared by scenarios: PIN streaming decodes, pollers, rate timelines.
+
+All timestamps are ``common.now()`` of this process, so the latency of a poll and the
+arrival of a decoded piece are on the same clock.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from codec import payloads as P
+from codec.enums import Op, Status, op_name
+from hydra_rpc.client import HydraClient
+
+from .common import BenchError, now
+
+
+def messages_for(i: int) -> list[dict[str, str]]:
+    """A short chat per stream (distinct per slot, so no two streams share a prompt)."""
+    return [{"role": "user", "content": f"Stream {i}: tell me a long story about the sea and its ships."}]
+
+
+@dataclass
+class PinRun:
+    """One PIN streaming DECODE as the client saw it."""
+
+    slot: int
+    t_send: float
+    t_head: float = 0.0
+    times: list[float] = field(default_factory=list)  # arrival of each piece
+    status: int = Status.OK
+    error: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.times)
+
+    def decode_rate(self) -> float | None:
+        """tok/s from the first to the last piece (prefill and connection setup excluded)."""
+        t = self.times
+        return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
+
+    def e2e_rate(self) -> float | None:
+        return len(self.times) / (self.times[-1] - self.t_send) if self.times else None
+
+    def check(self, wanted: int) -> "PinRun":
+        """Raise unless the stream was accepted and produced a rate (≥ 2 pieces)."""
+        if self.status != Status.OK:
+            raise BenchError(f"PIN DECODE on slot {self.slot} refused: {self.error}")
+        if len(self.times) < 2:
+            raise BenchError(f"slot {self.slot}: the model ended its generation after {len(self.times)} of {wanted} "
+                             "tokens (end of generation); these benchmarks need a model that keeps generating")
+        return self
+
+
+async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: list | None, *,
+                     until: float | None = None, stop: asyncio.Event | None = None) -> PinRun:
+    """PIN DECODE ``{"n_predict", "messages"}``: head ``OK,0,0`` then ``[u32 len][piece]`` until EOF.
+
+    ``until`` (a ``now()`` value) or ``stop`` ends the stream early: closing the connection is
+    how a PIN client cancels, and the server must then free the slot before its next step.
+    """
+    c = await HydraClient.connect(host, port)
+    run = PinRun(slot, now())
+    try:
+        await c.send(Op.DECODE, str(slot), P.encode_json_decode(n_predict, messages))
+        head = await c.read_response()
+        run.t_head = now()
+        run.status = head.status
+        if head.status != Status.OK:
+            run.error = str(head.meta)
+            return run
+        async for _piece in c.pin_pieces():
+            t = now()
+            run.times.append(t)
+            if (until is not None and t >= until) or (stop is not None and stop.is_set()):
+                break
+    finally:
+        await c.close()
+    return run
+
+
+def rate_timeline(times: list[float], t0: float, bin_s: float = 0.1) -> list[tuple[float, float]]:
+    """(bin centre relative to ``t0``, tok/s) for the pieces in ``times``."""
+    if not times:
+        return []
+    first = int((times[0] - t0) // bin_s)
+    last = int((times[-1] - t0) // bin_s)
+    counts = [0] * (last - first + 1)
+    for t in times:
+        counts[int((t - t0) // bin_s) - first] += 1
+    return [(round((first + i + 0.5) * bin_s, 4), c / bin_s) for i, c in enumerate(counts)]
+
+
+def tokens_between(times: list[float], a: float, b: float) -> int:
+    return sum(1 for t in times if a <= t < b)
+
+
+@dataclass
+class Poll:
+    t: float  # send time (``now()``)
+    ms: float  # round trip; for a failed poll, the time until it failed
+    op: str
+    status: int  # wire status, or -1 for a timeout / connection error
+    generation: int | None
+    reload_state: str | None = None
+
+
+class Poller:
+    """Sends ``ops`` in turn on ONE connection, ``interval`` seconds apart, until ``stop`` is set.
+
+    A poll that fails (timeout, reset) is recorded with status -1 and the connection is
+    reopened, so a stall shows up as a few long samples, not as a hole in the timeline.
+    """
+
+    def __init__(self, host: str, port: int, ops: list[tuple[int, str]], interval: float, timeout: float = 10.0,
+                 phase: float = 0.0):
+        self.host, self.port = host, port
+        self.ops = ops
+        self.interval = interval
+        self.timeout = timeout
+        self.phase = phase  # seconds to wait before the first poll
+        self.polls: list[Poll] = []
+
+    async def run(self, stop: asyncio.Event) -> list[Poll]:
+        client: HydraClient | None = None
+        i = 0
+        if self.phase:
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.phase)
+        try:
+            while not stop.is_set():
+                op, key = self.ops[i % len(self.ops)]
+                i += 1
+                t0 = now()
+                try:
+                    if client is None:
+                        client = await HydraClient.connect(self.host, self.port, timeout=self.timeout)
+                        t0 = now()
+                    r = await client.request(op, key, timeout=self.timeout)
+                    meta = r.meta or {}
+                    reload = meta.get("reload") if isinstance(meta.get("reload"), dict) else {}
+                    self.polls.append(Poll(t0, (now() - t0) * 1000, op_name(op), r.status,
+                                           meta.get("config_generation"), reload.get("state")))
+                except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+                    self.polls.append(Poll(t0, (now() - t0) * 1000, op_name(op), -1, None, type(e).__name__))
+                    if client is not None:
+                        await client.close()
+                    client = None
+                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval)
+        finally:
+            if client is not None:
+                await client.close()
+        return self.polls
+
+
+def poll_columns(polls: list[Poll], t0: float) -> dict[str, list[Any]]:
+    """Raw poll samples as JSON columns (time relative to ``t0`` in s, latency in ms)."""
+    return {"t": [round(p.t - t0, 5) for p in polls], "ms": [round(p.ms, 4) for p in polls],
+            "op": [p.op for p in polls], "status": [p.status for p in polls],
+            "generation": [p.generation for p in polls], "reload_state": [p.reload_state for p in polls]}
+
+
+def latencies(polls: list[Poll], a: float = float("-inf"), b: float = float("inf"), ok_only: bool = True) -> list[float]:
+    return [p.ms for p in polls if a <= p.t < b and (p.status == Status.OK or not ok_only)]
+
+
+async def request_ok(host: str, port: int, op: int, key: str = "", payload: bytes = b"",
+                     timeout: float = 120.0) -> dict[str, Any]:
+    """One request on a fresh connection; its meta, or BenchError if the status is not OK."""
+    async with await HydraClient.connect(host, port) as c:
+        r = await c.request(op, key, payload, timeout=timeout)
+    if r.status != Status.OK:
+        raise BenchError(f"{op_name(op)} {key!r} answered {r!r}")
+    return r.meta or {}
+
+
+async def wait_generation(host: str, port: int, generation: int, timeout: float = 120.0) -> dict[str, Any]:
+    """Poll INFO until ``config_generation`` reaches ``generation`` (a staged reload is live)."""
+    deadline = now() + timeout
+    while now() < deadline:
+        info = await request_ok(host, port, Op.INFO)
+        if info.get("config_generation", 0) >= generation:
+            return info
+        if (info.get("reload") or {}).get("state") in ("failed", "dropped"):
+            raise BenchError(f"reload to generation {generation} failed: {info['reload']}")
+        await asyncio.sleep(0.02)
+    raise BenchError(f"config generation {generation} not live after {timeout:.0f}s")

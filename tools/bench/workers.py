@@ -1,0 +1,198 @@
+"""Baseline processes the harness runs besides the servers (``python -m tools.bench.workers MODE JSON``).
+
+* ``bare-decode``: the bare llama-cpp-python loop — load the model with the server's settings,
+  prefill, then decode 1 token + sample greedily, N times. The baseline of decode-overhead.
+* ``ggml-client``: the same loop with every layer offloaded to a ggml RPC server at
+  ``endpoint`` (directly, or through our port's passthrough).
+* ``raw-peer``: a plain blocking-socket peer that sends or swallows N bytes on request: the
+  "raw loopback copy" baseline of state-transfer.
+* ``pollers``: N STATE_META pollers (the connections scenario runs several of these, since one
+  Python process cannot issue thousands of requests a second without queueing them itself).
+
+Each one-shot mode prints ``BENCH_RESULT <json>`` as its last line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+from tools.bench.procs import READY_PREFIX, RESULT_PREFIX
+
+
+def greedy_decode(model, tokens: list[int], n_predict: int, seq: int = 0,
+                  max_seconds: float | None = None) -> dict[str, Any]:
+    """Prefill ``tokens`` (in n_batch chunks), then decode-1 + greedy-sample ``n_predict`` times
+    (or until ``max_seconds`` after the first token: a busy host must not stretch a run).
+
+    Returns the wall time of each sampled token, so the rate is computed exactly as the
+    harness computes it for streamed pieces (first to last token).
+    """
+    from engine.llama_backend import BatchItem, SamplerParams
+
+    sampler = model.make_sampler(SamplerParams(temperature=0))
+    t_start = time.perf_counter()
+    pos, nb = 0, model.n_batch
+    for i in range(0, len(tokens), nb):
+        chunk = tokens[i:i + nb]
+        model.decode([BatchItem(seq, chunk, pos, i + nb >= len(tokens))])
+        pos += len(chunk)
+    times: list[float] = []
+    tok = sampler.sample(model, seq)
+    times.append(time.perf_counter())
+    stop_at = times[0] + max_seconds if max_seconds else float("inf")
+    while len(times) < n_predict and not model.is_eog(tok) and times[-1] < stop_at:
+        model.decode([BatchItem(seq, [tok], pos, True)])
+        pos += 1
+        tok = sampler.sample(model, seq)
+        times.append(time.perf_counter())
+    sampler.free()
+    n = len(times)
+    return {"tokens": n, "prompt_tokens": len(tokens), "t_start": t_start, "t_first": times[0], "t_last": times[-1],
+            "decode_rate": (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
+            "e2e_rate": n / (times[-1] - t_start)}
+
+
+def _load(p: dict[str, Any], **extra):
+    from engine.llama_backend import LoadedModel
+
+    if p.get("nice"):
+        # the server's inference thread runs at this nice value: the baseline must yield to
+        # other work on the host exactly as much (ggml's compute threads inherit it)
+        os.setpriority(os.PRIO_PROCESS, 0, int(p["nice"]))
+
+    t0 = time.perf_counter()
+    m = LoadedModel(p["model"], n_ctx=p["n_ctx"], n_seq_max=p.get("n_seq_max", 1), n_batch=p.get("n_batch", 512),
+                    n_threads=p.get("n_threads"), **extra)
+    return m, (time.perf_counter() - t0) * 1000
+
+
+def _prompt(m, p: dict[str, Any]) -> list[int]:
+    return m.chat_tokens(p["messages"]) if p.get("messages") else list(p["tokens"])
+
+
+def _warm(m, prompt: list[int], p: dict[str, Any]) -> None:
+    """A short untimed decode first: the server under test is warm too (graphs, buffers, caches)."""
+    if p.get("warmup"):
+        greedy_decode(m, prompt, p["warmup"])
+        m.seq_clear(0)
+
+
+def bare_decode(p: dict[str, Any]) -> dict[str, Any]:
+    m, load_ms = _load(p)
+    try:
+        prompt = _prompt(m, p)
+        _warm(m, prompt, p)
+        out = greedy_decode(m, prompt, p["n_predict"], max_seconds=p.get("max_seconds"))
+    finally:
+        m.close()
+    return {**out, "load_ms": load_ms}
+
+
+def ggml_client(p: dict[str, Any]) -> dict[str, Any]:
+    from engine.ggml_rpc_lib import list_devices, register_rpc_server
+
+    t0 = time.perf_counter()
+    device = register_rpc_server(p["endpoint"])
+    reg_ms = (time.perf_counter() - t0) * 1000
+    m, load_ms = _load(p, n_gpu_layers=99)
+    try:
+        prompt = _prompt(m, p)
+        _warm(m, prompt, p)
+        out = greedy_decode(m, prompt, p["n_predict"], max_seconds=p.get("max_seconds"))
+    finally:
+        m.close()
+    return {**out, "register_ms": reg_ms, "load_ms": load_ms, "device": device,
+            "devices": [d["name"] for d in list_devices()]}
+
+
+def pollers(p: dict[str, Any]) -> dict[str, Any]:
+    """``n`` STATE_META pollers on their own connections for ``seconds``; their first polls are
+    spread over one interval (``index0``/``of``: this process's place among all pollers)."""
+    import asyncio
+
+    import uvloop
+
+    from codec.enums import Op
+    from tools.bench.traffic import Poller, latencies
+
+    n, interval = p["n"], p["interval"]
+
+    async def go() -> list:
+        # all poller processes start together, after every one of them has finished importing
+        await asyncio.sleep(max(0.0, p.get("start_at", 0) - time.time()))
+        stop = asyncio.Event()
+        ps = [Poller(p["host"], p["port"], [(Op.STATE_META, str((p["index0"] + i) % p["slots"]))], interval,
+                     phase=interval * (p["index0"] + i) / p["of"]) for i in range(n)]
+        tasks = [asyncio.create_task(x.run(stop)) for x in ps]
+        await asyncio.sleep(p["seconds"])
+        stop.set()
+        return [poll for polls in await asyncio.gather(*tasks) for poll in polls]
+
+    c0 = os.times()
+    polls = uvloop.run(go())
+    c1 = os.times()
+    return {"latencies_ms": [round(x, 4) for x in latencies(polls)], "errors": sum(1 for x in polls if x.status != 0),
+            "cpu_s": (c1.user + c1.system) - (c0.user + c0.system)}
+
+
+def raw_peer(p: dict[str, Any]) -> None:
+    """Serve ``[u8 cmd][u64 n]`` requests one connection at a time: ``G`` → send n bytes,
+    ``P`` → receive n bytes then ack one byte, ``Q`` → exit. Buffers are preallocated, so the
+    copy costs only the kernel's socket work on this side."""
+    buf = bytearray(p["max_bytes"])
+    view = memoryview(buf)
+    srv = socket.create_server(("127.0.0.1", 0))
+    print(f"{READY_PREFIX}{srv.getsockname()[1]}", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                head = _recv_exact(conn, 9)
+                if head is None:
+                    break
+                cmd, n = head[0], struct.unpack("<Q", head[1:])[0]
+                if cmd == ord("Q"):
+                    return
+                if cmd == ord("G"):
+                    conn.sendall(view[:n])
+                elif cmd == ord("P"):
+                    got = 0
+                    while got < n:
+                        k = conn.recv_into(view[got:n])
+                        if not k:
+                            break
+                        got += k
+                    conn.sendall(b"\x01")
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+MODES = {"bare-decode": bare_decode, "ggml-client": ggml_client, "pollers": pollers}
+
+
+def main(argv: list[str]) -> int:
+    mode, params = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
+    if mode == "raw-peer":
+        raw_peer(params)
+        return 0
+    out = MODES[mode](params)
+    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
