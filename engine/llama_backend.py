@@ -890,6 +890,13 @@ class LoadedModel:
         n = int(L.llama_state_seq_get_data(ctx, buf, size, seq))
         return memoryview(buf).cast("B")[:n].toreadonly()
 
+    def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int:
+        """Write ``seq``'s state into ``buf`` (writable, ≥ :meth:`state_seq_size`); returns its length."""
+        seq = self._check_seq(seq)
+        mv = memoryview(buf).cast("B")
+        dst = (ctypes.c_uint8 * len(mv)).from_buffer(mv)
+        return int(L.llama_state_seq_get_data(self._ctx_handle(), dst, len(mv), seq))
+
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         """Replace ``seq``'s cells with a snapshot from :meth:`state_seq_get`; returns bytes read.
 

@@ -65,12 +65,16 @@ class Handlers:
     async def state_get(self, req: Request, resp: ResponseWriter) -> None:
         slot = self.slot(req)
         out = await self.engine.state_get(slot)
-        head = encode_kv_blob_header(KV_VERSION, out.n_past, out.tokens)
-        meta = {"n_past": out.n_past, "state_size": len(out.state), **out.identity,
-                "config_generation": out.config_generation}
-        await resp.start(Status.OK, meta, len(head) + len(out.state))
-        await resp.write(head)
-        await write_chunked(resp, out.state, self.engine.t1["state_chunk_size"])
+        try:
+            head = encode_kv_blob_header(KV_VERSION, out.n_past, out.tokens)
+            meta = {"n_past": out.n_past, "state_size": len(out.state), **out.identity,
+                    "config_generation": out.config_generation}
+            await resp.start(Status.OK, meta, len(head) + len(out.state))
+            await resp.write(head)
+            await write_chunked(resp, out.state, self.engine.t1["state_chunk_size"])
+            await resp.drain_all()  # the transport holds views of the buffer until sent
+        finally:
+            out.release()
 
     async def state_put(self, req: Request, resp: ResponseWriter) -> None:
         slot = self.slot(req)

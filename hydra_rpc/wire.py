@@ -238,6 +238,15 @@ class ResponseWriter:
         self._w.write(data)
         await self._w.drain()
 
+    async def drain_all(self) -> None:
+        """Wait until everything written has left our buffers (not just below the high-water mark)."""
+        transport = self._w.transport
+        transport.set_write_buffer_limits(high=0)
+        try:
+            await self._w.drain()
+        finally:
+            transport.set_write_buffer_limits()
+
     async def start_eof_stream(self, status: int = Status.OK, meta: dict | None = None) -> None:
         """PIN-style stream: header with payload_len 0, frames follow, then close."""
         await self.start(status, meta, 0)

@@ -65,3 +65,24 @@ async def test_client_vanishing_mid_large_payload_leaves_server_healthy(tiny_mod
         assert r.status in (Status.ERROR, Status.BAD_REQUEST)
         assert (await c2.request(Op.STATE_META, "0")).ok
         await c2.close()
+
+
+@pytest.mark.asyncio
+async def test_concurrent_state_gets_share_no_bytes(tiny_model_path):
+    """STATE_GET reuses one resident buffer; a second transfer in flight must get its own."""
+    with serving("--model", "tiny", "--no-http", "--ctx", "20000", "--slots", "2", "--no-low-priority",
+                 "--log-level", "WARNING") as server:
+        c = await HydraClient.connect(server.host, server.port)
+        for slot, seed in (("0", 1), ("1", 2)):
+            rng = random.Random(seed)
+            toks = [rng.randrange(3, 500) for _ in range(16000)]
+            assert (await c.request(Op.PREFILL, slot, struct.pack(f"<{len(toks)}I", *toks), timeout=120)).ok
+        alone = [(await c.request(Op.STATE_GET, s, timeout=60)).payload for s in ("0", "1")]
+        assert alone[0] != alone[1]
+        clients = [await HydraClient.connect(server.host, server.port) for _ in range(4)]
+        got = await asyncio.gather(*(cl.request(Op.STATE_GET, str(i % 2), timeout=60)
+                                     for i, cl in enumerate(clients)))
+        for i, r in enumerate(got):
+            assert r.ok and r.payload == alone[i % 2]
+        for cl in clients + [c]:
+            await cl.close()
