@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import tiers
+from .buffers import LeasedBuffer
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
 from .llama_backend import LoadedModel, SamplerParams, make_inference_executor, make_loader_executor
 from .reload import ModelParams, ReloadInfo, build_model
@@ -60,37 +61,6 @@ class StateOut:
     release: Callable[[], None] = lambda: None  # call when ``state`` has been sent
 
 
-class StateBuffer:
-    """One reusable buffer for STATE_GET, leased to one transfer at a time.
-
-    Copying a large state out of llama.cpp into fresh memory pays a page fault per page
-    (~110 ms at 256 MiB on this machine kind) before the first byte can go out; a buffer
-    whose pages are already resident does not. The price: the largest state sent so far
-    stays allocated. A transfer that finds the buffer leased gets a fresh one.
-    """
-
-    def __init__(self) -> None:
-        self._buf: bytearray | None = None
-        self._leased = False
-
-    def lease(self, size: int) -> tuple[bytearray, Callable[[], None]]:
-        if self._leased:
-            return bytearray(size), lambda: None
-        if self._buf is None or len(self._buf) < size:
-            self._buf = None  # drop the smaller one first: never hold both
-            self._buf = bytearray(size)
-        self._leased = True
-
-        def release() -> None:
-            self._leased = False
-
-        return self._buf, release
-
-    def clear(self) -> None:
-        if not self._leased:
-            self._buf = None
-
-
 class Engine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -116,7 +86,7 @@ class Engine:
         self._shadow_params: ModelParams | None = None
         self._reload_token = 0
         self._reload_waiters: list[asyncio.Future] = []
-        self._state_buf = StateBuffer()
+        self._state_buf = LeasedBuffer(bytearray)
         self._stopping = False
         self._publish()
 
@@ -455,7 +425,7 @@ class Engine:
         try:
             size = await loop.run_in_executor(self._infer, model.state_seq_size, slot_id)
             buf, release = self._state_buf.lease(size)
-            n = await loop.run_in_executor(self._infer, model.state_seq_get_into, slot_id, memoryview(buf)[:size])
+            n = await loop.run_in_executor(self._infer, model.state_seq_get_into, slot_id, buf)
         except BaseException:
             if release is not None:
                 release()
@@ -465,7 +435,7 @@ class Engine:
             slot.operation = "idle"
         slot.state_size = n
         self._publish()
-        return StateOut(slot.n_past, list(slot.tokens), memoryview(buf)[:n].toreadonly(), self.wire_identity(),
+        return StateOut(slot.n_past, list(slot.tokens), buf[:n].toreadonly(), self.wire_identity(),
                         slot.generation, release)
 
     async def _on_state_put(self, arg) -> int:

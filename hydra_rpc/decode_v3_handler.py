@@ -18,10 +18,11 @@ from codec.errors import MalformedPayload
 from codec.hashing import Xxh3Stream
 from codec.kvblob import parse_kv_blob
 from engine.actor import Engine
+from engine.buffers import lazy_buffer
 from engine.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
 
-from .wire import Request, ResponseWriter, lazy_buffer
+from .wire import Request, ResponseWriter
 
 CAP_NAMES = ["MTP", "VISION", "REASONING", "TOOL_USE", "CODE"]
 

@@ -18,12 +18,13 @@ from codec.hashing import Xxh3Stream
 from codec.limits import HYDRA_MAX_JSON_HEADER, HYDRA_MAX_PROMPT_BYTES
 from codec.kvblob import encode_kv_blob_header, parse_kv_blob, split_logits_tail
 from engine.actor import Engine
+from engine.buffers import LeasedBuffer
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
 from engine.llama_backend import SamplerParams
 from engine.tiers import ConfigError
 
 from .keys import parse_slot_key
-from .wire import PeerGone, Request, ResponseWriter, lazy_buffer
+from .wire import PeerGone, Request, ResponseWriter
 
 KV_VERSION = 3
 
@@ -32,6 +33,7 @@ class Handlers:
     def __init__(self, engine: Engine, decode_v3=None):
         self.engine = engine
         self.decode_v3 = decode_v3  # set by hydra_rpc.decode_v3_handler when available
+        self.put_buffer = LeasedBuffer()  # STATE_PUT payloads land here (resident, reused)
 
     def table(self) -> dict[int, Any]:
         t = {
@@ -80,25 +82,29 @@ class Handlers:
         slot = self.slot(req)
         if req.body.length == 0:
             raise MalformedPayload("STATE_PUT needs a KV blob", rule="state_put.empty")
-        buf = lazy_buffer(req.body.length)  # size checked against the STATE_PUT cap already
-        await req.body.read_into(buf)
-        layout = parse_kv_blob(buf, has_logits=False)
-        t0 = time.perf_counter()
-        state = memoryview(buf)[layout.state_offset:layout.state_offset + layout.state_len]
-        tokens = list(layout.header.tokens)
-        nv = self.engine.n_vocab
-        if any(t < 0 or t >= nv for t in tokens):
-            await resp.send(Status.ERROR, {"error": f"blob tokens outside this model's vocabulary (n_vocab {nv})",
-                                           "restored": False, "model_match": False, **self.engine.wire_identity()})
-            return
+        buf, release = self.put_buffer.lease(req.body.length)  # length checked against the cap already
         try:
-            consumed = await self.engine.state_put(slot, tokens, state)
-        except EngineBusy:
-            raise
-        except Exception as e:
-            await resp.send(Status.ERROR, {"error": f"llama_state_seq_set_data rejected the state: {e}",
-                                           "restored": False, "model_match": False, **self.engine.wire_identity()})
-            return
+            await req.body.read_into(buf)
+            layout = parse_kv_blob(buf, has_logits=False)
+            t0 = time.perf_counter()
+            state = buf[layout.state_offset:layout.state_offset + layout.state_len]
+            tokens = list(layout.header.tokens)
+            nv = self.engine.n_vocab
+            if any(t < 0 or t >= nv for t in tokens):
+                await resp.send(Status.ERROR, {"error": f"blob tokens outside this model's vocabulary (n_vocab {nv})",
+                                               "restored": False, "model_match": False, **self.engine.wire_identity()})
+                return
+            try:
+                consumed = await self.engine.state_put(slot, tokens, state)
+            except EngineBusy:
+                raise
+            except Exception as e:
+                await resp.send(Status.ERROR, {"error": f"llama_state_seq_set_data rejected the state: {e}",
+                                               "restored": False, "model_match": False,
+                                               **self.engine.wire_identity()})
+                return
+        finally:
+            release()
         layout = split_logits_tail(layout, consumed, nv)
         snap = self.engine.snapshot(slot)
         await resp.send(Status.OK, {

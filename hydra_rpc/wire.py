@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import mmap
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -21,19 +20,6 @@ def encode_meta(meta: dict | None) -> bytes:
         return b""
     # allow_nan=False: Infinity/NaN are not JSON and strict clients (System.Text.Json) reject them
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def lazy_buffer(n: int) -> bytearray | mmap.mmap:
-    """A writable buffer of ``n`` bytes whose memory is committed only as it is written.
-
-    A length field is a claim, not a fact: a 70-byte request saying "4 GiB follow" must
-    cost neither 4 GiB of RAM nor seconds of zero-filling on the event loop. An anonymous
-    mapping reserves address space only; pages appear as the payload actually arrives.
-    """
-    if n < (1 << 20):
-        return bytearray(n)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-    return mmap.mmap(-1, n, flags=flags)
 
 
 class PeerGone(ConnectionError):

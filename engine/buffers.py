@@ -1,0 +1,56 @@
+"""A large buffer kept resident between transfers and leased to one transfer at a time.
+
+Copying a multi-hundred-MiB state into fresh memory pays a page fault per page (on this
+machine kind ~110 ms at 256 MiB, and very variable under a VM); a buffer whose pages are
+already resident does not. The price is that the largest buffer used so far stays
+allocated. A transfer that finds the buffer leased gets a fresh one of its own.
+"""
+from __future__ import annotations
+
+import mmap
+from typing import Callable
+
+Buffer = bytearray | mmap.mmap
+
+
+def lazy_buffer(n: int) -> Buffer:
+    """``n`` writable bytes whose memory is committed only as it is written.
+
+    A length field is a claim, not a fact: a 70-byte request saying "4 GiB follow" must
+    cost neither 4 GiB of RAM nor seconds of zero-filling; an anonymous mapping reserves
+    address space only.
+    """
+    if n < (1 << 20):
+        return bytearray(n)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    return mmap.mmap(-1, n, flags=flags)
+
+
+class LeasedBuffer:
+    def __init__(self, make: Callable[[int], Buffer] = lazy_buffer, keep_max: int = 8 << 30):
+        self._make = make
+        self._buf: Buffer | None = None
+        self._leased = False
+        self.keep_max = keep_max  # never retain more than this
+
+    def lease(self, size: int) -> tuple[memoryview, Callable[[], None]]:
+        """A writable view of ``size`` bytes and the function that gives it back."""
+        if self._leased or size > self.keep_max:
+            return memoryview(self._make(size)), _noop
+        if self._buf is None or len(self._buf) < size:
+            self._buf = None  # drop the smaller one first: never hold both
+            self._buf = self._make(size)
+        self._leased = True
+
+        def release() -> None:
+            self._leased = False
+
+        return memoryview(self._buf)[:size], release
+
+    def clear(self) -> None:
+        if not self._leased:
+            self._buf = None
+
+
+def _noop() -> None:
+    pass
