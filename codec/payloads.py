@@ -456,21 +456,25 @@ def _all_tokens_small(payload: Buffer, first: int) -> bool:
     return high.count(0) == len(high)
 
 
-def looks_like_decode_v3(payload: Buffer) -> bool:
-    """``[u32 hdr_len ≤ 32768][u64 hash]{JSON…`` with the whole header present.
+V3_PREFIX_PROBE = 16  # bytes that decide whether a DECODE payload is a v3 frame
+
+
+def looks_like_decode_v3_prefix(first: Buffer) -> bool:
+    """The first 16 bytes look like ``[u32 hdr_len ≤ 32768][u64 hash]{JSON…`` (a streaming server
+    decides from these before reading the rest).
 
     The JSON starts with ``{`` and its first 4 bytes have no NUL (hdr_len ≥ 4); an E1 DECODE
     payload has a token's zero high byte at offset 15, so it can never pass.
     """
-    if len(payload) < 16:
+    if len(first) < V3_PREFIX_PROBE:
         return False
-    hdr_len = _U32.unpack_from(payload, 0)[0]
-    return (
-        4 <= hdr_len <= HYDRA_MAX_JSON_HEADER
-        and len(payload) >= 12 + hdr_len
-        and payload[12] == ord("{")
-        and 0 not in bytes(payload[12:16])
-    )
+    hdr_len = _U32.unpack_from(first, 0)[0]
+    return 4 <= hdr_len <= HYDRA_MAX_JSON_HEADER and first[12] == ord("{") and 0 not in bytes(first[12:16])
+
+
+def looks_like_decode_v3(payload: Buffer) -> bool:
+    """:func:`looks_like_decode_v3_prefix`, with the whole control header present."""
+    return looks_like_decode_v3_prefix(payload) and len(payload) >= 12 + _U32.unpack_from(payload, 0)[0]
 
 
 def classify_prefill(payload: Buffer) -> Literal["json", "e1"]:

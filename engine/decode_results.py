@@ -10,7 +10,6 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 from .jobs import GenJob, GenResult
 
@@ -26,10 +25,6 @@ class DecodeEntry:
     error: str = ""
     n_past_after_restore: int = 0
     model: str = ""
-
-    @property
-    def progress(self) -> dict[str, Any]:
-        return {"tokens_generated": self.job.events.qsize()}
 
 
 class DecodeResults:

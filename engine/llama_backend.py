@@ -27,7 +27,6 @@ from typing import Any, Iterable, Literal, Sequence, overload
 
 import numpy as np
 
-import llama_cpp
 import llama_cpp.llama_cpp as L
 
 __all__ = [

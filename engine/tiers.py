@@ -16,8 +16,8 @@ from typing import Any
 T1_SAMPLING = {"temp", "top_p", "top_k", "min_p", "penalty_repeat", "seed"}
 T1_KEYS = {"n_predict", "n_keep", "seed", "antiprompt", "state_chunk_size"}
 T2_KEYS = {"n_ctx", "cache_type_k", "cache_type_v"}
-T3_KEYS = {"n_gpu_layers", "n_cpu_moe", "override_tensor", "split_mode", "tensor_split", "model_path",
-           "rpc_servers", "model.path", "model"}
+# T3 keys this engine honours (n_cpu_moe, override_tensor, split_mode, tensor_split: NO_EQUIVALENT)
+T3_KEYS = {"model", "model_path", "model.path", "rpc_servers", "n_gpu_layers"}
 # T4 keys we can honour, and the llama.cpp context/model parameter each one sets.
 T4_CTX_PARAMS = {
     "flash_attn": "flash_attn_type",
@@ -101,7 +101,7 @@ def classify(cfg: dict[str, Any]) -> Classified:
             out.staged[key] = v
             out.deferred_keys.append(key)
             out.bump("T2")
-        elif key in ("model", "model_path", "model.path", "rpc_servers", "n_gpu_layers"):
+        elif key in T3_KEYS:
             out.staged[key] = v
             out.deferred_keys.append(key)
             out.bump("T3")

@@ -1,7 +1,6 @@
 """Wiring: engine + Hydra server (+ HTTP side) in one process, one event loop."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from codec.enums import Status, op_name, status_name
+from codec.enums import Status, status_name
 from codec.framing import RESPONSE_HEADER_SIZE, ResponseHeader, decode_response_header, encode_request
 
 
@@ -103,24 +103,6 @@ class HydraClient:
         finally:
             self._busy = False
 
-    async def request_stream(self, op: int, key: str | bytes = b"", payload: bytes = b"",
-                             trace: str | bytes = b"", chunk: int = 1 << 20
-                             ) -> tuple[ResponseHeader, dict | None, AsyncIterator[bytes]]:
-        """Send a request; return the head and an iterator over the payload in chunks."""
-        await self.send(op, key, payload, trace)
-        hdr, meta = await self.read_head()
-
-        async def body() -> AsyncIterator[bytes]:
-            left = hdr.payload_len
-            while left:
-                data = await self.reader.read(min(chunk, left))
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", left)
-                left -= len(data)
-                yield data
-
-        return hdr, parse_meta(meta), body()
-
     async def pin_pieces(self) -> AsyncIterator[bytes]:
         """After a PIN DECODE head (payload_len 0): ``[u32 len][piece]`` frames until EOF."""
         while True:
@@ -132,6 +114,3 @@ class HydraClient:
                 return
             yield await self.reader.readexactly(n) if n else b""
 
-
-def describe(resp: Response, op: int) -> str:
-    return f"{op_name(op)} → {status_name(resp.status)}"

@@ -16,12 +16,12 @@ from codec import decode_v3 as V3
 from codec.enums import Status
 from codec.errors import MalformedPayload
 from codec.hashing import Xxh3Stream
-from codec.kvblob import parse_kv_blob
 from engine.actor import Engine
 from engine.buffers import lazy_buffer
 from engine.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
 
+from .handlers import BlobRejected, restore_kv_blob
 from .wire import Request, ResponseWriter
 
 CAP_NAMES = ["MTP", "VISION", "REASONING", "TOOL_USE", "CODE"]
@@ -94,16 +94,13 @@ class DecodeV3:
             return
         t0 = time.perf_counter()
         if kv:
-            layout = parse_kv_blob(kv, has_logits=False)
-            tokens = list(layout.header.tokens)
-            state = memoryview(kv)[layout.state_offset:layout.state_offset + layout.state_len]
             try:
-                await self.engine.state_put(slot, tokens, state)
+                await restore_kv_blob(self.engine, slot, memoryview(kv))
             except EngineBusy as e:
                 await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
                                               "error_code": "BUSY"})
                 return
-            except Exception as e:
+            except BlobRejected as e:
                 await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id,
                                                "reason": f"KV restore failed: {e}", "error_code": "KV_RESTORE"})
                 return

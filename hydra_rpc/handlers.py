@@ -15,8 +15,8 @@ from codec import payloads as P
 from codec.enums import Op, Status
 from codec.errors import MalformedPayload
 from codec.hashing import Xxh3Stream
-from codec.limits import HYDRA_MAX_JSON_HEADER, HYDRA_MAX_PROMPT_BYTES
-from codec.kvblob import encode_kv_blob_header, parse_kv_blob, split_logits_tail
+from codec.limits import HYDRA_MAX_PROMPT_BYTES
+from codec.kvblob import KvBlobLayout, encode_kv_blob_header, parse_kv_blob, split_logits_tail
 from engine.actor import Engine
 from engine.buffers import LeasedBuffer
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
@@ -85,27 +85,16 @@ class Handlers:
         buf, release = self.put_buffer.lease(req.body.length)  # length checked against the cap already
         try:
             await req.body.read_into(buf)
-            layout = parse_kv_blob(buf, has_logits=False)
             t0 = time.perf_counter()
-            state = buf[layout.state_offset:layout.state_offset + layout.state_len]
-            tokens = list(layout.header.tokens)
-            nv = self.engine.n_vocab
-            if any(t < 0 or t >= nv for t in tokens):
-                await resp.send(Status.ERROR, {"error": f"blob tokens outside this model's vocabulary (n_vocab {nv})",
-                                               "restored": False, "model_match": False, **self.engine.wire_identity()})
-                return
             try:
-                consumed = await self.engine.state_put(slot, tokens, state)
-            except EngineBusy:
-                raise
-            except Exception as e:
-                await resp.send(Status.ERROR, {"error": f"llama_state_seq_set_data rejected the state: {e}",
-                                               "restored": False, "model_match": False,
+                layout, consumed = await restore_kv_blob(self.engine, slot, buf)
+            except BlobRejected as e:
+                await resp.send(Status.ERROR, {"error": str(e), "restored": False, "model_match": False,
                                                **self.engine.wire_identity()})
                 return
         finally:
             release()
-        layout = split_logits_tail(layout, consumed, nv)
+        layout = split_logits_tail(layout, consumed, self.engine.n_vocab)
         snap = self.engine.snapshot(slot)
         await resp.send(Status.OK, {
             "restored": True, "bytes": consumed, "model_match": True, **self.engine.wire_identity(),
@@ -247,8 +236,8 @@ class Handlers:
         slot = self.slot(req)
         if req.body.length == 0:
             raise MalformedPayload("DECODE needs a payload", rule="decode.empty")
-        first = await req.body.read_exactly(min(req.body.length, 13))
-        if looks_like_v3(first):
+        first = await req.body.read_exactly(min(req.body.length, P.V3_PREFIX_PROBE))
+        if P.looks_like_decode_v3_prefix(first):
             if self.decode_v3 is None:
                 raise MalformedPayload("DECODE v3 frames are not enabled", rule="decode.v3_disabled")
             await self.decode_v3(req, resp, slot, first)
@@ -290,13 +279,29 @@ class Handlers:
         await stream_pin(req, resp, self.engine, job)
 
 
-def looks_like_v3(first: bytes) -> bool:
-    """A v3 frame starts with ``u32 hdr_len ≤ 32 KiB``, 8 hash bytes, then the JSON header's ``{``.
+class BlobRejected(Exception):
+    """A KV blob this model cannot take (foreign tokens, or a state llama.cpp refuses)."""
 
-    JSON bodies start with ``{`` (u32 far above 32 KiB) and E1 bodies rarely put ``{`` at
-    byte 12; where the bytes are ambiguous, v3 wins (it is what NEW clients send).
+
+async def restore_kv_blob(engine: Engine, slot: int, buf) -> tuple[KvBlobLayout, int]:
+    """Parse a v1/v2/v3 KV blob and restore it into ``slot`` (STATE_PUT and DECODE v3 alike).
+
+    Returns the layout and the bytes the state loader consumed. Raises EngineBusy, or
+    BlobRejected with the reason.
     """
-    return len(first) >= 13 and int.from_bytes(first[:4], "little") <= HYDRA_MAX_JSON_HEADER and first[12] == 0x7B
+    layout = parse_kv_blob(buf, has_logits=False)
+    tokens = list(layout.header.tokens)
+    nv = engine.n_vocab
+    if any(t < 0 or t >= nv for t in tokens):
+        raise BlobRejected(f"blob tokens outside this model's vocabulary (n_vocab {nv})")
+    state = buf[layout.state_offset:layout.state_offset + layout.state_len]
+    try:
+        consumed = await engine.state_put(slot, tokens, state)
+    except EngineBusy:
+        raise
+    except Exception as e:
+        raise BlobRejected(f"llama_state_seq_set_data rejected the state: {e}") from e
+    return layout, consumed
 
 
 def _busy_meta(e: EngineBusy) -> dict[str, Any]:

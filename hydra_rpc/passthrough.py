@@ -199,10 +199,6 @@ class GgmlPassthrough:
     def bytes_down(self) -> int:
         return self._down[0]
 
-    @property
-    def enabled(self) -> bool:
-        return self.upstream is not None
-
     def start_embedded(self) -> tuple[str, int]:
         """Start llama.cpp's own ggml RPC server in this process on a private loopback port."""
         from engine.ggml_rpc_lib import start_embedded_rpc_server
@@ -246,6 +242,3 @@ class GgmlPassthrough:
         finally:
             up_transport.close()
             transport.close()
-
-    async def close(self) -> None:
-        pass

@@ -169,7 +169,6 @@ class HydraServer:
             busy = list(pending)
         if busy:
             await asyncio.wait(busy, timeout=2.0)
-        await self.passthrough.close()
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)

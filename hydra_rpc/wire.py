@@ -4,22 +4,13 @@ a response writer that guarantees exactly one well-formed response.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from codec.enums import Status
 from codec.framing import RequestHeader, encode_response_header
+from codec.payloads import encode_meta
 
 CHUNK = 256 * 1024
-
-
-def encode_meta(meta: dict | None) -> bytes:
-    """Compact JSON like nlohmann's ``dump()``; ``None`` means no meta (meta_len 0)."""
-    if meta is None:
-        return b""
-    # allow_nan=False: Infinity/NaN are not JSON and strict clients (System.Text.Json) reject them
-    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 class PeerGone(ConnectionError):
@@ -147,10 +138,6 @@ class Body:
         finally:
             receiver.restore()
             self.remaining -= receiver.pos - pos
-
-    async def chunks(self, size: int = CHUNK) -> AsyncIterator[bytes]:
-        while self.remaining:
-            yield await self._read_some(size)
 
     async def drain(self, deadline: float) -> None:
         """Discard what is left (bounded by ``deadline`` seconds in total)."""
