@@ -1,4 +1,4 @@
-"""DECODE v3 frames (reference §4.7) and the xxh3 helpers: every rule by id, order, round trips."""
+"""DECODE v3 frames (docs/protocol.md §8) and the xxh3 helpers: every rule by id, order, round trips."""
 from __future__ import annotations
 
 import json

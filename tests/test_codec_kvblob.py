@@ -1,4 +1,4 @@
-"""KV blob formats (reference §5): round trips, golden bytes, limits, struct ≡ construct."""
+"""KV blob formats (docs/protocol.md §7): round trips, golden bytes, limits, struct ≡ construct."""
 from __future__ import annotations
 
 import struct

@@ -1,4 +1,4 @@
-"""Engine payloads of every dialect (reference §4, §6): round trips, rules, dialect detection."""
+"""Engine payloads of every dialect (docs/protocol.md §6, §9, §10): round trips, rules, dialect detection."""
 from __future__ import annotations
 
 import json

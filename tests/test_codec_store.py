@@ -1,4 +1,4 @@
-"""Store payloads (reference §9): chunk records, manifests, lists; limits; struct ≡ construct."""
+"""Store payloads (docs/protocol.md §13): chunk records, manifests, lists; limits; struct ≡ construct."""
 from __future__ import annotations
 
 import json

@@ -91,7 +91,7 @@ async def test_json_decode_stream_false_gives_9_byte_frames(client):
 
 @pytest.mark.asyncio
 async def test_e1_sequence(client):
-    """tests/e1_rpc_test.py of hydra_vortex, against this server (reference §10.4)."""
+    """tests/e1_rpc_test.py of hydra_vortex, against this server (docs/protocol.md §6.6–§6.7, E1)."""
     r = await client.request(Op.INFO, "0", b"", "test")
     assert r.ok and "engine" in r.meta
     assert (await client.request(Op.CONFIGURE, "0", b'{"test":"value"}', "test")).ok
@@ -170,7 +170,7 @@ async def test_expert_mode_swap_quant_pipeline(client):
 
 @pytest.mark.asyncio
 async def test_csharp_request_encodings(client):
-    """The exact bodies the C# RpcClient sends (reference §10.1)."""
+    """The exact bodies the C# RpcClient sends (docs/protocol.md §6)."""
     assert (await client.request(Op.INFO, "")).ok  # HydraEngineClient sends an empty key
     r = await client.request(Op.CONFIGURE, "0", b'{"state_chunk_size":2097152}', "startup-configure")
     assert r.ok and r.meta["state_chunk_size_applied"] == 2097152
