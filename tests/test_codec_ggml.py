@@ -45,6 +45,7 @@ from codec.ggml import (
     parse_set_tensor_header_construct,
     set_tensor_header_size,
 )
+from tests.helpers import outcome
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
@@ -55,13 +56,6 @@ tensors = st.builds(
     op_params=st.tuples(*[I32] * 16), flags=I32, src=st.tuples(*[U64] * 10), view_src=U64, view_offs=U64,
     data=U64, name=st.binary(min_size=64, max_size=64), use_count=I32,
 )
-
-
-def outcome(fn, *args):
-    try:
-        return ("ok", fn(*args))
-    except CodecError:
-        return ("err", None)
 
 
 # ---- golden vectors --------------------------------------------------------------------------
