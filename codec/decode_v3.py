@@ -1,4 +1,4 @@
-"""Merged DECODE v3 frames (reference §4.7): encoder as HV-IDX sends them, validator as NEW checks them.
+"""Merged DECODE v3 frames (docs/protocol.md §8): encoder as C# clients send them, validator as NEW checks them.
 
 Payload, little-endian::
 
@@ -198,7 +198,7 @@ def _parse_segments(raw: list[Any]) -> tuple[Segment, ...]:
 
 
 def validate_decode_v3(hdr_len: int, hdr_hash: int, hdr_bytes: Buffer, payload_len: int) -> DecodeV3Header:
-    """Apply every §4.7 rule that needs only the control header, in the C++ order."""
+    """Apply every docs/protocol.md §8 rule that needs only the control header, in the C++ order."""
     _check_prefix(hdr_len, payload_len)
     if len(hdr_bytes) != hdr_len:
         raise Truncated(f"control header: got {len(hdr_bytes)} of {hdr_len} bytes", rule="v3.hdr_short")

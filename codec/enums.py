@@ -1,4 +1,4 @@
-"""Opcode and status numbers of the Hydra protocol (reference §3, §4, §9)."""
+"""Opcode and status numbers of the Hydra protocol (docs/protocol.md §4, §6, §13)."""
 from __future__ import annotations
 
 import enum

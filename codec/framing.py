@@ -1,6 +1,6 @@
 """Hydra frame headers: the 16-byte request header and the 12-byte response header.
 
-Wire layout (reference §1): every integer little-endian, no padding.
+Wire layout (docs/protocol.md §2): every integer little-endian, no padding.
 
     request   magic u16 (0x4859 → bytes 59 48) | op u8 | flags u8 | key_len u16 |
               payload_len u64 | trace_len u16      then key, trace, payload

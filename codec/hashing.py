@@ -1,4 +1,4 @@
-"""XXH3-64 helpers and the ``"xxh3:%016x"`` hash strings of the wire (reference §4.6, §4.7).
+"""XXH3-64 helpers and the ``"xxh3:%016x"`` hash strings of the wire (docs/protocol.md §11).
 
 The engine puts ``kv_hash_str`` (XXH3-64 of the whole PREFILL payload) in the PREFILL meta,
 and the DECODE v3 frame carries the same string form for its segments plus a raw u64 XXH3-64

@@ -1,6 +1,6 @@
 """KV blob formats: payload of STATE_GET/PREFILL, input of STATE_PUT and of the DECODE kv segment.
 
-Reference §5. All integers little-endian::
+docs/protocol.md §7. All integers little-endian::
 
     v1 (legacy)  [u32 n_past][u32 n_tok][i32 × n_tok]                                  state…
     v2 / v3      [u8 0x02|0x03][u32 n_past][u32 n_tok][i32 × n_tok][u8 flags][checkpoint?] state… [logits?]
@@ -51,7 +51,7 @@ KV_V2 = 0x02
 KV_V3 = 0x03
 FLAG_CHECKPOINT = 0x01
 FLAG_RECURRENT_ONLY = 0x02  # v3 only
-# M2-streaming builds start the state region with [4B io_magic][4B seq_id] (reference §5).
+# M2-streaming builds start the state region with [4B io_magic][4B seq_id] (docs/protocol.md §7).
 STATE_STREAM_PREFIX_LEN = 8
 
 # ---- declarative layouts (source of truth; the inspector parses with these) -------------------

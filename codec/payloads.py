@@ -1,6 +1,6 @@
 """Engine request/response payloads of every dialect, except DECODE v3 and KV blobs.
 
-Reference §4 (opcodes), §6 (DECODE streaming). Dialects: E1 raw-token PREFILL/DECODE, J17/PIN
+docs/protocol.md §6 (opcodes), §9–§10 (DECODE streaming). Dialects: E1 raw-token PREFILL/DECODE, J17/PIN
 JSON DECODE with PIN's ``[u32 len][piece]`` stream, the spec's 9-byte token frames (only ever in
 the spec and C# fakes), and the NEW JSON bodies. Also the strict JSON helpers every codec
 module shares, and the engine's size caps from ``server-rpc.h``.
@@ -411,7 +411,7 @@ def encode_swap_quant(qk: str, pattern: str = "") -> bytes:
 
 
 def parse_configure(payload: Buffer) -> dict[str, Any]:
-    """CONFIGURE: a JSON object; an empty payload means ``{}`` (reference §4.4)."""
+    """CONFIGURE: a JSON object; an empty payload means ``{}`` (docs/protocol.md §6.5)."""
     return parse_json_object(payload, "configure.json", allow_empty=True)
 
 

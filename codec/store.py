@@ -1,4 +1,4 @@
-"""Store payloads (reference §9, C# StoreServer), mostly for the inspector.
+"""Store payloads (docs/protocol.md §13, C# StoreServer), mostly for the inspector.
 
 Binary chunk records (all i32 little-endian, as C# ``BinaryPrimitives.WriteInt32LittleEndian``):
 

@@ -1,4 +1,4 @@
-"""The engine's HTTP side (reference §4.7, §13), served by aiohttp on the RPC server's event loop.
+"""The engine's HTTP side (docs/http.md), served by aiohttp on the RPC server's event loop.
 
 Routes (the contract is written down in ``docs/http.md``)::
 

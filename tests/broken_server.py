@@ -1,7 +1,7 @@
 """A deliberately broken Hydra server: the fuzzer's known-bad target.
 
 It behaves like a careful server except for the three C++ engine failure classes of
-hydra-wire-facts §2.4, so a fuzzer run against it must find exactly these:
+docs/protocol.md §3, so a fuzzer run against it must find exactly these:
 
 1. **desync** — an unknown opcode is answered ``ERROR(0,0)`` *without reading its payload*:
    the payload bytes are then parsed as the next request header;

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 LOOP = os.environ.get("HYDRA_TEST_LOOP", "uvloop")
+DEFAULT_SERVER_ARGS = ("--model", "tiny", "--no-http", "--log-level", "WARNING")
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -40,6 +41,19 @@ def tiny_model_b_path(tmp_path_factory) -> str:
     return str(ensure_tiny_model(variant="b"))
 
 
+@pytest.fixture(scope="module")
+def server(request, tiny_model_path):
+    """One real server process per test module, started with the module's ``SERVER_ARGS`` (and
+    ``SERVER_ENV``, extra environment); it must exit cleanly, with no traceback in its log."""
+    from tests.helpers import start_server
+
+    sp = start_server(*getattr(request.module, "SERVER_ARGS", DEFAULT_SERVER_ARGS),
+                      env=getattr(request.module, "SERVER_ENV", None))
+    yield sp
+    assert sp.stop() == 0, sp.log
+    assert "Traceback" not in sp.log, sp.log
+
+
 @pytest_asyncio.fixture
 async def client(server):
     """A Hydra client on the module's ``server`` fixture (a real server process)."""
@@ -48,3 +62,12 @@ async def client(server):
     c = await HydraClient.connect(server.host, server.port)
     yield c
     await c.close()
+
+
+@pytest_asyncio.fixture
+async def http(server):
+    """An aiohttp session on the module's ``server`` HTTP port."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{server.http_port}") as s:
+        yield s

@@ -1,4 +1,4 @@
-"""DECODE v3 frames (reference §4.7) and the xxh3 helpers: every rule by id, order, round trips."""
+"""DECODE v3 frames (docs/protocol.md §8) and the xxh3 helpers: every rule by id, order, round trips."""
 from __future__ import annotations
 
 import json
@@ -27,16 +27,10 @@ from codec.decode_v3 import (
 from codec.errors import CodecError, MalformedPayload, Truncated
 from codec.hashing import Xxh3Stream, kv_hash_str, parse_hash_str, xxh3_64
 from codec.kvblob import KvCheckpoint, encode_kv_blob_header
+from tests.helpers import outcome
 
 MESSAGES = b'[{"role":"user","content":"hi"}]'
 KV = encode_kv_blob_header(3, 2, [1, 2]) + b"MAGISEQ0" + b"state"
-
-
-def outcome(fn, *args):
-    try:
-        return ("ok", fn(*args))
-    except CodecError:
-        return ("err", None)
 
 
 # ---- hashing ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""ggml-RPC (ggml-rpc-facts §1–§6, §10): golden HELLO bytes, version table, layouts, decoders."""
+"""ggml-RPC (docs/protocol.md §14): golden HELLO bytes, version table, layouts, decoders."""
 from __future__ import annotations
 
 import struct
@@ -45,6 +45,7 @@ from codec.ggml import (
     parse_set_tensor_header_construct,
     set_tensor_header_size,
 )
+from tests.helpers import outcome
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
@@ -57,14 +58,7 @@ tensors = st.builds(
 )
 
 
-def outcome(fn, *args):
-    try:
-        return ("ok", fn(*args))
-    except CodecError:
-        return ("err", None)
-
-
-# ---- golden vectors (§5) ---------------------------------------------------------------------
+# ---- golden vectors --------------------------------------------------------------------------
 
 
 def test_hello_request_golden() -> None:
@@ -91,7 +85,7 @@ def test_hello_response_golden() -> None:
         encode_hello_request(bytes(5))
 
 
-# ---- command table (§3, §4) ------------------------------------------------------------------
+# ---- command table ---------------------------------------------------------------------------
 
 
 def answered(version, cmd, fork=None) -> bool | None:
@@ -155,7 +149,7 @@ def test_fork_tables() -> None:
         command_table((256,))
 
 
-# ---- rpc_tensor (§2) -------------------------------------------------------------------------
+# ---- rpc_tensor ------------------------------------------------------------------------------
 
 
 def test_rpc_tensor_offsets_match_the_reference_table() -> None:
@@ -184,7 +178,7 @@ def test_rpc_tensor_struct_equals_construct(data: bytes, offset: int) -> None:
     assert outcome(parse_rpc_tensor, data, offset) == outcome(parse_rpc_tensor_construct, data, offset)
 
 
-# ---- GRAPH_COMPUTE (§6) ----------------------------------------------------------------------
+# ---- GRAPH_COMPUTE ---------------------------------------------------------------------------
 
 
 @settings(max_examples=50)
@@ -232,7 +226,7 @@ def test_graph_compute_struct_equals_construct(payload: bytes, version) -> None:
     assert outcome(parse_graph_compute, payload, version) == outcome(parse_graph_compute_construct, payload, version)
 
 
-# ---- SET_TENSOR (§3, §7) ---------------------------------------------------------------------
+# ---- SET_TENSOR ------------------------------------------------------------------------------
 
 
 def test_set_tensor_header() -> None:
@@ -386,7 +380,7 @@ def test_hello_response_equals_construct(payload: bytes) -> None:
     assert outcome(parse_hello_response, payload) == outcome(via_construct, payload)
 
 
-# ---- first bytes (§10) -----------------------------------------------------------------------
+# ---- first bytes (docs/protocol.md §1) -------------------------------------------------------
 
 
 @pytest.mark.parametrize(

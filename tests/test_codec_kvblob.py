@@ -1,4 +1,4 @@
-"""KV blob formats (reference §5): round trips, golden bytes, limits, struct ≡ construct."""
+"""KV blob formats (docs/protocol.md §7): round trips, golden bytes, limits, struct ≡ construct."""
 from __future__ import annotations
 
 import struct
@@ -18,6 +18,7 @@ from codec.kvblob import (
     parse_kv_blob_header_construct,
     split_logits_tail,
 )
+from tests.helpers import outcome
 
 I32 = st.integers(-(2**31), 2**31 - 1)
 U32 = st.integers(0, 2**32 - 1)
@@ -46,13 +47,6 @@ def headers(draw: st.DrawFn) -> KvBlobHeader:
 
 def encode(h: KvBlobHeader) -> bytes:
     return encode_kv_blob_header(h.version, h.n_past, h.tokens, h.checkpoint, recurrent_only=h.recurrent_only)
-
-
-def outcome(fn, *args, **kwargs):
-    try:
-        return ("ok", fn(*args, **kwargs))
-    except CodecError:
-        return ("err", None)
 
 
 @st.composite

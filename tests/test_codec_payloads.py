@@ -1,4 +1,4 @@
-"""Engine payloads of every dialect (reference §4, §6): round trips, rules, dialect detection."""
+"""Engine payloads of every dialect (docs/protocol.md §6, §9, §10): round trips, rules, dialect detection."""
 from __future__ import annotations
 
 import json
@@ -44,19 +44,13 @@ from codec.payloads import (
     parse_swap_quant,
     parse_swap_quant_construct,
 )
+from tests.helpers import outcome
 
 I32 = st.integers(-(2**31), 2**31 - 1)
 TOKENS = st.lists(st.integers(0, 2**24 - 1), min_size=1, max_size=40)
 json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=10) | st.floats(allow_nan=False, allow_infinity=False)
 json_values = st.recursive(json_scalars, lambda x: st.lists(x, max_size=3) | st.dictionaries(st.text(max_size=6), x, max_size=3), max_leaves=10)
 json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=5)
-
-
-def outcome(fn, *args):
-    try:
-        return ("ok", fn(*args))
-    except CodecError:
-        return ("err", None)
 
 
 # ---- JSON helpers and meta -------------------------------------------------------------------

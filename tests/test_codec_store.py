@@ -1,4 +1,4 @@
-"""Store payloads (reference §9): chunk records, manifests, lists; limits; struct ≡ construct."""
+"""Store payloads (docs/protocol.md §13): chunk records, manifests, lists; limits; struct ≡ construct."""
 from __future__ import annotations
 
 import json
@@ -25,6 +25,7 @@ from codec.store import (
     parse_missing_hashes,
     parse_put_meta,
 )
+from tests.helpers import outcome
 
 BIG = 2**31  # no limit: compare with the construct path, which has none
 records = st.lists(st.tuples(st.integers(0, 2**31 - 1), st.binary(max_size=20)), max_size=6)
@@ -36,13 +37,6 @@ def indexed_list(payload: bytes, **kw):
 
 def sized_list(payload: bytes, **kw):
     return [(c.index, bytes(c.body)) for c in iter_sized_chunks(payload, **kw)]
-
-
-def outcome(fn, *args, **kw):
-    try:
-        return ("ok", fn(*args, **kw))
-    except CodecError:
-        return ("err", None)
 
 
 @st.composite

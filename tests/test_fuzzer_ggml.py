@@ -7,13 +7,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from codec import ggml as G
 from tests.helpers import start_server
+from tools.spawn import GgmlRpcServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,25 +26,8 @@ def fuzz(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def upstream():
     """llama.cpp's own ggml RPC server (from the wheel) in a subprocess."""
-    proc = subprocess.Popen([sys.executable, "-m", "engine.ggml_rpc_lib", "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    port = None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and port is None:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"HYDRA_GGML_RPC_READY 127\.0\.0\.1:(\d+)", line)
-        port = int(m.group(1)) if m else None
-    if port is None:
-        proc.kill()
-        proc.wait(5)
-        proc.stdout.close()
-        pytest.fail("the ggml rpc-server did not start")
-    yield port
-    proc.kill()
-    proc.wait(5)
-    proc.stdout.close()
+    with GgmlRpcServerProcess() as up:
+        yield up.port
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +60,9 @@ def test_handshake_and_framing_cases_keep_proxy_and_upstream_alive(proxy, upstre
 
 @pytest.fixture
 def slow_upstream():
-    """A stand-in rpc-server that answers HELLO 0.3 s late (a busy upstream), then reads to EOF.
-    It makes the passthrough's race below deterministic; the real rpc-server loses it too, just
-    less often."""
+    """A stand-in rpc-server that answers HELLO only once the client's half-close has reached it:
+    the order that lost the reply, made certain (the real rpc-server loses that race too, just
+    less often)."""
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
 
@@ -94,11 +77,10 @@ def slow_upstream():
                     hello = b""
                     while len(hello) < 33 and (chunk := conn.recv(33 - len(hello))):
                         hello += chunk
-                    time.sleep(0.3)
                     try:
-                        conn.sendall(G.encode_hello_response((7, 0, 0)))
-                        while conn.recv(4096):
+                        while conn.recv(4096):  # until the forwarded half-close
                             pass
+                        conn.sendall(G.encode_hello_response((7, 0, 0)))
                     except OSError:
                         pass
 
@@ -148,7 +130,9 @@ def test_embedded_ggml_server_survives_a_null_node_graph(tiny_model_path):
                     pass
             except OSError:
                 pass
-        time.sleep(0.5)
+        # The passthrough says it kept the graph from the rpc-server (which would crash on it,
+        # at a moment nothing on the wire tells).
+        sp.wait_for(re.compile(r"GRAPH_COMPUTE with a null node id \(not forwarded\)"), 30)
         assert sp.proc.poll() is None, f"the server died: exit {sp.proc.returncode}"
         with socket.create_connection((sp.host, sp.port), timeout=10) as s:
             s.sendall(encode_request(Op.INFO))

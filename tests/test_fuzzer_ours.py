@@ -7,12 +7,11 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from codec.enums import Op
+from codec.enums import Op, Status
 from codec.framing import encode_request_header
 from codec.payloads import decode_meta
 from tests.helpers import start_server
@@ -23,13 +22,6 @@ from tools.fuzzer.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_ARGS = ("--model", "tiny", "--no-http", "--log-level", "WARNING")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
-    sp = start_server(*SERVER_ARGS)
-    yield sp
-    assert sp.stop() == 0, sp.log
 
 
 def run_cases(server, seed: int, indexes) -> list:
@@ -72,24 +64,18 @@ def test_stateful_programs_hold_their_invariants(server):
         assert out.ok, (i, schedule.case_at(3, i).note, [f.to_json() for f in out.failures])
 
 
-def _peak_rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("VmHWM")).split()[1])
-
-
 # Regression (fixed): found by `hydra-rpc fuzz` (payload_len.huge) — STATE_PUT zero-filled bytearray(payload_len) before reading.
 def test_state_put_huge_payload_len_allocates_nothing(tiny_model_path):
     sp = start_server(*SERVER_ARGS)
     try:
-        before = _peak_rss_kb(sp.proc.pid)
+        before = sp.peak_kib()
         with socket.create_connection((sp.host, sp.port), timeout=10) as s:
             s.sendall(encode_request_header(Op.STATE_PUT, 1, (1 << 31) + 1, 0) + b"1" + b"\x03" * 54)
             s.shutdown(socket.SHUT_WR)
             s.settimeout(15)
-            while s.recv(4096):
+            while s.recv(4096):  # the close comes after the request was handled
                 pass
-        time.sleep(0.2)
-        grown_mib = (_peak_rss_kb(sp.proc.pid) - before) // 1024
+        grown_mib = (sp.peak_kib() - before) // 1024
     finally:
         sp.stop()
     assert grown_mib < 256, f"peak RSS grew by {grown_mib} MiB for a request of 71 bytes"
@@ -103,10 +89,12 @@ def test_configure_reply_meta_is_strict_json(server):
         c = await HydraClient.connect(server.host, server.port)
         try:
             r = await c.request(Op.CONFIGURE, b"", b'{"sampling":{"temp":1e400}}', timeout=10)
-            await c.request(Op.CONFIGURE, b"", b'{"sampling":{"temp":0.8}}', timeout=10)  # leave the server sane
-            return r
+            sane = await c.request(Op.CONFIGURE, b"", b'{"sampling":{"temp":0.8}}', timeout=10)
+            return r, sane
         finally:
             await c.close()
 
-    r = asyncio.run(go())
-    decode_meta(r.meta_raw)  # raises MalformedPayload on Infinity/NaN
+    r, sane = asyncio.run(go())
+    assert decode_meta(r.meta_raw) == {"success": False, "error": "CONFIGURE: T1 key sampling.temp must be finite"}
+    assert r.status == Status.ERROR  # refused whole, as a CONFIGURE value of the wrong type is
+    assert sane.ok and sane.meta["params_applied"] == {"sampling.temp": 0.8}, sane

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import subprocess
 import sys
 import textwrap
@@ -20,20 +18,15 @@ import pytest
 
 from engine import ggml_rpc_lib as rpc
 from engine.llama_backend import BatchItem, LoadedModel, SamplerParams, make_sampler
+from tools.spawn import GgmlRpcServerProcess, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox jumps over the lazy dog."
 N_GEN = 16
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def _run_py(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=_env(),
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,42 +80,8 @@ pathlib.Path({out!r}).write_text(json.dumps(result))
 @pytest.fixture
 def rpc_server() -> Iterator[str]:
     """llama.cpp's ggml RPC server (CPU) in a subprocess; yields "host:port"."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.ggml_rpc_lib", "--host", "127.0.0.1", "--port", "0", "--threads", "1"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    seen: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        endpoint = None
-        while endpoint is None:
-            try:
-                line = lines.get(timeout=30)
-            except queue.Empty:
-                pytest.fail(f"RPC server did not become ready; output so far: {seen!r}")
-            seen.append(line)
-            m = re.match(rf"{rpc.READY_PREFIX} (\d+\.\d+\.\d+\.\d+:\d+)$", line.strip())
-            if m:
-                endpoint = m.group(1)
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=5)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with GgmlRpcServerProcess(threads=1) as up:
+        yield up.endpoint
 
 
 def test_list_devices_has_cpu() -> None:

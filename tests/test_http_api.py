@@ -8,42 +8,21 @@ import json
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from codec.decode_v3 import encode_decode_v3
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
-from tests.helpers import start_server
 
 MAX_BODY = 1 << 20
 DECODE_MAX = 4  # results kept, so eviction is cheap to reach
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
-    # --no-low-priority: a nice-19 inference thread crawls while other test processes load
-    # the (2-core) machine; these tests do not measure priority.
-    sp = start_server("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority",
-                      "--log-level", "WARNING",
-                      env={"HYDRA_HTTP_MAX_BODY": str(MAX_BODY), "HYDRA_DECODE_RESULT_MAX": str(DECODE_MAX)})
-    yield sp
-    assert sp.stop() == 0, sp.log
-    assert "Traceback" not in sp.log, sp.log
-
-
-@pytest_asyncio.fixture
-async def http(server):
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{server.http_port}") as s:
-        yield s
-
-
-@pytest_asyncio.fixture
-async def rpc(server):
-    c = await HydraClient.connect(server.host, server.port)
-    yield c
-    await c.close()
+# --no-low-priority: a nice-19 inference thread crawls while other test processes load
+# the (2-core) machine; these tests do not measure priority.
+SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
+SERVER_ENV = {"HYDRA_HTTP_MAX_BODY": str(MAX_BODY), "HYDRA_DECODE_RESULT_MAX": str(DECODE_MAX)}
 
 
 async def get_json(http: aiohttp.ClientSession, path: str) -> tuple[int, dict]:
@@ -82,13 +61,13 @@ async def test_health_version_models(http):
 
 
 @pytest.mark.asyncio
-async def test_slots_lists_every_slot_and_meta_matches_state_meta(http, rpc):
+async def test_slots_lists_every_slot_and_meta_matches_state_meta(http, client):
     status, slots = await get_json(http, "/slots")
     assert status == 200 and [s["id"] for s in slots] == [0, 1, 2, 3]
     for s in slots:
         assert {"n_ctx", "n_past", "is_processing", "operation", "config_generation"} <= s.keys()
     status, meta = await get_json(http, "/slots/1/state/meta")
-    r = await rpc.request(Op.STATE_META, b"1")
+    r = await client.request(Op.STATE_META, b"1")
     assert status == 200 and r.status == Status.OK
     volatile = {"elapsed_ms"}
     assert {k: v for k, v in meta.items() if k not in volatile} == {k: v for k, v in r.meta.items()
@@ -107,14 +86,14 @@ async def test_unknown_slot_or_route(http, path, status):
 
 
 @pytest.mark.asyncio
-async def test_erase_idle_slot_then_state_meta_shows_empty(http, rpc):
+async def test_erase_idle_slot_then_state_meta_shows_empty(http, client):
     async with http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "slot": 1}) as r:
         assert r.status == 200, await r.text()
-    assert (await rpc.request(Op.STATE_META, b"1")).meta["n_past"] > 0
+    assert (await client.request(Op.STATE_META, b"1")).meta["n_past"] > 0
     async with http.post("/slots/1", params={"action": "erase"}) as r:
         body = await r.json()
         assert r.status == 200 and body["id_slot"] == 1 and body["n_erased"] > 0
-    r = await rpc.request(Op.STATE_META, b"1")
+    r = await client.request(Op.STATE_META, b"1")
     assert r.status == Status.OK and r.meta["n_past"] == 0
     async with http.post("/slots/9", params={"action": "erase"}) as r:
         assert r.status == 404
@@ -210,12 +189,12 @@ async def test_unparseable_http_is_refused_without_a_traceback(server):
 
 
 # ---------------------------------------------------------------- merged DECODE results
-async def merged_decode(rpc: HydraClient, slot: int, n_predict: int, kv: bytes = b"", kv_metadata=None) -> dict:
+async def merged_decode(client: HydraClient, slot: int, n_predict: int, kv: bytes = b"", kv_metadata=None) -> dict:
     hdr = {"generation": {"n_predict": n_predict, "sampling": {"temperature": 0.7, "seed": 7}, "stop": [],
                           "stream": False}}
     if kv_metadata is not None:
         hdr["kv_metadata"] = kv_metadata
-    r = await rpc.request(Op.DECODE, str(slot), encode_decode_v3(hdr, json.dumps(HELLO).encode(), kv))
+    r = await client.request(Op.DECODE, str(slot), encode_decode_v3(hdr, json.dumps(HELLO).encode(), kv))
     assert r.status == Status.OK and r.meta["valid"] is True, r
     return r.meta
 
@@ -232,18 +211,18 @@ async def poll_decode(http: aiohttp.ClientSession, decode_id: int, timeout: floa
 
 
 @pytest.mark.asyncio
-async def test_merged_decode_with_kv_then_result_over_http(http, rpc):
+async def test_merged_decode_with_kv_then_result_over_http(http, client):
     # A KV state from this server: generate on slot 1, STATE_GET it, restore it via DECODE into slot 3.
     async with http.post("/slots/1", params={"action": "erase"}) as r:
         assert r.status == 200
     async with http.post("/v1/completions", json={"prompt": "once upon", "max_tokens": 6, "slot": 1}) as r:
         assert r.status == 200
-    blob = await rpc.request(Op.STATE_GET, b"1")
+    blob = await client.request(Op.STATE_GET, b"1")
     assert blob.status == Status.OK
     n_past = blob.meta["n_past"]
     kv_md = {"n_past": n_past, "tokenizer": blob.meta["tokenizer"], "model_name": blob.meta["model_name"],
              "model_quant": blob.meta["model_quant"], "model_capabilities": 0}
-    meta = await merged_decode(rpc, 3, 8, blob.payload, kv_md)
+    meta = await merged_decode(client, 3, 8, blob.payload, kv_md)
     assert meta["n_past_after_restore"] == n_past
     res = await poll_decode(http, meta["decode_request_id"])
     assert res["object"] == "chat.completion" and res["decode_request_id"] == meta["decode_request_id"]
@@ -254,14 +233,14 @@ async def test_merged_decode_with_kv_then_result_over_http(http, rpc):
     assert res["config_generation"] == 1 and res["status"] == "done"
     assert res["usage"]["completion_tokens"] == res["tokens_generated"]
     assert res["n_past_after_restore"] == n_past
-    r = await rpc.request(Op.STATE_META, b"3")
+    r = await client.request(Op.STATE_META, b"3")
     # the last sampled token is not in the KV yet (a continuation feeds it)
     assert res["n_past"] == r.meta["n_past"] and res["n_past"] > 0
 
 
 @pytest.mark.asyncio
-async def test_decode_running_202_interleaves_with_http_then_cancel(http, rpc):
-    meta = await merged_decode(rpc, 0, 4000)
+async def test_decode_running_202_interleaves_with_http_then_cancel(http, client):
+    meta = await merged_decode(client, 0, 4000)
     did = meta["decode_request_id"]
     status, progress = await get_json(http, f"/v1/decode/{did}")
     assert status == 202 and progress["status"] == "running" and "tokens_generated" in progress
@@ -278,14 +257,14 @@ async def test_decode_running_202_interleaves_with_http_then_cancel(http, rpc):
 
 
 @pytest.mark.asyncio
-async def test_decode_result_404_when_unknown_or_evicted(http, rpc):
+async def test_decode_result_404_when_unknown_or_evicted(http, client):
     status, body = await get_json(http, "/v1/decode/987654")
     assert status == 404
     assert_error_object(body, 404)
-    first = (await merged_decode(rpc, 2, 1))["decode_request_id"]
+    first = (await merged_decode(client, 2, 1))["decode_request_id"]
     await poll_decode(http, first)
     for _ in range(DECODE_MAX):
-        await poll_decode(http, (await merged_decode(rpc, 2, 1))["decode_request_id"])
+        await poll_decode(http, (await merged_decode(client, 2, 1))["decode_request_id"])
     status, body = await get_json(http, f"/v1/decode/{first}")
     assert status == 404 and body["decode_request_id"] == first
 
@@ -304,14 +283,14 @@ def value(snap: dict, name: str, **labels) -> float:
 
 
 @pytest.mark.asyncio
-async def test_metrics_parse_and_count_requests_just_made(http, rpc):
+async def test_metrics_parse_and_count_requests_just_made(http, client):
     async with http.get("/metrics") as r:
         assert r.status == 200 and r.content_type == "text/plain"
         before = samples(await r.text())
     for _ in range(3):
         await get_json(http, "/health")
     for _ in range(2):
-        assert (await rpc.request(Op.STATE_META, b"0")).ok
+        assert (await client.request(Op.STATE_META, b"0")).ok
     async with http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}) as r:
         assert r.status == 200
         generated = (await r.json())["usage"]["completion_tokens"]
@@ -330,6 +309,6 @@ async def test_metrics_parse_and_count_requests_just_made(http, rpc):
         + delta("hydra_http_generations_total", endpoint="completions", reason="eos") == 1
     assert value(after, "hydra_slots", state="total") == 4
     assert value(after, "hydra_reload_state", state="idle") == 1
-    assert value(after, "hydra_connections_open", port="engine") >= 1  # the rpc fixture's connection
+    assert value(after, "hydra_connections_open", port="engine") >= 1  # the client fixture's connection
     assert value(after, "hydra_connections_open", port="http") >= 1
     assert ("hydra_passthrough_bytes_total", (("direction", "up"),)) in after

@@ -21,28 +21,16 @@ from tests.helpers import start_server
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
-    # --no-low-priority: see test_http_api.py
-    sp = start_server("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority",
-                      "--log-level", "WARNING")
-    yield sp
-    assert sp.stop() == 0, sp.log
-    assert "Traceback" not in sp.log, sp.log
+# --no-low-priority: see test_http_api.py
+SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
 
 
 @pytest_asyncio.fixture
-async def client(server):
+async def openai_client(server):
     c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
                            timeout=60)
     yield c
     await c.close()
-
-
-@pytest_asyncio.fixture
-async def http(server):
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{server.http_port}") as s:
-        yield s
 
 
 async def erase(http: aiohttp.ClientSession, slot: int) -> None:
@@ -62,8 +50,8 @@ async def queued(http: aiohttp.ClientSession, slot: int) -> int:
 
 # ---------------------------------------------------------------- the openai package
 @pytest.mark.asyncio
-async def test_chat_completion_plain(client):
-    resp = await client.chat.completions.create(model="hydra-tiny-a", messages=HELLO, max_tokens=8,
+async def test_chat_completion_plain(openai_client):
+    resp = await openai_client.chat.completions.create(model="hydra-tiny-a", messages=HELLO, max_tokens=8,
                                                 temperature=0.8, top_p=0.9, seed=1)
     assert resp.object == "chat.completion" and resp.model == "hydra-tiny-a"
     choice = resp.choices[0]
@@ -74,8 +62,8 @@ async def test_chat_completion_plain(client):
 
 
 @pytest.mark.asyncio
-async def test_chat_completion_streaming(client):
-    stream = await client.chat.completions.create(model="whatever", messages=HELLO, max_tokens=12, stream=True,
+async def test_chat_completion_streaming(openai_client):
+    stream = await openai_client.chat.completions.create(model="whatever", messages=HELLO, max_tokens=12, stream=True,
                                                   stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -90,20 +78,20 @@ async def test_chat_completion_streaming(client):
 
 
 @pytest.mark.asyncio
-async def test_text_completion_plain_and_streaming(client):
-    resp = await client.completions.create(model="hydra-tiny-a", prompt="once upon a time", max_tokens=6)
+async def test_text_completion_plain_and_streaming(openai_client):
+    resp = await openai_client.completions.create(model="hydra-tiny-a", prompt="once upon a time", max_tokens=6)
     assert resp.object == "text_completion" and isinstance(resp.choices[0].text, str)
     assert 0 < resp.usage.completion_tokens <= 6
-    stream = await client.completions.create(model="hydra-tiny-a", prompt="once", max_tokens=6, stream=True)
+    stream = await openai_client.completions.create(model="hydra-tiny-a", prompt="once", max_tokens=6, stream=True)
     chunks = [c async for c in stream]
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.asyncio
-async def test_same_seed_same_text(client, http):
+async def test_same_seed_same_text(openai_client, http):
     async def run() -> str:
         await erase(http, 3)  # the same slot, empty: the same computation both times
-        r = await client.chat.completions.create(model="m", messages=HELLO, max_tokens=16, temperature=1.0,
+        r = await openai_client.chat.completions.create(model="m", messages=HELLO, max_tokens=16, temperature=1.0,
                                                  seed=1234, extra_body={"slot": 3})
         return r.choices[0].message.content
 
@@ -111,10 +99,10 @@ async def test_same_seed_same_text(client, http):
 
 
 @pytest.mark.asyncio
-async def test_stop_sequence_cuts_the_text(client, http):
+async def test_stop_sequence_cuts_the_text(openai_client, http):
     async def run(**kw) -> tuple[str, str]:
         await erase(http, 3)
-        r = await client.chat.completions.create(model="m", messages=HELLO, max_tokens=40, temperature=0,
+        r = await openai_client.chat.completions.create(model="m", messages=HELLO, max_tokens=40, temperature=0,
                                                  extra_body={"slot": 3}, **kw)
         return r.choices[0].message.content, r.choices[0].finish_reason
 
@@ -126,7 +114,7 @@ async def test_stop_sequence_cuts_the_text(client, http):
         pytest.skip(f"no usable stop string in {full!r}")
     text, finish = await run(stop=[full[at:at + 2]])
     assert (text, finish) == (full[:at], "stop")
-    chunks = [c async for c in await client.chat.completions.create(
+    chunks = [c async for c in await openai_client.chat.completions.create(
         model="m", messages=HELLO, max_tokens=40, temperature=0, stop=[full[at:at + 2]], stream=True,
         extra_body={"slot": 3})]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:at]
@@ -134,12 +122,12 @@ async def test_stop_sequence_cuts_the_text(client, http):
 
 
 @pytest.mark.asyncio
-async def test_openai_errors_are_raised_as_api_errors(client):
+async def test_openai_errors_are_raised_as_api_errors(openai_client):
     with pytest.raises(openai.BadRequestError) as e:
-        await client.chat.completions.create(model="m", messages=[], max_tokens=4)
+        await openai_client.chat.completions.create(model="m", messages=[], max_tokens=4)
     assert "messages" in str(e.value)
     with pytest.raises(openai.NotFoundError):
-        await client.chat.completions.create(model="m", messages=HELLO, max_tokens=4, extra_body={"slot": 42})
+        await openai_client.chat.completions.create(model="m", messages=HELLO, max_tokens=4, extra_body={"slot": 42})
 
 
 # ---------------------------------------------------------------- disconnects

@@ -8,11 +8,11 @@ import asyncio
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from codec.enums import Op, op_name, status_name
 from codec.payloads import encode_e1_decode, encode_e1_tokens, encode_json_decode, encode_swap_quant
 from hydra_rpc.client import HydraClient
 from tests.helpers import start_server
+from tools.spawn import ChildProcess, SpawnError
 
 pytestmark = pytest.mark.capture
 REPO = Path(__file__).resolve().parent.parent
@@ -56,28 +57,14 @@ class Capture:
     model: str
 
 
-def _tcpdump(port: int, path: Path) -> subprocess.Popen:
+def _tcpdump(port: int, path: Path) -> ChildProcess:
     if shutil.which("tcpdump") is None:
         pytest.skip("tcpdump is not installed (scripts/install_test_tools.sh installs it)")
-    proc = subprocess.Popen(["tcpdump", "-i", "lo", "-n", "-U", "-w", str(path), f"tcp port {port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ready = threading.Event()
-    lines: list[str] = []
-
-    def watch() -> None:
-        for line in proc.stderr:
-            lines.append(line)
-            if "listening on" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=watch, daemon=True).start()
-    ready.wait(15)
-    if proc.poll() is not None or not lines or "listening on" not in "".join(lines):
-        proc.kill()
-        proc.wait()
-        proc.stderr.close()
-        pytest.skip(f"cannot capture on loopback: {''.join(lines).strip() or 'tcpdump did not start'}")
+    proc = ChildProcess(["tcpdump", "-i", "lo", "-n", "-U", "-w", str(path), f"tcp port {port}"], "tcpdump")
+    try:
+        proc.wait_for(re.compile("listening on"), 15)
+    except SpawnError as e:
+        pytest.skip(f"cannot capture on loopback: {e}")
     return proc
 
 
@@ -155,13 +142,7 @@ def capture(tmp_path_factory, tiny_model_path) -> Capture:
                 ggml_out = f"ggml client hung for 60 s:\n{e.stdout}\n{e.stderr}"
             log.append(asyncio.run(_marker(server.port, path)))
         finally:
-            td.send_signal(signal.SIGINT)
-            try:
-                td.wait(15)
-            except subprocess.TimeoutExpired:
-                td.kill()
-                td.wait()
-            td.stderr.close()
+            td.stop(signal.SIGINT, 15)
     finally:
         server.stop()
     # A failing ggml client fails the ggml test only; the Hydra part of the capture stays useful.

@@ -11,10 +11,8 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,95 +20,104 @@ import pytest
 from codec.enums import Op, status_name
 from codec.payloads import encode_json_decode
 from hydra_rpc.client import HydraClient
-from tests.helpers import start_server
+from tools.spawn import ChildProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-class TapProcess:
+class TapProcess(ChildProcess):
+    """``hydra-rpc inspect --listen``: its log (stderr) in ``lines``, its decoded output (stdout) apart."""
+
     def __init__(self, upstream_port: int, *extra: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hydra_rpc.cli", "inspect", "--listen", "127.0.0.1:0", "--upstream",
-             f"127.0.0.1:{upstream_port}", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
-        self.err: list[str] = []
-        ready = threading.Event()
-
-        def watch() -> None:
-            for raw in self.proc.stderr:
-                self.err.append(raw.decode(errors="replace"))
-                if "listening on" in self.err[-1]:
-                    ready.set()
-            ready.set()
-
-        self.out_chunks: list[bytes] = []
-        threading.Thread(target=watch, daemon=True).start()
-        threading.Thread(target=lambda: self.out_chunks.extend(iter(lambda: self.proc.stdout.read(65536), b"")),
-                         daemon=True).start()
-        ready.wait(30)
-        m = re.search(r"listening on ([\d.]+):(\d+)", "".join(self.err))
-        if m is None:
-            self.stop()
-            raise RuntimeError("tap did not start:\n" + "".join(self.err))
-        self.port = int(m.group(2))
+        super().__init__([sys.executable, "-m", "hydra_rpc.cli", "inspect", "--listen", "127.0.0.1:0", "--upstream",
+                          f"127.0.0.1:{upstream_port}", *extra], "inspector tap", binary_stdout=True)
+        self.port = int(self.wait_for(re.compile(r"listening on ([\d.]+):(\d+)"), 30).group(2))
 
     def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        return b"".join(self.out_chunks).decode()
+        super().stop()
+        return self.stdout_bytes().decode()
+
+
+def _in_flight_bound() -> int:
+    """The most bytes the kernel and the tap can hold between an upstream and a client that reads
+    nothing, when the tap applies back-pressure: two TCP connections, each at most a full receive
+    buffer plus a full send buffer, and the tap's own small buffers."""
+    def max_of(name: str) -> int:
+        return int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2])
+
+    return 2 * (max_of("tcp_rmem") + max_of("tcp_wmem")) + (4 << 20)
+
+
+PING = 16 << 10
+STALLED_PINGS = 64  # round trips through the tap in a row during which the upstream pushed nothing
 
 
 @pytest.mark.asyncio
 async def test_tap_forwards_bytes_unchanged_with_back_pressure():
-    up_bytes, down_bytes = os.urandom(8 << 20), os.urandom(64 << 20)
-    received = hashlib.sha256()
+    bound = _in_flight_bound()
+    down_bytes = os.urandom(bound + (16 << 20))
+    up_sent, received = hashlib.sha256(), hashlib.sha256()
     got = {"n": 0}
-    sent = {"n": 0}
+    arrived = asyncio.Event()
+    state: dict = {"written": 0, "transport": None}
     done = asyncio.Event()
 
     async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async def send() -> None:
             for off in range(0, len(down_bytes), 1 << 20):
                 writer.write(down_bytes[off:off + (1 << 20)])
+                state["written"] = min(off + (1 << 20), len(down_bytes))
                 await writer.drain()
-                sent["n"] = off + (1 << 20)
             writer.write_eof()
 
+        state["transport"] = writer.transport
         sender = asyncio.create_task(send())
         while data := await reader.read(1 << 20):
             received.update(data)
             got["n"] += len(data)
+            arrived.set()
         await sender
         done.set()
         writer.close()
+
+    def pushed() -> int:
+        """Bytes the upstream has handed to its kernel so far."""
+        t = state["transport"]
+        return state["written"] - (t.get_write_buffer_size() if t is not None else 0)
 
     server = await asyncio.start_server(upstream, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     tap = await asyncio.to_thread(TapProcess, port, "-q")
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", tap.port)
-        writer.write(up_bytes)
-        await writer.drain()
+        # Nobody reads what comes down. Each ping goes up through the tap and is waited for at the
+        # upstream, so the tap's event loop has run between two looks at the upstream. A tap that
+        # ignores back-pressure reads down bytes whenever it runs, so the upstream keeps pushing
+        # until the whole payload sits in the tap; with back-pressure it stops for good once the
+        # buffers in between are full. No clock is involved: a starved tap just takes longer.
+        up_total, quiet, streak_start = 0, 0, -1
+        while quiet < STALLED_PINGS:
+            ping = os.urandom(PING)
+            up_sent.update(ping)
+            up_total += len(ping)
+            writer.write(ping)
+            await writer.drain()
+            while got["n"] < up_total:
+                arrived.clear()
+                await asyncio.wait_for(arrived.wait(), 60)
+            now = pushed()
+            assert now <= bound, f"the upstream pushed {now >> 20} MiB into a client that reads nothing"
+            if now - streak_start < PING:
+                quiet += 1
+            else:
+                quiet, streak_start = 0, now
         writer.write_eof()
-        # Nobody reads the 64 MiB coming down yet: the upstream must stall once the socket
-        # buffers and the tap's single chunk are full, instead of the tap soaking it all up.
-        last = -1
-        while sent["n"] != last:
-            last = sent["n"]
-            await asyncio.sleep(0.3)
-        assert sent["n"] < 48 << 20, f"upstream pushed {sent['n'] >> 20} MiB into a client that reads nothing"
         down = hashlib.sha256()
         total = 0
         while data := await reader.read(1 << 20):
             down.update(data)
             total += len(data)
-        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(done.wait(), 60)
         writer.close()
         await writer.wait_closed()
     finally:
@@ -118,15 +125,8 @@ async def test_tap_forwards_bytes_unchanged_with_back_pressure():
         server.close()
         await server.wait_closed()
     assert total == len(down_bytes) and down.digest() == hashlib.sha256(down_bytes).digest()
-    assert got["n"] == len(up_bytes) and received.digest() == hashlib.sha256(up_bytes).digest()
-    assert out == "" and f"forwarded {len(up_bytes)} bytes up, {len(down_bytes)} bytes down" in "".join(tap.err)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
-    sp = start_server("--model", "tiny", "--no-http", "--log-level", "WARNING")
-    yield sp
-    sp.stop()
+    assert got["n"] == up_total and received.digest() == up_sent.digest()
+    assert out == "" and f"forwarded {up_total} bytes up, {len(down_bytes)} bytes down" in tap.log
 
 
 def _comparable(rec: dict) -> dict:

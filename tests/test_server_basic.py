@@ -9,15 +9,10 @@ import pytest
 from codec.enums import Op, Status
 from codec.framing import encode_request, encode_request_header
 from hydra_rpc.client import HydraClient
-from tests.helpers import start_server
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
-    sp = start_server("--model", "tiny", "--no-http", "--idle-timeout", "3", "--first-bytes-timeout", "2",
-                      "--stall-timeout", "2", "--max-drain", str(4 << 20), "--log-level", "WARNING")
-    yield sp
-    assert sp.stop() == 0, sp.log
+SERVER_ARGS = ("--model", "tiny", "--no-http", "--idle-timeout", "3", "--first-bytes-timeout", "2",
+               "--stall-timeout", "2", "--max-drain", str(4 << 20), "--log-level", "WARNING")
 
 
 async def assert_info_ok(c: HydraClient) -> None:

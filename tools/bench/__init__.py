@@ -1,4 +1,4 @@
-"""``hydra-rpc bench``: the DESIGN.md performance budgets, measured side by side.
+"""``hydra-rpc bench``: the performance budgets of docs/performance.md, measured side by side.
 
 Each scenario module starts its own server process(es) on 127.0.0.1, drives them from
 this (client) process or from worker subprocesses, and returns a :class:`~tools.bench.common.Result`

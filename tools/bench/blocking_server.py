@@ -3,7 +3,7 @@
 ``python -m tools.bench.blocking_server [serve flags…]`` runs ``hydra-rpc serve`` with one
 change: the model load of a reload runs *on the event-loop thread* instead of the loader
 thread. Together with ``--reload-mode inplace`` (free the old model first, load when every
-slot is idle) this is the C++ behaviour of reference §7/§8: the reload waits for idle
+slot is idle) this is the C++ behaviour of docs/protocol.md §6.5: the reload waits for idle
 slots, then nothing on any connection is answered until the new model is loaded.
 
 It replaces one private method of the engine actor (``Engine._build_shadow``), so it breaks

@@ -1,4 +1,4 @@
-"""``hydra-rpc bench [SCENARIO...]``: measure the DESIGN.md performance budgets.
+"""``hydra-rpc bench [SCENARIO...]``: measure the performance budgets (docs/performance.md).
 
 Each scenario starts its own server process(es) on 127.0.0.1 and drives them from this
 process (and worker subprocesses); every candidate figure is reported next to a baseline

@@ -97,7 +97,7 @@ class Row:
     unit: str
     baseline: float | None = None
     baseline_label: str = ""
-    budget: str = ""  # the DESIGN.md budget this row checks ("" = informational)
+    budget: str = ""  # the docs/performance.md budget this row checks ("" = informational)
     ok: bool | None = None  # None: no budget, or the budget does not apply to this run
     note: str = ""
 

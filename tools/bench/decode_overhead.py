@@ -28,7 +28,7 @@ SLOTS = 4
 # How often the v3 result is polled: each poll costs CPU on both sides (taken from the
 # decode on a 2-core host), and the end time is known to within this much of a ~1.5 s run.
 RESULT_POLL_S = 0.02
-INFERENCE_NICE = 19  # the server's inference thread priority (its default; see DESIGN.md)
+INFERENCE_NICE = 19  # the server's inference thread priority (its default; see docs/architecture.md, 'Priorities')
 DONE_STATES = ("done", "completed", "finished", "ok", "success", "complete")
 COUNT_KEYS = ("tokens_generated", "tokens_predicted", "completion_tokens", "n_decoded", "n_generated")
 

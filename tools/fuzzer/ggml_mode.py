@@ -2,7 +2,7 @@
 
 The target is a port that hands connections starting with 0x0E to an upstream rpc-server
 (our server with ``--ggml-rpc-upstream``/``--ggml-rpc-embedded``, or the fork's merged
-port). The upstream is fragile (ggml-rpc-facts §12: it aborts on many malformed inputs),
+port). The upstream is fragile (docs/protocol.md §14: it aborts on many malformed inputs),
 so this mode needs ``--i-know-upstream-may-crash``; cases that are most likely to take the
 upstream down (huge sizes, bad tensors) come last in the sweep.
 

@@ -192,7 +192,7 @@ BIG_KV = 4 * 1024**3 + 1
 
 
 def v3_rules(tp: Template) -> list[tuple[str, bytes, int | None]]:
-    """(rule, payload bytes, declared payload_len or None) — one per §4.7 validation rule, in the
+    """(rule, payload bytes, declared payload_len or None) — one per DECODE v3 validation rule (docs/protocol.md §8), in the
     C++ order, the header-hash rule first (the cheapest decisive one)."""
     p = tp.parts
     prompt, kv = p["prompt"], p["kv"]

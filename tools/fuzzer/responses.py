@@ -7,7 +7,7 @@ and nothing it sends is lost to a later RST. ``read_response`` parses one respon
 * 12-byte header, meta (u24 ≤ 16 MiB, kept), payload (kept up to a cap, else skipped as it
   arrives — a lying payload_len never makes us allocate it);
 * PIN dialect: an OK with payload_len 0 to a JSON DECODE is followed by ``[u32 len][piece]``
-  frames until the server closes (reference §6) — that is legal, not a desync;
+  frames until the server closes (docs/protocol.md §9) — that is legal, not a desync;
 * deadlines are *idle* deadlines (no byte for ``idle`` seconds → ``Stalled``) plus an overall
   cap for streams (``until``).
 """

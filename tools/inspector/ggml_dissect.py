@@ -1,4 +1,4 @@
-"""ggml-RPC over one TCP stream (ggml-rpc-facts §1–§6, §13 inspector recipe).
+"""ggml-RPC over one TCP stream (docs/protocol.md §14).
 
 Client → server ``[u8 cmd][u64 size][payload]``; server → client ``[u64 size][payload]`` with
 no command and no id. Responses match requests FIFO, skipping the commands that get no reply

@@ -4,7 +4,7 @@ Requests start with the 16-byte header (magic ``59 48``); responses with the 12-
 (no magic). Hydra is strictly one request at a time per connection, so the n-th response
 answers the n-th request (FIFO). The pairing is known when a response *header* arrives,
 which matters for one dialect: PIN DECODE answers ``OK, meta 0, payload 0`` and then streams
-``[u32 len][piece]`` frames until the connection closes (reference §6), so the response
+``[u32 len][piece]`` frames until the connection closes (docs/protocol.md §9), so the response
 reader switches to "until EOF" when the request it answers was a PIN DECODE.
 
 After a bad request header (bad magic: the C++ closes, but a capture of a desynced client
@@ -93,9 +93,9 @@ class ResponseReader(DirectionReader):
         h = decode_response_header(header)
         if h.status > max(Status):
             # No server sends other statuses: this is not a header but a desync — typically the
-            # C++ engine's STATE_GET error text written after a NOT_FOUND header (reference §2.4).
+            # C++ engine's STATE_GET error text written after a NOT_FOUND header (docs/protocol.md §6.3).
             pdu.info["reason"] = (f"status byte 0x{h.status:02x} is not a Hydra status: bytes outside any "
-                                  f"response (e.g. the C++ STATE_GET error text {header[:12]!r}, reference §2.4)")
+                                  f"response (e.g. the C++ STATE_GET error text {header[:12]!r}, docs/protocol.md §6.3)")
             return False
         pdu.info.update(header=h, status=h.status, meta_len=h.meta_len, payload_len=h.payload_len)
         pdu.declared = RESPONSE_HEADER_SIZE + h.meta_len + h.payload_len

@@ -62,7 +62,7 @@ def json_field(pl: Payload, parent: Field | Message, name: str, data: bytes, off
     return parent.add(name, obj, offset, length, show=compact(obj))
 
 
-# ---- KV blobs (reference §5) -----------------------------------------------------------------
+# ---- KV blobs (docs/protocol.md §7) ----------------------------------------------------------
 
 
 def kv_blob(pl: Payload, parent: Field | Message, buf: bytes, off: int, total: int, *,
@@ -118,7 +118,7 @@ def kv_blob(pl: Payload, parent: Field | Message, buf: bytes, off: int, total: i
     return f
 
 
-# ---- DECODE v3 (reference §4.7) --------------------------------------------------------------
+# ---- DECODE v3 (docs/protocol.md §8) ---------------------------------------------------------
 
 
 def decode_v3(pl: Payload, parent: Field | Message) -> str:
@@ -415,7 +415,7 @@ def _token_frames(pl: Payload) -> str:
 
 
 def pin_pieces(msg: Message, buf: bytes, base: int, seen: int) -> str:
-    """PIN's ``[u32 len][piece]`` frames after an ``OK,0,0`` header, up to EOF (reference §6)."""
+    """PIN's ``[u32 len][piece]`` frames after an ``OK,0,0`` header, up to EOF (docs/protocol.md §9)."""
     parent = msg.add("hydra.pin", None, base, seen)
     pos, n, pieces = 0, len(buf), []
     while n - pos >= 4:

@@ -1,6 +1,6 @@
 """Streams → protocols → messages: the part shared by file mode, the live tap and ``--hex``.
 
-Each TCP stream's protocol is recognised from the client's first bytes (ggml-rpc-facts §10):
+Each TCP stream's protocol is recognised from the client's first bytes (docs/protocol.md §1, §14):
 ``59 48`` is Hydra, ``0E`` is a ggml-RPC HELLO, any other byte below ``0x14`` a pre-HELLO ggml
 client; anything else is shown raw. ``--decode-as`` decides for streams that do not start at
 the beginning (no SYN) or start with something else, and ``--port`` forces it for streams to
