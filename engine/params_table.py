@@ -314,7 +314,12 @@ def _c_onoffauto(p: Param, text: str) -> str:
 
 
 def _c_gpu_layers(p: Param, text: str) -> int:
-    return _j_gpu_layers(p, text if text in ("auto", "all") else stoi(text))
+    if text in ("auto", "all"):
+        return _j_gpu_layers(p, text)
+    try:
+        return _j_gpu_layers(p, stoi(text))
+    except ValueError:
+        raise p.fail(f"a number of layers, 'auto' or 'all', got {text[:40]!r}") from None
 
 
 _CLI = {
