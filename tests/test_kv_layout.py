@@ -1,7 +1,6 @@
 """engine/kv_layout.py: the per-slot context and attention-rotation rules, checked against llama.cpp itself."""
 from __future__ import annotations
 
-import ctypes
 import os
 
 import llama_cpp as L
@@ -9,6 +8,8 @@ import pytest
 
 from engine.model_files import ensure_tiny_model
 from engine.kv_layout import slot_context
+
+from tests.llama_log import LlamaLogCapture
 
 TRAIN = 262144
 
@@ -71,23 +72,6 @@ def test_agrees_with_llama_cpp(tiny_model, n_ctx, n_seq, unified):
 
 # ---- attention rotation ---------------------------------------------------------------------------
 
-class LogCapture:
-    """llama.cpp's log lines while active; the previous callback is put back afterwards."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._cb = L.llama_log_callback(lambda level, text, user: self.lines.append(text.decode(errors="replace")))
-
-    def __enter__(self) -> "LogCapture":
-        self._prev_cb, self._prev_data = L.llama_log_callback(), ctypes.c_void_p()
-        L.llama_log_get(ctypes.byref(self._prev_cb), ctypes.byref(self._prev_data))
-        L.llama_log_set(self._cb, ctypes.c_void_p())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        L.llama_log_set(self._prev_cb, self._prev_data)
-
-
 @pytest.fixture(scope="module")
 def head64_model(tmp_path_factory):
     from engine.model_files import TinyModelParams, write_tiny_gguf
@@ -115,7 +99,7 @@ def test_attention_rotation_agrees_with_llama_cpp(head64_model, monkeypatch, typ
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.flash_attn_type = 256, 32, 32, L.LLAMA_FLASH_ATTN_TYPE_ENABLED
     cp.type_k, cp.type_v = GGML_TYPE_IDS[type_k], GGML_TYPE_IDS[type_v]
-    with LogCapture() as log:
+    with LlamaLogCapture() as log:
         ctx = L.llama_init_from_model(head64_model, cp)
     assert ctx
     L.llama_free(ctx)
