@@ -178,6 +178,7 @@ class SeqStateSummary:
 # ---- the parser ----------------------------------------------------------------------------
 
 _U32 = struct.Struct("<I")
+_TWO_U32 = struct.Struct("<II")
 _PREFIX = struct.Struct("<Ii")
 _K_HEAD = struct.Struct("<iQ")
 _VT_HEAD = struct.Struct("<iII")
@@ -267,7 +268,7 @@ def _parse_stream(r: _Reader, max_cells: int, max_layers: int, max_pos: int, cel
     pos_min, pos_max = int(pos.min()), int(pos.max())
     if pos_min < 0 or pos_max >= max_pos:
         raise MalformedPayload(f"positions {pos_min}..{pos_max} outside 0..{max_pos - 1}", rule="seq.pos")
-    v_trans, n_layer = r.unpack(struct.Struct("<II"), "v_trans and n_layer")
+    v_trans, n_layer = r.unpack(_TWO_U32, "v_trans and n_layer")
     if v_trans > 1:
         raise MalformedPayload(f"v_trans {v_trans} is not 0 or 1", rule="seq.v_trans")
     if n_layer > max_layers:

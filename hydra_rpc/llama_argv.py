@@ -194,7 +194,10 @@ class _State:
         label, note = status(arg)
         where = f'argument "{given}"' if source == "argv" else f'environment variable "{source}"'
         if label == REFUSED:
-            raise InvalidArgument(f"error: invalid argument: {given}\n{given} is not supported by this engine: {note}")
+            why = f"{arg.name} is not supported by this engine: {note}"
+            if source == "argv":
+                raise InvalidArgument(f"error: invalid argument: {given}\n{why}")
+            raise InvalidArgument(f"error while handling {where}: {why}")
         try:
             value = self.typed(arg, positive, text)
         except (ParamError, ValueError) as e:

@@ -148,7 +148,7 @@ def test_environment_twins_and_command_line_precedence():
 
 @pytest.mark.parametrize(("env", "var"), [({"LLAMA_ARG_KV_UNIFIED": "yes"}, "LLAMA_ARG_KV_UNIFIED"),
                                           ({"LLAMA_ARG_CTX_SIZE": "big"}, "LLAMA_ARG_CTX_SIZE"),
-                                          ({"LLAMA_API_KEY": "k"}, "--api-key")])
+                                          ({"LLAMA_API_KEY": "k"}, '"LLAMA_API_KEY": --api-key is not supported')])
 def test_bad_environment(env, var):
     with pytest.raises(InvalidArgument) as e:
         parse_llama_argv([], env=env)
