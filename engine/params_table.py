@@ -82,8 +82,8 @@ def stoul32(text: str) -> int:
     return v % (1 << 32)
 
 
-def stof(text: str) -> float:
-    """``std::stof``: the longest float prefix (decimal, hex, inf, nan); ERANGE → error."""
+def stod(text: str) -> float:
+    """``std::stod``: the longest float prefix (decimal, hex, inf, nan)."""
     m = _FLOAT_RE.match(text)
     if not m:
         raise ValueError(f"{text!r} is not a number")
@@ -91,9 +91,21 @@ def stof(text: str) -> float:
     low = s.lower().lstrip("+-")
     # float() reads decimal, inf and infinity; hex and nan(payload) need their own path
     v = float.fromhex(s) if low.startswith("0x") else math.nan if low.startswith("nan") else float(s)
+    if math.isinf(v) and "inf" not in low:
+        raise ValueError(f"{text!r} is out of range for a double")
+    return v
+
+
+def stof(text: str) -> float:
+    """``std::stof``: :func:`stod` into a float; ERANGE → error."""
+    v = stod(text)
     if math.isfinite(v) and abs(v) > _F32_MAX:
         raise ValueError(f"{text!r} is out of range for a float")
     return v
+
+
+#: llama.cpp's conversions by name (the generated table says which one a string argument uses)
+CONVERSIONS = {"stoi": stoi, "stoul": stoul32, "stof": stof, "stod": stod}
 
 
 def onoffauto(text: str) -> str | None:

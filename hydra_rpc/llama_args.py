@@ -32,6 +32,7 @@ class LlamaArg:
     excludes: tuple[str, ...] = ()
     sampling: bool = False
     spec: bool = False
+    conversion: str | None = None  # stoi | stoul | stof | stod: how llama.cpp reads a string value
     help: str = ""
     hydra: bool = False  # llama-engine's own (stripped before llama.cpp's parser)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.params_table import BY_CLI, FALSEY, TRUTHY, Param, ParamError, stoi
+from engine.params_table import BY_CLI, CONVERSIONS, FALSEY, TRUTHY, Param, ParamError, stoi
 
 from .llama_args import ACTIONS, APPLIED, ARGS, BY_NAME, NO_EFFECT, REFUSED, LlamaArg, status
 
@@ -216,7 +216,9 @@ class _State:
             return positive
         if param is not None:
             return param.parse_cli(text)
-        return stoi(text) if arg.handler == "int" else text
+        if arg.handler == "int":
+            return stoi(text)
+        return CONVERSIONS[arg.conversion](text) if arg.conversion else text
 
     def store(self, param: Param, value: Any) -> None:
         key = param.key

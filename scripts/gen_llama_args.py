@@ -164,6 +164,7 @@ class Arg:
     sampling: bool = False
     spec: bool = False
     preset_only: bool = False
+    conversion: str | None = None  # stoi/stoul/stof/stod: how a string handler reads its whole value
     help: str = ""
 
     def in_server(self) -> bool:
@@ -229,6 +230,19 @@ def render_help(toks: list[Tok], cond) -> str:
     return "{" + src(toks) + "}"
 
 
+_CONVERSIONS = ("stoi", "stoul", "stof", "stod")
+
+
+def _conversion(body: list[Tok], value: str) -> str | None:
+    """The ``std::sto*`` a string handler applies to its whole value, when that is all it
+    does with it (no comparisons, no other conversion): the value's type in llama.cpp."""
+    calls = [i for i, t in enumerate(body) if t.value in _CONVERSIONS and body[i - 1].value == "::"]
+    if len(calls) != 1 or any(t.value == "==" for t in body):
+        return None
+    i = calls[0]
+    return body[i].value if [t.value for t in body[i + 1:i + 4]] == ["(", value, ")"] else None
+
+
 def parse_common_arg(toks: list[Tok], chain: list[Tok], lists: dict[str, list[str]], cond) -> Arg:
     """``toks``: the arguments inside ``common_arg(...)``; ``chain``: ``.set_x(...)...``."""
     items = split_top(toks)
@@ -244,6 +258,7 @@ def parse_common_arg(toks: list[Tok], chain: list[Tok], lists: dict[str, list[st
         raise ArgCppError(f"common_arg {arg.names} has no handler lambda")
     lam = rest[-1]
     params = lam[matching(lam, 0) + 1:]
+    body = params[matching(params, 0) + 1:]
     params = split_top(params[1:matching(params, 0)])
     if len(params) == 1:
         arg.handler = "void"
@@ -254,6 +269,8 @@ def parse_common_arg(toks: list[Tok], chain: list[Tok], lists: dict[str, list[st
         arg.handler = "int" if ptype == "int" else "bool" if ptype == "bool" else "string"
         if "string" not in ptype and arg.handler == "string":
             raise ArgCppError(f"unknown handler parameter type {ptype!r} for {arg.names}")
+        if arg.handler == "string":
+            arg.conversion = _conversion(body, params[1][-1].value)
     hints = rest[:-2]
     if len(hints) > 2:
         raise ArgCppError(f"unexpected value hints for {arg.names}")
@@ -393,9 +410,9 @@ def render_data(args: list[Arg], sha256: str) -> str:
         f"Source: {ARG_CPP} of the {PACKAGE}=={PACKAGE_VERSION} sdist (sha256 {sha256[:16]}…).",
         "Regenerate: ``python scripts/gen_llama_args.py`` (needs the sdist; see its docstring).",
         "One dict per argument; keys left out have their default: negative (), value_hint None,",
-        "value_hint_2 None, env None, examples ('COMMON',), excludes (), sampling False, spec False.",
-        "handler: void = bare flag, bool = flag with a negative form, int / string = one value,",
-        "string2 = two values.",
+        "value_hint_2 None, env None, examples ('COMMON',), excludes (), sampling False, spec False,",
+        "conversion None. handler: void = bare flag, bool = flag with a negative form, int / string =",
+        "one value, string2 = two values; conversion: the std::sto* a string handler reads its value with.",
         '"""',
         "",
         f"LLAMA_CPP_SOURCE = {PACKAGE + '==' + PACKAGE_VERSION!r}",
@@ -404,14 +421,14 @@ def render_data(args: list[Arg], sha256: str) -> str:
         "SERVER_ARGS = (",
     ]
     defaults = {"negative": (), "value_hint": None, "value_hint_2": None, "env": None, "examples": ("COMMON",),
-                "excludes": (), "sampling": False, "spec": False}
+                "excludes": (), "sampling": False, "spec": False, "conversion": None}
     for a in args:
         entry = {
             "names": tuple(a.names), "handler": a.handler, "negative": tuple(a.negative), "value_hint": a.value_hint,
             "value_hint_2": a.value_hint_2, "env": a.env,
             "examples": tuple(e.removeprefix("LLAMA_EXAMPLE_") for e in a.examples),
             "excludes": tuple(e.removeprefix("LLAMA_EXAMPLE_") for e in a.excludes),
-            "sampling": a.sampling, "spec": a.spec, "help": a.help,
+            "sampling": a.sampling, "spec": a.spec, "conversion": a.conversion, "help": a.help,
         }
         kept = ", ".join(f"{k!r}: {v!r}" for k, v in entry.items() if k not in defaults or defaults[k] != v)
         lines.append(f"    {{{kept}}},")

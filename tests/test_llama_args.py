@@ -47,6 +47,8 @@ def test_generated_data_is_well_formed():
     assert BY_NAME["-np"][0].help.startswith("number of server slots") and "-p" not in BY_NAME
     assert BY_NAME["--no-kv-unified"] == (BY_NAME["-kvu"][0], False)
     assert BY_NAME["--ctx-size"][0].env == "LLAMA_ARG_CTX_SIZE"
+    assert BY_NAME["-sps"][0].conversion == "stof" and BY_NAME["--poll"][0].conversion == "stoul"
+    assert BY_NAME["--spec-draft-ngl"][0].conversion is None  # also takes "auto" / "all"
 
 
 @pytest.mark.parametrize("key", FLEET_PARAMS)
@@ -128,6 +130,7 @@ common_params_context common_params_parser_init(common_params & params, llama_ex
     add_opt(common_arg({"--sampler"}, ex == LLAMA_EXAMPLE_SERVER ? "S" : "T",
         ex == LLAMA_EXAMPLE_COMPLETION ? "completion help" : "other help",
         [](common_params & params, const std::string & v) {}).set_sampling().set_spec());
+    add_opt(common_arg({"--ratio"}, "R", "r", [](common_params & params, const std::string & v) { params.r = std::stof(v); }));
     return ctx_arg;
 }
 '''
@@ -135,7 +138,8 @@ common_params_context common_params_parser_init(common_params & params, llama_ex
 
 def test_generator_parses_the_shapes_arg_cpp_uses(gen):
     args = {a.names[-1]: a for a in gen.parse_arg_cpp(SNIPPET)}
-    assert list(args) == ["--ctx-size", "--kv-unified", "--range", "--mm", "--parallel", "--sampler"]
+    assert list(args) == ["--ctx-size", "--kv-unified", "--range", "--mm", "--parallel", "--sampler", "--ratio"]
+    assert args["--ratio"].conversion == "stof" and args["--mm"].conversion is None
     c = args["--ctx-size"]
     assert (c.handler, c.value_hint, c.env, c.help) == ("int", "N", "LLAMA_ARG_CTX_SIZE", "size (default: {n_ctx}, min {4u})")
     k = args["--kv-unified"]

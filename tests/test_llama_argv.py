@@ -99,6 +99,8 @@ def test_refused_arguments(argv, words):
     (["--chat-template-kwargs", "nope"], ["JSON object"]),
     (["--prio", "4"], ["prio"]),
     (["--log-verbosity", "loud"], ['"--log-verbosity"', "not a number"]),  # typed even without effect
+    (["--slot-prompt-similarity", "high"], ['"--slot-prompt-similarity"', "not a number"]),  # llama.cpp's stof
+    (["--poll", "x"], ['"--poll"', "not a number"]),
     (["--kv-unified=maybe"], ["invalid boolean value"]),
     (["--chat-template-file", "/nonexistent/t.jinja"], ["failed to open file"]),
 ])
