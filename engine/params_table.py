@@ -335,20 +335,10 @@ def _c_gpu_layers(p: Param, text: str) -> int:
 
 
 _CLI = {
-    "int": lambda p, t: _j_int(p, stoi(t)),
-    "float": lambda p, t: _j_float(p, stof(t)),
-    "seed": lambda p, t: stoul32(t),
-    "bool": lambda p, t: _j_bool(p, t),
-    "onoffauto": _c_onoffauto,
-    "enum": _j_enum,
-    "str": lambda p, t: _j_str(p, t),
-    "model": lambda p, t: _j_str(p, t),
-    "gpu_layers": _c_gpu_layers,
-    "str_list": _j_str_list,
-    "hostports": _j_hostports,
-    "overrides": _j_overrides,
-    "float_list": _j_float_list,
-    "json_object": _j_json_object,
+    "int": lambda p, t: _j_int(p, stoi(t)), "float": lambda p, t: _j_float(p, stof(t)),
+    "seed": lambda p, t: stoul32(t), "bool": _j_bool, "onoffauto": _c_onoffauto, "enum": _j_enum, "str": _j_str,
+    "model": _j_str, "gpu_layers": _c_gpu_layers, "str_list": _j_str_list, "hostports": _j_hostports,
+    "overrides": _j_overrides, "float_list": _j_float_list, "json_object": _j_json_object,
 }
 
 
