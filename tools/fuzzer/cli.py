@@ -27,7 +27,6 @@ from .target import Target, TargetError, is_loopback, parse_hostport
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     t = p.add_argument_group("target")
     t.add_argument("--target", metavar="HOST:PORT", help="the port to fuzz (loopback only unless --allow-remote); "
                                                          "port 0 with --spawn picks a free one")
@@ -60,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--replay", type=Path, metavar="CASE",
                    help="run one saved case again (against its recorded target/spawn unless --target is given)")
     o.add_argument("--json", action="store_true", help="print the results as JSON on stdout (for CI)")
-    o.add_argument("--progress", choices=["auto", "bar", "plain", "none"], default="auto")
+    o.add_argument("--progress", choices=["auto", "bar", "plain", "none"], default="auto",
+                   help="live progress on stderr: a bar, a line every few seconds, or nothing; auto: a bar on "
+                        "a terminal")
 
 
 def _progress(args: argparse.Namespace, total_cases: int | None, total_seconds: float | None) -> Progress:
