@@ -33,7 +33,12 @@ _format = "text"  # what ``announce`` writes; set by ``setup_logging``
 
 def escape(text: str) -> str:
     """``text`` with control characters and backslashes escaped: it stays on one line."""
-    return _UNSAFE.sub(lambda m: _NAMED.get(m.group(), f"\\x{ord(m.group()):02x}"), text)
+    return _UNSAFE.sub(_escape_char, text)
+
+
+def _escape_char(m: re.Match) -> str:
+    c = m.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
 
 
 def _value(v: Any) -> str:
@@ -139,7 +144,7 @@ class HttpAccessLogger(AbstractAccessLogger):
     def log(self, request, response, time: float) -> None:
         self.logger.info("http", extra={"fields": {
             "method": request.method, "path": request.path_qs, "status": response.status,
-            "resp_bytes": response.body_length, "ms": round(time * 1000, 3), "peer": request.remote or "",
+            "sent_bytes": response.body_length, "ms": round(time * 1000, 3), "peer": request.remote or "",
             "agent": request.headers.get("User-Agent", "")}})
 
 
