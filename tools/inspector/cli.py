@@ -153,9 +153,9 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(generate())
         return 0
     if args.filter.strip() == "help":
-        from . import filters
+        from .filters import HELP
 
-        sys.stdout.write(filters.__doc__ or "")
+        sys.stdout.write(HELP)
         return 0
     try:
         match = compile_filter(args.filter)
