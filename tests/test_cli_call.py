@@ -123,3 +123,17 @@ def test_describe_examples_work_against_the_server(server, tmp_path, op):
         r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, timeout=60, cwd=tmp_path,
                            env=env)
         assert r.returncode == 0 and b"OK (0x00)" in r.stderr, (cmd, r.stdout, r.stderr)
+
+
+def test_the_default_model_banner_commands_work(server, tmp_path):
+    """The commands `serve` prints for the base model (checked here on the tiny model)."""
+    from hydra_rpc.serve_cmd import BASE_MODEL_BANNER
+
+    assert "BASE model" in BASE_MODEL_BANNER and "--model PATH" in BASE_MODEL_BANNER
+    commands = _examples(BASE_MODEL_BANNER)
+    assert [c.split()[2] for c in commands] == ["PREFILL", "DECODE"]
+    hydra = f"{shlex.quote(sys.executable)} -m hydra_rpc.cli call --target {server.host}:{server.port}"
+    for cmd in commands:
+        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd.replace("hydra-rpc call", hydra)],
+                           capture_output=True, timeout=60, cwd=tmp_path)
+        assert r.returncode == 0 and b"OK (0x00)" in r.stderr, (cmd, r.stderr)
