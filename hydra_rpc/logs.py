@@ -12,14 +12,13 @@ start-up errors) into JSON lines (:func:`announce`), so every line on stdout and
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import sys
 import time
 from typing import Any, TextIO
-
-from aiohttp.abc import AbstractAccessLogger
 
 log = logging.getLogger("hydra_rpc")
 http_access_log = logging.getLogger("hydra_rpc.http")
@@ -134,20 +133,31 @@ def log_request(*, op: str, key: str, trace: str, status: str, req_bytes: int, r
     log.info("request", extra={"fields": fields})
 
 
-class HttpAccessLogger(AbstractAccessLogger):
-    """aiohttp's access log as our request lines (same formatter, same escaping)."""
+def _access_log_fields(request, response, seconds: float) -> dict[str, Any]:
+    return {"method": request.method, "path": request.path_qs, "status": response.status,
+            "sent_bytes": response.body_length, "ms": round(seconds * 1000, 3), "peer": request.remote or "",
+            "agent": request.headers.get("User-Agent", "")}
 
-    @property
-    def enabled(self) -> bool:
-        return self.logger.isEnabledFor(logging.INFO)
 
-    def log(self, request, response, time: float) -> None:
-        self.logger.info("http", extra={"fields": {
-            "method": request.method, "path": request.path_qs, "status": response.status,
-            "sent_bytes": response.body_length, "ms": round(time * 1000, 3), "peer": request.remote or "",
-            "agent": request.headers.get("User-Agent", "")}})
+@functools.cache
+def _access_logger_class() -> type:
+    # aiohttp is imported here, not at module level: `hydra-rpc call` and the tools load this
+    # module and need no HTTP server.
+    from aiohttp.abc import AbstractAccessLogger
+
+    class HttpAccessLogger(AbstractAccessLogger):
+        """aiohttp's access log as our request lines (same formatter, same escaping)."""
+
+        @property
+        def enabled(self) -> bool:
+            return self.logger.isEnabledFor(logging.INFO)
+
+        def log(self, request, response, time: float) -> None:
+            self.logger.info("http", extra={"fields": _access_log_fields(request, response, time)})
+
+    return HttpAccessLogger
 
 
 def access_log_options() -> dict[str, Any]:
     """Keyword arguments for ``web.AppRunner`` that send its access log through ours."""
-    return {"access_log": http_access_log, "access_log_class": HttpAccessLogger}
+    return {"access_log": http_access_log, "access_log_class": _access_logger_class()}

@@ -48,12 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ctx", type=int, default=4096, help="context tokens per slot (default 4096)")
     g.add_argument("--batch", type=int, default=512, help="tokens per batched decode (default 512)")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    g.add_argument("--rpc-servers", default="", help="offload layers to ggml RPC servers HOST:PORT,... (default: none)")
+    g.add_argument("--rpc-servers", default="",
+                   help="offload layers to ggml RPC servers HOST:PORT,... (default: none)")
     g.add_argument("--n-gpu-layers", type=int, default=None, help="layers to offload (default: all with --rpc-servers)")
     g.add_argument("--no-low-priority", action="store_true",
                    help="do not lower the inference thread's priority (by default it runs at nice 19 so the "
                         "event loop preempts it; it then also yields to any other busy process on the host)")
-    g.add_argument("--slot-queue", type=int, default=8, help="generation requests waiting per busy slot (0: answer BUSY at once)")
+    g.add_argument("--slot-queue", type=int, default=8,
+                   help="generation requests waiting per busy slot (0: answer BUSY at once)")
     r = p.add_argument_group("reloads")
     r.add_argument("--reload-policy", choices=["serve-old", "reject"], default="serve-old",
                    help="while a reload is pending: serve-old keeps serving on the old model, reject answers "
@@ -158,7 +160,10 @@ async def serve(args: argparse.Namespace) -> int:
     except Exception as e:
         with contextlib.suppress(Exception):
             await app.shutdown(force=True)
-        raise _startup_failure(e, args) or e
+        failure = _startup_failure(e, args)
+        if failure is None:
+            raise
+        raise failure from e
     host, port = app.address
     announce(f"hydra-rpc listening on {host}:{port}", stream=sys.stdout, host=host, port=port)
     if app.http is not None:

@@ -310,5 +310,6 @@ def test_tshark_with_the_generated_dissector_sees_what_inspect_sees(capture, tmp
     assert requests == [(op, key) for op, key, _ in capture.log]
     assert responses == [(op, st) for op, _, st in capture.log]
     assert piece_lens == [len(p) for p in capture.pin_pieces]
-    ascii_pieces = [(i, p.decode()) for i, p in enumerate(capture.pin_pieces) if p.isascii() and p.decode().isprintable()]
+    ascii_pieces = [(i, p.decode()) for i, p in enumerate(capture.pin_pieces)
+                    if p.isascii() and p.decode().isprintable()]
     assert ascii_pieces and all(pieces[i] == text for i, text in ascii_pieces)

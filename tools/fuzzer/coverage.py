@@ -69,4 +69,5 @@ def unfinished_warning(cov: dict[str, Any], budget: str) -> str:
     u = cov["unfinished"]
     need = f"; at this rate about {u['seconds_needed']} s more would finish it" if u.get("seconds_needed") else ""
     return (f"WARNING: the {u['phase']} phase did not finish within {budget}: {u['run']} of its {u['size']} cases "
-            f"ran, so not every variant of every mutation family was tried ({u['cases_left']} cases short of the random phase{need})")
+            f"ran, so not every variant of every mutation family was tried ({u['cases_left']} cases short of "
+            f"the random phase{need})")

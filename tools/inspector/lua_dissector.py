@@ -194,7 +194,8 @@ local function dissect_request(buf, pinfo, tree, c, memo)
     t:add(f_dir, "request")
 $req_adds
     local pos = $req_size
-    if kl > 0 then t:add_packet_field(f_key, buf(pos, kl), ENC_UTF_8) else t:add(f_key, "") end  -- one key per request, even empty
+    -- one hydra.key per request, even an empty one, so key lists line up with hydra.op
+    if kl > 0 then t:add_packet_field(f_key, buf(pos, kl), ENC_UTF_8) else t:add(f_key, "") end
     pos = pos + kl
     if tl > 0 then t:add_packet_field(f_trace, buf(pos, tl), ENC_UTF_8) end
     pos = pos + tl
