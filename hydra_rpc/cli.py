@@ -1,43 +1,73 @@
-"""``hydra-rpc`` command line: serve, call, inspect, fuzz, bench."""
+"""``hydra-rpc`` command line: serve, call, inspect, fuzz, bench.
+
+One error handler for every command: a user's mistake is one line on stderr and exit
+status 2; a bug is one line too, with the traceback behind ``--debug``.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+
+from tools.bench import cli as bench_cmd
+from tools.fuzzer import cli as fuzz_cmd
+from tools.inspector import cli as inspect_cmd
+
+from . import call_cmd, serve_cmd
+from .logs import json_line
+from .usage import EXIT_INTERNAL, EXIT_USAGE, HelpFormatter, Parser, UsageError, version_string
+
+COMMANDS = {
+    "serve": (serve_cmd, "run the engine server"),
+    "call": (call_cmd, "send one Hydra request (curl for Hydra)"),
+    "inspect": (inspect_cmd, "decode Hydra / ggml-RPC traffic"),
+    "fuzz": (fuzz_cmd, "fuzz a Hydra port"),
+    "bench": (bench_cmd, "run the benchmarks"),
+}
 
 
-def _not_built(name: str):
-    def run(args) -> int:
-        print(f"hydra-rpc {name}: not built yet", file=sys.stderr)
-        return 2
-
-    return run
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", action="version", version=version_string(), help="print the version and exit")
+    p.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hydra-rpc", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    registry = {
-        "serve": ("hydra_rpc.serve_cmd", "run the engine server"),
-        "call": ("hydra_rpc.call_cmd", "send one Hydra request (curl for Hydra)"),
-        "inspect": ("tools.inspector.cli", "decode Hydra / ggml-RPC traffic"),
-        "fuzz": ("tools.fuzzer.cli", "fuzz a Hydra port"),
-        "bench": ("tools.bench.cli", "run the benchmarks"),
-    }
-    for name, (module, help_) in registry.items():
-        sp = sub.add_parser(name, help=help_, add_help=True)
-        try:
-            mod = __import__(module, fromlist=["add_arguments", "run"])
-        except ImportError:
-            sp.set_defaults(func=_not_built(name))
-            continue
+    p = Parser(prog="hydra-rpc", description=__doc__, formatter_class=HelpFormatter)
+    _common(p)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (mod, help_) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_, add_help=False, formatter_class=HelpFormatter)
+        sp.add_argument("-h", "--help", action=getattr(mod, "HelpAction", "help"), help="show this help and exit")
         mod.add_arguments(sp)
+        _common(sp)
         sp.set_defaults(func=mod.run)
     return p
 
 
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    if getattr(args, "log_format", "text") == "json":
+        print(json_line("ERROR", message, command=args.command, exit=code), file=sys.stderr, flush=True)
+    else:
+        print(f"hydra-rpc {args.command}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        if args.debug:
+            traceback.print_exc()
+        return _fail(args, str(e), EXIT_USAGE)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug of ours: one line, the traceback on request
+        if args.debug:
+            traceback.print_exc()
+            return EXIT_INTERNAL
+        return _fail(args, f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback)",
+                     EXIT_INTERNAL)
 
 
 if __name__ == "__main__":

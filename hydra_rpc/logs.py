@@ -1,56 +1,163 @@
-"""Structured logging: one line per request, text or JSON lines."""
+"""Structured logging: one line per request, text (logfmt-style) or JSON lines.
+
+A log line must not be forgeable by a client. Keys, trace ids, error texts and HTTP paths
+are chosen by whoever connects, so in the text format every control character (newline,
+NUL, escape sequences) and backslash is escaped and a field value with a space, quote or
+``=`` is quoted: one record is always one line, and ``trace="x status=OK"`` cannot pose as
+two fields. A traceback is the only multi-line output; its lines are indented, so a line
+starting at column 0 is always a record. The JSON format escapes through ``json.dumps``.
+
+``--log-format json`` also turns the server's own announcements ("listening on", "stopped",
+start-up errors) into JSON lines (:func:`announce`), so every line on stdout and stderr parses.
+"""
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import sys
 import time
+from typing import Any, TextIO
 
 log = logging.getLogger("hydra_rpc")
+http_access_log = logging.getLogger("hydra_rpc.http")
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\\\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
+_NEEDS_QUOTES = re.compile(r'[\s"=]')
+_format = "text"  # what ``announce`` writes; set by ``setup_logging``
+
+
+def escape(text: str) -> str:
+    """``text`` with control characters and backslashes escaped: it stays on one line."""
+    return _UNSAFE.sub(_escape_char, text)
+
+
+def _escape_char(m: re.Match) -> str:
+    c = m.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def _value(v: Any) -> str:
+    s = escape(v if isinstance(v, str) else json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))
+    if s == "" or _NEEDS_QUOTES.search(s):
+        return '"' + s.replace('"', '\\"') + '"'
+    return s
+
+
+def json_line(level: str, msg: str, logger: str = "hydra_rpc", ts: float | None = None, **fields: Any) -> str:
+    out = {"ts": round(time.time() if ts is None else ts, 6), "level": level, "logger": logger, "msg": msg}
+    out.update(fields)
+    return json.dumps(out, default=str)
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name,
-               "msg": record.getMessage()}
-        fields = getattr(record, "fields", None)
-        if fields:
-            out.update(fields)
+        fields = dict(getattr(record, "fields", None) or {})
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+            fields["exc"] = self.formatException(record.exc_info)
+        return json_line(record.levelname, record.getMessage(), record.name, record.created, **fields)
 
 
 class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:
+        return "\n".join("    " + line for line in super().formatException(ei).splitlines())
+
     def format(self, record: logging.LogRecord) -> str:
         base = super().format(record)
         fields = getattr(record, "fields", None)
-        if fields:
-            base += " " + " ".join(f"{k}={v}" for k, v in fields.items())
-        return base
+        if not fields:
+            return base
+        line, nl, rest = base.partition("\n")  # the fields go on the record's line, not after a traceback
+        return line + " " + " ".join(f"{k}={_value(v)}" for k, v in fields.items()) + nl + rest
+
+
+def log_level_arg(s: str) -> str:
+    """``--log-level`` for argparse ``type=``: a level name, any case."""
+    import argparse
+
+    if s.upper() not in LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown log level {s!r}; use one of {', '.join(LEVELS)}")
+    return s.upper()
 
 
 def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
+    """Our loggers at ``level``; every other library's (asyncio, aiohttp, warnings) through the
+    same formatter at WARNING, so no line escapes the chosen format."""
+    global _format
+    _format = fmt
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("hydra_rpc")
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    for name in ("hydra_rpc", "engine"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(level.upper())
+        lg.propagate = False
+    root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
-    eng = logging.getLogger("engine")
-    eng.handlers[:] = [handler]
-    eng.setLevel(level.upper())
-    eng.propagate = False
+    root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)
+
+
+def announce(line: str, *, stream: TextIO | None = None, level: str = "INFO", **fields: Any) -> None:
+    """A line of the server's own (``hydra-rpc listening on HOST:PORT``): as given in the text
+    format, as a JSON record with ``fields`` in the JSON format."""
+    out = stream or sys.stderr
+    out.write((json_line(level, line, **fields) if _format == "json" else line) + "\n")
+    out.flush()
 
 
 def log_request(*, op: str, key: str, trace: str, status: str, req_bytes: int, resp_bytes: int,
-                started: float, peer: str, conn: int) -> None:
+                started: float, peer: str, conn: int, rule: str | None = None, tokens: int | None = None) -> None:
+    """One line per Hydra request. ``rule``: the error reason of a non-OK reply (the meta's
+    ``rule``, else its ``error`` text); ``tokens``: tokens sent by a streamed DECODE."""
     if not log.isEnabledFor(logging.INFO):
         return
-    log.info("request", extra={"fields": {
+    fields: dict[str, Any] = {
         "op": op, "key": key, "trace": trace, "status": status, "req_bytes": req_bytes,
         "resp_bytes": resp_bytes, "ms": round((time.perf_counter() - started) * 1000, 3),
-        "peer": peer, "conn": conn}})
+        "peer": peer, "conn": conn}
+    if rule:
+        fields["rule"] = rule
+    if tokens is not None:
+        fields["tokens"] = tokens
+    log.info("request", extra={"fields": fields})
+
+
+def _access_log_fields(request, response, seconds: float) -> dict[str, Any]:
+    return {"method": request.method, "path": request.path_qs, "status": response.status,
+            "sent_bytes": response.body_length, "ms": round(seconds * 1000, 3), "peer": request.remote or "",
+            "agent": request.headers.get("User-Agent", "")}
+
+
+@functools.cache
+def _access_logger_class() -> type:
+    # aiohttp is imported here, not at module level: `hydra-rpc call` and the tools load this
+    # module and need no HTTP server.
+    from aiohttp.abc import AbstractAccessLogger
+
+    class HttpAccessLogger(AbstractAccessLogger):
+        """aiohttp's access log as our request lines (same formatter, same escaping)."""
+
+        @property
+        def enabled(self) -> bool:
+            return self.logger.isEnabledFor(logging.INFO)
+
+        def log(self, request, response, time: float) -> None:
+            self.logger.info("http", extra={"fields": _access_log_fields(request, response, time)})
+
+    return HttpAccessLogger
+
+
+def access_log_options() -> dict[str, Any]:
+    """Keyword arguments for ``web.AppRunner`` that send its access log through ours."""
+    return {"access_log": http_access_log, "access_log_class": _access_logger_class()}

@@ -24,11 +24,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from codec.enums import Op
+
 # Latency buckets from 100 µs (a STATE_META on loopback) to 5 min (a long DECODE).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RELOAD_STATES = ("idle", "loading", "draining", "swapped", "failed", "dropped")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Every opcode byte a client may send would otherwise become its own series: a fuzzer could
+# create 256 per metric. Opcodes the protocol never defined share one label value.
+KNOWN_OPS = frozenset(o.name for o in Op)
+UNKNOWN_OP = "unknown"
 
 
 class Metrics:
@@ -56,6 +62,8 @@ class Metrics:
     def observe_request(self, op_name: str, status_name: str, seconds: float, req_bytes: int,
                         resp_bytes: int) -> None:
         """Called by the Hydra connection loop once per answered request."""
+        if op_name not in KNOWN_OPS:
+            op_name = UNKNOWN_OP
         self.requests.labels(op_name, status_name).inc()
         self.duration.labels(op_name).observe(seconds)
         if req_bytes:

@@ -21,6 +21,7 @@ import pytest
 
 from codec import decode_v3 as V3
 from codec.enums import Op, op_name, status_name
+from codec.framing import encode_request
 from codec.payloads import encode_e1_decode, encode_e1_tokens, encode_json_decode, encode_swap_quant
 from hydra_rpc.client import HydraClient
 from tests.helpers import start_server
@@ -68,8 +69,28 @@ def _tcpdump(port: int, path: Path) -> ChildProcess:
     return proc
 
 
-async def drive(port: int) -> tuple[list[tuple[str, str, str]], list[bytes]]:
-    """Every engine opcode and dialect, a few refusals, a PIN stream, and a bad-magic connection."""
+SPLIT_AFTER = 9  # bytes of the split request's header in its first segment
+
+
+async def split_header_request(port: int, path: Path) -> tuple[str, str, str]:
+    """A new connection whose first segment is a partial header: the rest is sent only once the
+    first part is in the capture file, so the two are separate segments. Its payload length
+    (0x1337) makes those first bytes unique in the capture."""
+    payload = b'{"n_predict":16' + b" " * (0x1337 - 16) + b"}"
+    frame = encode_request(Op.CONFIGURE, b"", payload, b"split")
+    async with await HydraClient.connect("127.0.0.1", port) as c:
+        await c.send_raw(frame[:SPLIT_AFTER])
+        async with asyncio.timeout(15):
+            while frame[:SPLIT_AFTER] not in path.read_bytes():
+                await asyncio.sleep(0.02)
+        await c.send_raw(frame[SPLIT_AFTER:])
+        r = await c.read_response()
+    return ("CONFIGURE", "", status_name(r.status))
+
+
+async def drive(port: int, path: Path) -> tuple[list[tuple[str, str, str]], list[bytes]]:
+    """Every engine opcode and dialect, a few refusals, a PIN stream, a header split across
+    segments, and a bad-magic connection."""
     log: list[tuple[str, str, str]] = []
     msgs = [{"role": "user", "content": "hello there"}]
     async with await HydraClient.connect("127.0.0.1", port) as c:
@@ -102,6 +123,7 @@ async def drive(port: int) -> tuple[list[tuple[str, str, str]], list[bytes]]:
         hdr, _ = await c.read_head()
         pieces = [p async for p in c.pin_pieces()]
         log.append(("DECODE", "3", status_name(hdr.status)))
+    log.append(await split_header_request(port, path))
     r, w = await asyncio.open_connection("127.0.0.1", port)  # bad magic: closed without a reply
     w.write(b"\x48\x59not hydra at all")
     await w.drain()
@@ -132,7 +154,7 @@ def capture(tmp_path_factory, tiny_model_path) -> Capture:
     try:
         td = _tcpdump(server.port, path)
         try:
-            log, pieces = asyncio.run(drive(server.port))
+            log, pieces = asyncio.run(drive(server.port, path))
             try:
                 ggml = subprocess.run([sys.executable, "-c", GGML_CLIENT, f"127.0.0.1:{server.port}",
                                        tiny_model_path], capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -237,22 +259,38 @@ def test_damaged_captures_are_explained_not_fatal(capture):
     assert dropped and any(not r["complete"] for r in dropped)
 
 
-def test_tshark_decodes_hydra_headers_with_the_generated_dissector(capture, tmp_path):
+def _tshark(lua: Path, pcap: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["tshark", "-n", "-X", f"lua_script:{lua}", "-r", str(pcap), *args], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "Lua: Error" not in proc.stderr, proc.stderr
+    return proc
+
+
+def test_tshark_with_the_generated_dissector_sees_what_inspect_sees(capture, tmp_path):
+    """Requests (also one whose header is split across segments), the opcode each response
+    answers, and the PIN stream's pieces: all as the client saw them, with no Lua error."""
     if shutil.which("tshark") is None:
         pytest.skip("tshark is not installed (scripts/install_test_tools.sh installs it)")
     lua = tmp_path / "hydra.lua"
     lua.write_bytes(inspect("--dissector").stdout)
-    proc = subprocess.run(["tshark", "-n", "-X", f"lua_script:{lua}", "-r", str(capture.path), "-Y", "hydra",
-                           "-T", "fields", "-E", "separator=/t", "-e", "hydra.direction", "-e", "hydra.op",
-                           "-e", "hydra.key", "-e", "hydra.status"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "Lua: Error" not in proc.stderr, proc.stderr
-    ops, statuses = [], []
-    for line in proc.stdout.splitlines():
-        direction, op, key, status = (line.split("\t") + [""] * 4)[:4]
-        dirs = direction.split(",")
-        ops += [(op_name(int(o, 16)), k) for o, k in zip(op.split(","), key.split(","))] if op else []
-        statuses += [status_name(int(s, 16)) for s in status.split(",")] if status else []
-        assert len(dirs) == (len(op.split(",")) if op else 0) + (len(status.split(",")) if status else 0)
-    # PIN streams are not Hydra-framed after their header; everything else must match the client's log.
-    assert ops == [(op, key) for op, key, _ in capture.log]
-    assert statuses[: len(capture.log)] == [st for _, _, st in capture.log]
+    hydra_lines = [line for line in _tshark(lua, capture.path).stdout.splitlines() if " HYDRA " in line]
+    assert hydra_lines and not [line for line in hydra_lines if "Malformed" in line or "out of bounds" in line]
+    fields = ["hydra.direction", "hydra.op", "hydra.key", "hydra.status", "hydra.request_op", "hydra.pin.len",
+              "hydra.pin.piece"]
+    frames = json.loads(_tshark(lua, capture.path, "-Y", "hydra", "-T", "json",
+                                *[a for f in fields for a in ("-e", f)]).stdout)
+    requests, responses, piece_lens, pieces = [], [], [], []
+    for fr in frames:
+        layer = fr["_source"]["layers"]
+        get = lambda name: layer.get(name, [])  # noqa: E731
+        requests += list(zip((op_name(int(op, 16)) for op in get("hydra.op")), get("hydra.key"), strict=True))
+        responses += [(op_name(int(op, 16)), status_name(int(st, 16)))
+                      for op, st in zip(get("hydra.request_op"), get("hydra.status"))]
+        piece_lens += [int(n) for n in get("hydra.pin.len")]
+        pieces += get("hydra.pin.piece")
+    assert requests == [(op, key) for op, key, _ in capture.log]
+    assert responses == [(op, st) for op, _, st in capture.log]
+    assert piece_lens == [len(p) for p in capture.pin_pieces]
+    ascii_pieces = [(i, p.decode()) for i, p in enumerate(capture.pin_pieces)
+                    if p.isascii() and p.decode().isprintable()]
+    assert ascii_pieces and all(pieces[i] == text for i, text in ascii_pieces)

@@ -257,7 +257,7 @@ def sample():
     ("size >= 0.03KiB and direction == request", [0]),
     ("hydra.json.stream == false", [0]),
     ("latency", [0, 1, 2, 3]),
-    ("nosuchfield != 3", []),
+    ("hydra.nosuchfield != 3", []),
 ])
 def test_filters(sample, expr, numbers):
     match = compile_filter(expr)
@@ -265,7 +265,8 @@ def test_filters(sample, expr, numbers):
 
 
 @pytest.mark.parametrize("bad", ["op ==", "(op == DECODE", "op == DECODE extra", "== 3", "x matches '('",
-                                 "op in {DECODE", "op ! 3", "@"])
+                                 "op in {DECODE", "op ! 3", "@", "nosuchfield != 3", "op == FOO",
+                                 "direction == reply", "status in {OK NOPE}", "tcp.port == 1"])
 def test_bad_filters_raise_filter_error(bad):
     with pytest.raises(FilterError):
         compile_filter(bad)
@@ -298,7 +299,7 @@ def test_lua_dissector_is_generated_from_the_construct_headers():
         for sc in layout.subcons:
             assert f'"hydra.{sc.name}"' in lua, sc.name
     assert "[0x43] = \"DECODE\"" in lua and "[6] = \"NOT_IMPLEMENTED\"" in lua
-    assert "dissect_tcp_pdus" in lua and "register_heuristic" in lua
+    assert "DESEGMENT_ONE_MORE_SEGMENT" in lua and "desegment_len" in lua and "register_heuristic" in lua
 
 
 def test_pcap_writer_round_trip_and_gzip():
@@ -351,3 +352,15 @@ def test_renderer_returns_strings_without_colour_by_default(sample):
     text = r.summary(sample[0]) + r.tree(sample[1]) + r.hexdump(sample[0])
     assert "\x1b[" not in text and "DECODE" in text and "0000  59 48 43 00" in text
     assert "\x1b[31m" in Renderer(colour=True).summary(sample[1])  # a BUSY response in red
+
+
+def test_filter_help_is_user_documentation_and_bad_values_are_errors():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "inspect", "--hex", *a],  # noqa: E731
+                                    input="59 48 41 00", capture_output=True, text=True, timeout=60)
+    helptext = run("-Y", "help").stdout
+    assert helptext.startswith("hydra-rpc inspect -Y FILTER") and "Examples" in helptext and "::" not in helptext
+    from tools.inspector.filters import FIELDS
+    assert all(f"  {name} " in helptext for name in FIELDS)
+    for bad, says in (("op == FOO", "op is never 'FOO'"), ("opp == DECODE", "unknown field 'opp'")):
+        p = run("-Y", bad)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr

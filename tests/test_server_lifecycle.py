@@ -5,8 +5,6 @@ import asyncio
 import json
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -148,26 +146,5 @@ async def test_asyncio_loop_option(tiny_model_path):
         c = await HydraClient.connect(server.host, server.port)
         assert (await c.request(Op.STATE_META, "0")).ok
         await c.close()
-    finally:
-        assert server.stop() == 0
-
-
-def test_call_command(tiny_model_path):
-    server = start_server("--model", "tiny", "--no-http", "--log-level", "WARNING")
-    target = f"{server.host}:{server.port}"
-
-    def call(*args):
-        return subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "call", *args, "--target", target],
-                              capture_output=True, timeout=60)
-
-    try:
-        r = call("INFO")
-        assert r.returncode == 0 and b'"engine": "llama-server-hydra"' in r.stderr
-        r = call("PREFILL", "--key", "0", "--json", json.dumps({"messages": USER}))
-        assert r.returncode == 0 and b"kv_hash_str" in r.stderr
-        r = call("DECODE", "--key", "0", "--json", '{"n_predict":5,"messages":null}')
-        assert r.returncode == 0 and b"[5 tokens streamed]" in r.stderr and r.stdout
-        r = call("STATE_META", "--key", "9")
-        assert r.returncode == 1 and b"NOT_FOUND" in r.stderr
     finally:
         assert server.stop() == 0

@@ -18,6 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
+from hydra_rpc.usage import model_errors
+
 SCENARIOS = {
     "meta-under-decode": "tools.bench.meta_under_decode",
     "decode-overhead": "tools.bench.decode_overhead",
@@ -77,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     raise_fd_limit(4096)  # 1,000+ sockets in the connections scenario; servers inherit the limit
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"hydra-rpc bench: preparing models for --model {args.model}", file=sys.stderr, flush=True)
-    models = model_set(args.model)
+    with model_errors():  # a bad --model is one line, before anything else is printed
+        models = model_set(args.model)
     ctx = BenchContext(quick=args.quick, models=models, reps=args.reps or (1 if args.quick else 3),
                        threads=args.threads or usable_cpus(), blocking_baseline=args.blocking_baseline,
                        http=importlib.util.find_spec("hydra_rpc.http_app") is not None)

@@ -6,8 +6,11 @@
     hydra-rpc fuzz --codec --cases 20000
     hydra-rpc fuzz --protocol ggml --target 127.0.0.1:9503 --i-know-upstream-may-crash
 
+Every run writes OUT/results.json (also when nothing was found): the findings, the cases
+run per phase and generator, and whether a phase was cut short by --seconds/--cases.
+
 Exit status: 0 nothing found (replay: the case no longer fails), 1 findings (replay: it
-still fails), 2 usage or target errors.
+still fails), 2 usage or target errors, 130 interrupted (results.json still written).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import signal
 import sys
 from pathlib import Path
 
+from hydra_rpc.usage import UsageError
+
 from .execute import RunConfig
 from .progress import Progress, summary_table
 from .runner import Options, Runner, replay
@@ -27,7 +32,6 @@ from .target import Target, TargetError, is_loopback, parse_hostport
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     t = p.add_argument_group("target")
     t.add_argument("--target", metavar="HOST:PORT", help="the port to fuzz (loopback only unless --allow-remote); "
                                                          "port 0 with --spawn picks a free one")
@@ -60,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--replay", type=Path, metavar="CASE",
                    help="run one saved case again (against its recorded target/spawn unless --target is given)")
     o.add_argument("--json", action="store_true", help="print the results as JSON on stdout (for CI)")
-    o.add_argument("--progress", choices=["auto", "bar", "plain", "none"], default="auto")
+    o.add_argument("--progress", choices=["auto", "bar", "plain", "none"], default="auto",
+                   help="live progress on stderr: a bar, a line every few seconds, or nothing; auto: a bar on "
+                        "a terminal")
 
 
 def _progress(args: argparse.Namespace, total_cases: int | None, total_seconds: float | None) -> Progress:
@@ -69,24 +75,24 @@ def _progress(args: argparse.Namespace, total_cases: int | None, total_seconds: 
                     quiet=args.progress == "none")
 
 
-def _usage(message: str) -> SystemExit:
-    print(f"hydra-rpc fuzz: {message}", file=sys.stderr)
-    return SystemExit(2)
+LIVE_TARGET_WARNING = ("hydra-rpc fuzz: warning: {address} is a live server, not one started with --spawn: the "
+                       "CONFIGURE, SWAP_QUANT and STATE_PUT cases change its settings, model and slots, and they "
+                       "stay changed after the run. Fuzz a throwaway copy with --target HOST:0 --spawn CMD.")
 
 
 def _target(args: argparse.Namespace, fallback: str | None = None, spawn: str | None = None) -> Target:
     spec = args.target or fallback
     if not spec:
-        raise _usage("--target HOST:PORT is required")
+        raise UsageError("--target HOST:PORT is required (or --codec, which needs no target)")
     try:
         host, port = parse_hostport(spec)
     except ValueError as e:
-        raise _usage(str(e)) from None
+        raise UsageError(f"{e}; e.g. --target 127.0.0.1:9503") from None
     if not args.allow_remote and not is_loopback(host):
-        raise _usage(f"{host} is not a loopback address; fuzzing it needs --allow-remote")
+        raise UsageError(f"{host} is not a loopback address; fuzzing it needs --allow-remote")
     spawn = args.spawn or spawn
     if port == 0 and not spawn:
-        raise _usage("port 0 needs --spawn (the fuzzer then picks a free port)")
+        raise UsageError("port 0 needs --spawn (the fuzzer then picks a free port)")
     return Target(host, port, spawn, None if args.codec else args.out)
 
 
@@ -102,10 +108,9 @@ async def _main(args: argparse.Namespace) -> int:
         return await _replay(args)
     protocol = "codec" if args.codec else args.protocol
     if protocol == "ggml" and not args.i_know_upstream_may_crash:
-        print("hydra-rpc fuzz: --protocol ggml sends malformed ggml-RPC through the passthrough to the upstream "
-              "rpc-server, which is known to crash on bad input (docs/protocol.md §14). Add "
-              "--i-know-upstream-may-crash to go ahead.", file=sys.stderr)
-        return 2
+        raise UsageError("--protocol ggml sends malformed ggml-RPC through the passthrough to the upstream "
+                         "rpc-server, which is known to crash on bad input (docs/protocol.md §14). Add "
+                         "--i-know-upstream-may-crash to go ahead.")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     seconds = args.seconds if args.seconds is not None or args.cases is not None or args.index else 60.0
     if args.list:
@@ -115,6 +120,8 @@ async def _main(args: argparse.Namespace) -> int:
                    protocol=protocol, out=args.out, minimize=not args.no_minimize,
                    minimize_seconds=args.minimize_seconds, cfg=cfg)
     target = None if protocol == "codec" else _target(args)
+    if target is not None and not target.spawn and protocol == "hydra":
+        print(LIVE_TARGET_WARNING.format(address=target.address), file=sys.stderr, flush=True)
     progress = _progress(args, args.cases or (len(args.index) if args.index else None), seconds)
     runner = Runner(opts, target, progress)
     loop = asyncio.get_running_loop()
@@ -128,15 +135,12 @@ async def _main(args: argparse.Namespace) -> int:
             await target.start()
         results = await runner.run()
     except TargetError as e:
-        print(f"hydra-rpc fuzz: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     except (OSError, TimeoutError) as e:
-        print(f"hydra-rpc fuzz: cannot reach the target {target.address if target else ''}: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot reach the target {target.address if target else ''}: {e or type(e).__name__}; "
+                         "is it running?") from e
     except asyncio.CancelledError:
-        progress.close()
-        results = runner.results(0.0)
-        results["stopped_early"] = "interrupted"
+        results = runner.interrupted()
     finally:
         try:
             loop.remove_signal_handler(signal.SIGINT)
@@ -144,9 +148,8 @@ async def _main(args: argparse.Namespace) -> int:
             pass
         if target is not None:
             await target.close()
-    if args.out is not None and (results["findings"] or args.out.exists()):
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = summary_table(results)
     if args.json:
         print(json.dumps(results, indent=2))
@@ -155,7 +158,10 @@ async def _main(args: argparse.Namespace) -> int:
         print(table)
     if results.get("stopped_early"):
         print(f"stopped early: {results['stopped_early']}", file=sys.stderr)
+    if results["coverage"]["stopped_by"] == "interrupted":
+        return 130
     return 1 if results["findings"] else 0
+
 
 
 def _list(args: argparse.Namespace, seed: int, protocol: str) -> int:
@@ -174,8 +180,7 @@ async def _replay(args: argparse.Namespace) -> int:
     try:
         doc = json.loads(args.replay.read_text())
     except (OSError, ValueError) as e:
-        print(f"hydra-rpc fuzz: cannot read {args.replay}: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot read the case file {args.replay}: {e}") from None
     protocol = doc.get("case", {}).get("protocol", "hydra")
     target = None
     if protocol != "codec":
@@ -192,11 +197,9 @@ async def _replay(args: argparse.Namespace) -> int:
             await target.start()
         code, report = await replay(args.replay, target, cfg)
     except TargetError as e:
-        print(f"hydra-rpc fuzz: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     except (OSError, TimeoutError) as e:
-        print(f"hydra-rpc fuzz: cannot reach the target: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot reach the target: {e or type(e).__name__}; is it running?") from e
     finally:
         if target is not None:
             await target.close()

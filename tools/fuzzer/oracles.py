@@ -96,6 +96,7 @@ class Baseline:
 
     status: int
     has_engine: bool
+    config_generation: int | None = None  # what INFO said at the start (a live target's settings)
 
     def matches(self, r: Resp) -> bool:
         return r.status == self.status and (not self.has_engine or bool(r.meta and "engine" in r.meta))
@@ -114,7 +115,8 @@ async def probe_info(target: Target, deadline: float) -> Resp:
 
 async def take_baseline(target: Target, deadline: float) -> Baseline:
     r = await probe_info(target, deadline)
-    return Baseline(r.status, bool(r.meta and "engine" in r.meta))
+    meta = r.meta if isinstance(r.meta, dict) else {}
+    return Baseline(r.status, "engine" in meta, meta.get("config_generation"))
 
 
 def judge(resp: Resp, frame: SentFrame | None, baseline: Baseline, out: Outcome) -> None:

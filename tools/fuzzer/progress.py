@@ -7,6 +7,7 @@ from collections import Counter
 from typing import IO, Any
 
 from .cases import CLASSES
+from .coverage import unfinished_warning
 
 
 class Progress:
@@ -89,9 +90,12 @@ def summary_table(results: dict[str, Any]) -> str:
         lines.append(f"target restarted {results['restarts']} time(s); exits: {results.get('exits')}")
     if results.get("notes"):
         lines.append("notes (not findings): " + ", ".join(f"{k} {v}" for k, v in sorted(results["notes"].items())))
+    lines += _coverage_lines(results)
     findings = results["findings"]
     if not findings:
-        lines.append("No findings: every oracle held for every case.")
+        cov = results.get("coverage") or {}
+        lines.append("No findings in the cases run (see the WARNING above)." if cov.get("unfinished") else
+                     "No findings: every oracle held for every case.")
         return "\n".join(lines)
     rows = [("class", "count", "generator", "first case", "after", "bytes orig→min", "case file")]
     for f in findings:
@@ -110,3 +114,23 @@ def summary_table(results: dict[str, Any]) -> str:
     if results.get("flaky"):
         lines.append(f"did not reproduce on re-run (not saved): {results['flaky']}")
     return "\n".join(lines)
+
+
+def _coverage_lines(results: dict[str, Any]) -> list[str]:
+    cov = results.get("coverage")
+    if not cov:
+        return []
+    out = ["cases by phase: " + ", ".join(f"{p} {n}" for p, n in cov["by_phase"].items())]
+    gens = list(cov["by_generator"].items())
+    out.append(f"cases by generator ({len(gens)}): " + ", ".join(f"{g} {n}" for g, n in gens))
+    gen = results.get("config_generation") or {}
+    if gen.get("before") is not None and gen.get("after") is not None and gen["before"] != gen["after"]:
+        out.append(f"the target's config_generation went {gen['before']} → {gen['after']}: its settings were "
+                   "changed by the run")
+    if cov.get("unfinished"):
+        budget = results.get("budget") or {}
+        by = cov["stopped_by"]
+        limit = (f"--cases {budget.get('cases')}" if by == "cases" else
+                 f"--seconds {budget.get('seconds'):g}" if by == "seconds" else "the interrupted run")
+        out.append(unfinished_warning(cov, limit))
+    return out

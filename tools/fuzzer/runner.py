@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .cases import CASE_FORMAT, Case, Failure, Outcome, safe_name, signature
+from .coverage import Coverage
 from .execute import RunConfig, run_case
 from .minimize import Minimizer
 from .oracles import Baseline, probe_info, take_baseline
@@ -99,6 +100,9 @@ class Runner:
         self.cases_run = 0
         self.phase = "-"
         self.stopped_early = ""
+        self.stopped_by = ""  # the budget that ended the fuzzing: seconds | cases | interrupted
+        self.coverage = Coverage(opts.protocol, opts.cfg.slots, opts.start)
+        self.generations: dict[str, int | None] = {}  # a live target's config_generation before/after
         self.t0 = time.monotonic()
         # The cases just before the current one: a finding that needs the state they left
         # behind is replayed with them (boofuzz keeps "the N passing cases before a failure").
@@ -109,6 +113,7 @@ class Runner:
         t0 = self.t0 = time.monotonic()
         if self.opts.protocol == "hydra":
             self.baseline = await take_baseline(self.target, self.opts.cfg.deadline)
+            self.generations["before"] = self.baseline.config_generation
         elif self.opts.protocol == "ggml":
             from .ggml_mode import take_ggml_baseline
 
@@ -118,8 +123,10 @@ class Runner:
             if self.stopped_early:
                 break
             if self.opts.cases is not None and self.cases_run >= self.opts.cases:
+                self.stopped_by = "cases"
                 break
             if self.opts.seconds is not None and time.monotonic() - t0 >= self.opts.seconds:
+                self.stopped_by = "seconds"
                 break
             case = self.case_at(self.opts.seed, i)
             self.phase = case.phase
@@ -127,6 +134,7 @@ class Runner:
                 break
             out = await run_case(case, self.target, self.baseline, self.opts.cfg)
             self.cases_run += 1
+            self.coverage.count(case)
             for note in out.notes:
                 self.notes[note.split(":")[0]] += 1
             if out.failures:
@@ -134,10 +142,29 @@ class Runner:
             self.recent.append(i)
             self.progress.update(self.cases_run, self.phase, self.by_class)
         fuzzing = time.monotonic() - t0
+        await self._generation_after()
         await self.minimize_all()  # after the case budget: --seconds bounds the fuzzing itself
         self.progress.update(self.cases_run, self.phase, self.by_class, force=True)
         self.progress.close()
         return self.results(fuzzing, time.monotonic() - t0)
+
+    async def _generation_after(self) -> None:
+        """A live (not spawned) target keeps what the CONFIGURE cases did to it: say how much."""
+        if self.opts.protocol != "hydra" or self.target is None or self.target.spawn:
+            return
+        try:
+            r = await probe_info(self.target, self.opts.cfg.deadline)
+        except Exception:  # noqa: BLE001 - a target that stopped answering has its own finding
+            return
+        self.generations["after"] = r.meta.get("config_generation") if isinstance(r.meta, dict) else None
+
+    def interrupted(self) -> dict[str, Any]:
+        """The results of a run stopped by the user: what ran, in the time it really took."""
+        self.stopped_by = "interrupted"
+        self.progress.close()
+        results = self.results(time.monotonic() - self.t0)
+        results["stopped_early"] = "interrupted"
+        return results
 
     async def _target_ready(self) -> bool:
         if self.target is None:
@@ -329,6 +356,9 @@ class Runner:
             "by_class": dict(self.by_class), "notes": dict(self.notes), "flaky": dict(self.flaky),
             "restarts": max(0, t.starts - 1) if t and t.spawn else 0, "exits": t.exits if t else [],
             "stopped_early": self.stopped_early,
+            "budget": {"seconds": self.opts.seconds, "cases": self.opts.cases},
+            "coverage": self.coverage.report(self.stopped_by, self.cases_run / elapsed if elapsed else 0.0),
+            "config_generation": self.generations if t and not t.spawn else None,
         }
 
 

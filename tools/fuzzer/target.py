@@ -54,6 +54,10 @@ def describe_exit(returncode: int) -> dict[str, Any]:
     return out
 
 
+def _exit_text(info: dict[str, Any]) -> str:
+    return f"killed by {info['signal']}" if "signal" in info else f"exit code {info['returncode']}"
+
+
 class Target:
     def __init__(self, host: str, port: int, spawn: str | None = None, log_dir: Path | None = None,
                  ready_timeout: float = 60.0):
@@ -77,7 +81,12 @@ class Target:
             return
         if self.port == 0:
             self.port = free_port(self.host)
-        cmd = shlex.split(self.spawn.replace("{port}", str(self.port)))
+        try:
+            cmd = shlex.split(self.spawn.replace("{port}", str(self.port)))
+        except ValueError as e:
+            raise TargetError(f"could not start the --spawn command: {e} in {self.spawn!r}") from None
+        if not cmd:
+            raise TargetError("could not start the --spawn command: it is empty")
         if self._log is None:
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -86,14 +95,19 @@ class Target:
                 self._log = open(os.devnull, "wb")
         self._log.write(f"\n=== start {self.starts + 1}: {' '.join(cmd)}\n".encode())
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        except OSError as e:
+            raise TargetError(f"could not start the --spawn command: {cmd[0]}: {e.strerror or e}") from None
         self.starts += 1
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise TargetError(f"spawned target exited during start-up: {describe_exit(self.proc.returncode)} "
-                                  f"(see target.log)")
+                last = self.log_tail(1).strip()
+                raise TargetError(f"could not start the --spawn command: it exited during start-up "
+                                  f"({_exit_text(describe_exit(self.proc.returncode))})"
+                                  + (f"; its last line: {last[:300]}" if last else ""))
             try:
                 r, w = await self.connect(0.5)
             except (OSError, TimeoutError):
@@ -101,8 +115,8 @@ class Target:
                 continue
             w.close()
             return
-        raise TargetError(f"spawned target did not accept connections on {self.address} within "
-                          f"{self.ready_timeout:.0f}s")
+        raise TargetError(f"could not start the --spawn command: it did not accept connections on {self.address} "
+                          f"within {self.ready_timeout:.0f} s (does it use {{port}}?)")
 
     def exit_info(self) -> dict[str, Any] | None:
         """How the spawned target died, or None while it runs (or when not spawned)."""

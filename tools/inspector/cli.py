@@ -53,7 +53,6 @@ def _size(s: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0]
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n\n", 1)[1]
     i = p.add_argument_group("input")
     i.add_argument("file", nargs="?", help="capture file (pcap/pcapng, may be gzip'd); '-' for stdin")
@@ -87,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("-q", dest="quiet", action="store_true", help="no per-message output (with --stats)")
     o.add_argument("-Y", dest="filter", default="", metavar="FILTER", help="show only messages matching FILTER")
     o.add_argument("-c", dest="count", type=int, default=None, metavar="N", help="stop after N shown messages")
-    o.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    o.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="colour the output; auto: on a terminal, never with --json")
 
 
 class Output:
@@ -153,9 +153,9 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(generate())
         return 0
     if args.filter.strip() == "help":
-        from . import filters
+        from .filters import HELP
 
-        sys.stdout.write(filters.__doc__ or "")
+        sys.stdout.write(HELP)
         return 0
     try:
         match = compile_filter(args.filter)

@@ -1,11 +1,10 @@
 """``-Y`` display filters: a small, safe expression language over message fields (no ``eval``).
 
-    op == DECODE and status != OK
-    stream == 3 && direction == response
-    size > 1MiB or latency >= 250
-    key == "0" and not hydra.v3.hdr_hash_ok
-    op in {PREFILL DECODE} and trace contains "bench"
-    hydra.meta.error matches "slot .* busy"      (regex, Python syntax)
+The user documentation is :data:`HELP` (``hydra-rpc inspect -Y help``). Like Wireshark, a filter
+naming a field that does not exist, or comparing an opcode/status/direction with a value it
+never has (``op == FOO``), is an error when it is compiled, not a filter that silently matches
+nothing. Dotted protocol fields (``hydra.kv.n_past``) are built from the codec's layouts, so
+only their protocol prefix is checked.
 
 Grammar (precedence low → high: ``or``, ``and``, ``not``)::
 
@@ -15,19 +14,15 @@ Grammar (precedence low → high: ``or``, ``and``, ``not``)::
     test   := FIELD [CMP value | "in" "{" value* "}"]      FIELD alone: present and truthy
     CMP    := == != < <= > >= eq ne lt le gt ge contains matches ~
     value  := NUMBER [size unit] | "string" | 'string' | BAREWORD | true | false
-
-Fields are any name :meth:`Message.filter_values` knows: ``op``, ``cmd``, ``status``, ``key``,
-``trace``, ``stream``, ``direction`` (request/response), ``proto``, ``size``, ``payload_len``,
-``latency`` (ms), ``complete``, ``notes`` and every dotted field name (``hydra.kv.n_past``).
-A dict-valued field can be entered with dots (``hydra.meta.error``). A field a message does not
-have makes every comparison on it false (as in Wireshark). Enum fields (op, status, cmd) compare
-by name (case-insensitive) or number: ``op == DECODE`` and ``op == 0x43`` are the same test.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from codec import ggml as G
+from codec.enums import Op, Status
 
 from .util import Named
 
@@ -48,6 +43,75 @@ MAX_REGEX = 500
 
 class FilterError(ValueError):
     """A filter that does not parse; the message points at the problem."""
+
+
+# The fields every message may have (besides the dotted protocol fields), as -Y help lists them.
+FIELDS = {
+    "op": "opcode (Hydra) or command (ggml-RPC): DECODE, HELLO, … or a number like 0x43; "
+          "a response has its request's",
+    "cmd": "ggml-RPC command: HELLO, SET_TENSOR, GRAPH_COMPUTE, … or a number",
+    "status": "Hydra status: OK, NOT_FOUND, ERROR, PARTIAL, BUSY, BAD_REQUEST, NOT_IMPLEMENTED; "
+              "a request has its response's",
+    "key": "the request's key (slot number or Store key)",
+    "trace": "the request's trace id",
+    "dialect": "PREFILL/DECODE dialect: json, e1, v3, pin, json-frames",
+    "error": "the error text in a reply's meta",
+    "direction": "request or response",
+    "proto": "hydra, ggml or raw (neither, e.g. bad magic)",
+    "stream": "TCP connection number (0, 1, …)",
+    "number": "the message's number in the listing",
+    "frame": "capture frame holding the message's first byte",
+    "src": "sender HOST:PORT",
+    "dst": "receiver HOST:PORT",
+    "size": "message size in bytes (units: 4k, 64KiB, 1MB)",
+    "payload_len": "payload length from the header",
+    "key_len": "key length from the header",
+    "trace_len": "trace id length from the header",
+    "meta_len": "meta length from the response header",
+    "latency": "milliseconds from the request's first byte to the response's (also latency_ms)",
+    "latency_ms": "same as latency",
+    "complete": "true when every byte of the message was captured",
+    "notes": "number of notes and warnings on the message",
+    "answered": "ggml-RPC: false for commands the server does not answer",
+    "data_len": "ggml-RPC SET_TENSOR: bytes of tensor data",
+    "n_nodes": "ggml-RPC GRAPH_COMPUTE: graph nodes",
+    "n_tensors": "ggml-RPC GRAPH_COMPUTE: tensors",
+    "version": "ggml-RPC version negotiated by HELLO",
+}
+PROTOCOL_PREFIXES = ("hydra.", "ggml.")
+
+
+def _ggml_names() -> set[str]:
+    names = {c.name for c in G.Cmd}
+    for fork in (None, *G.FORKS):
+        names |= {info.name for info in G.command_table(None, fork).values()}
+    return names
+
+
+# Fields whose values are names: a bareword that is none of them is a mistake (op == FOO).
+VALUES = {
+    "op": {o.name for o in Op} | _ggml_names(),
+    "cmd": _ggml_names(),
+    "status": {s.name for s in Status},
+    "direction": {"request", "response"},
+    "proto": {"hydra", "ggml", "raw"},
+}
+
+
+def _check_field(name: str) -> None:
+    if name in FIELDS or name.startswith(PROTOCOL_PREFIXES):
+        return
+    raise FilterError(f"unknown field {name!r}; fields: {', '.join(FIELDS)}, and the dotted protocol fields "
+                      "(hydra.…, ggml.…) that -V shows; see -Y help")
+
+
+def _check_value(name: str, lit: "Literal") -> None:
+    allowed = VALUES.get(name)
+    if allowed is None or not isinstance(lit.value, str):
+        return
+    if lit.value.lower() not in {a.lower() for a in allowed}:
+        raise FilterError(f"{name} is never {lit.value!r}; it is one of {', '.join(sorted(allowed))}"
+                          + (" or a number" if name in ("op", "cmd", "status") else ""))
 
 
 @dataclass(frozen=True)
@@ -151,6 +215,7 @@ class _Parser:
         kind, name, _ = self.peek()
         if kind != "word" or name.lower() in ("and", "or", "not", "in") or name.lower() in _WORD_OPS:
             raise self.fail("expected a field name")
+        _check_field(name)
         self.take()
         kind, text, _ = self.peek()
         op = text if kind == "op" and text in _CMP | {"~"} else _WORD_OPS.get(text.lower()) if kind == "word" else None
@@ -163,6 +228,8 @@ class _Parser:
             return lambda v: _truthy(_lookup(v, name))
         self.take()
         lit = self.value()
+        if op in ("==", "!="):
+            _check_value(name, lit)
         if op == "matches":
             if not isinstance(lit.value, str) or len(lit.value) > MAX_REGEX:
                 raise FilterError(f"'matches' needs a string pattern of at most {MAX_REGEX} characters")
@@ -185,6 +252,7 @@ class _Parser:
                 self.take()
                 continue
             values.append(self.value())
+            _check_value(name, values[-1])
         self.take()
         return lambda v: any(_compare(_lookup(v, name), "==", lit) for lit in values)
 
@@ -303,3 +371,40 @@ def _matches(v: Any, rx: re.Pattern) -> bool:
         return False
     s = v.name if isinstance(v, Named) else v if isinstance(v, str) else str(v)
     return rx.search(s) is not None
+
+
+HELP = f"""\
+hydra-rpc inspect -Y FILTER shows only the messages FILTER matches (requests and responses).
+
+Examples
+  -Y 'op == DECODE and status != OK'              failed DECODEs, request and response
+  -Y 'stream == 3 && direction == response'
+  -Y 'size > 1MiB or latency >= 250'              big messages, replies slower than 250 ms
+  -Y 'op in {{PREFILL DECODE}} and trace contains "bench"'
+  -Y 'hydra.meta.error matches "slot .* busy"'     a regular expression (Python syntax)
+  -Y 'key == "0" and not hydra.v3.hdr_hash_ok'
+  -Y 'proto == ggml and cmd == GRAPH_COMPUTE'
+
+Fields
+{chr(10).join(f"  {name:<12} {text}" for name, text in FIELDS.items())}
+
+  Every field -V and --json show can be tested by its dotted name (hydra.kv.n_past,
+  hydra.v3.hdr_hash_ok, ggml.tensor.name, …), and a JSON field by a path into it
+  (hydra.meta.error). A message that lacks the field does not match, as in Wireshark.
+
+Comparisons
+  ==  !=  <  <=  >  >=   (or eq ne lt le gt ge)
+  contains               substring of a text, member of a list
+  matches  (or ~)        regular expression search
+  in {{A B …}}             one of the values
+  FIELD alone            present and not empty, false or 0
+
+Combining
+  and (&&), or (||), not (!), parentheses; not binds tightest, then and, then or.
+
+Values
+  numbers 67, 0x43, 1.5, sizes 64k 4KiB 1MB (k = KiB, kB = 1000); names DECODE, OK, busy
+  (any case); "quoted" or 'quoted' strings with \\n \\t escapes; true and false.
+  An unknown field, or op/status/cmd/direction/proto compared with a value it never
+  has (op == FOO), is an error.
+"""

@@ -1,0 +1,96 @@
+"""Fuzzer reports a CI can trust: results.json on every run, cases per phase and generator,
+a warning when a phase was cut short, the real elapsed time and exit 130 when interrupted,
+a warning before fuzzing a live server, and one line when --spawn cannot start."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import start_server
+from tools.fuzzer import schedule
+from tools.fuzzer.progress import summary_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    sp = start_server("--model", "tiny", "--no-http")  # INFO: one log line per request
+    yield sp
+    assert sp.stop() == 0, sp.log
+
+
+def fuzz_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", "--deadline", "5", *args]
+
+
+def test_results_json_without_findings_counts_phases_and_warns(server, tmp_path):
+    n_smoke, n_sweep = schedule.phase_sizes()
+    out = tmp_path / "out"
+    p = subprocess.run(fuzz_cmd("--target", f"{server.host}:{server.port}", "--seed", "5", "--cases",
+                                str(n_smoke + 4), "--out", str(out)), cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["findings"] == [] and results["cases"] == n_smoke + 4
+    cov = results["coverage"]
+    assert cov["by_phase"] == {"smoke": n_smoke, "sweep": 4} and sum(cov["by_generator"].values()) == n_smoke + 4
+    assert cov["stopped_by"] == "cases"
+    assert cov["unfinished"] == {"phase": "sweep", "run": 4, "size": n_sweep, "cases_left": n_sweep - 4,
+                                 "seconds_needed": cov["unfinished"]["seconds_needed"]}
+    assert f"WARNING: the sweep phase did not finish within --cases {n_smoke + 4}: 4 of its {n_sweep}" in p.stdout
+    assert "every oracle held" not in p.stdout and "cases by phase: smoke" in p.stdout
+    assert "is a live server, not one started with --spawn" in p.stderr
+    assert set(results["config_generation"]) == {"before", "after"}
+
+
+def test_a_finished_phase_set_reads_as_every_oracle_held():
+    results = {"cases": 3, "elapsed_s": 1.0, "rate": 3.0, "seed": 1, "target": "t", "findings": [],
+               "coverage": {"by_phase": {"random": 3}, "by_generator": {"havoc": 3}, "finite_phases": {},
+                            "stopped_by": "seconds", "unfinished": None}, "budget": {"seconds": 1.0}}
+    text = summary_table(results)
+    assert "WARNING" not in text and "every oracle held" in text and "cases by phase: random 3" in text
+    results["coverage"]["unfinished"] = {"phase": "sweep", "run": 1, "size": 9, "cases_left": 8, "seconds_needed": 3}
+    text = summary_table(results)
+    assert "WARNING: the sweep phase did not finish within --seconds 1: 1 of its 9 cases" in text
+    assert "about 3 s more" in text and "every oracle held" not in text
+
+
+def test_an_interrupted_run_reports_its_real_time_and_exits_130(server, tmp_path):
+    out = tmp_path / "out"
+    before = len([line for line in server.lines if " request " in line])
+    t0 = time.monotonic()
+    proc = subprocess.Popen(fuzz_cmd("--target", f"{server.host}:{server.port}", "--seed", "9", "--seconds", "600",
+                                     "--out", str(out)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len([line for line in server.lines if " request " in line]) < before + 30:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    wall = time.monotonic() - t0
+    assert proc.returncode == 130, stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["stopped_early"] == "interrupted" and results["coverage"]["stopped_by"] == "interrupted"
+    assert results["cases"] > 0 and 0 < results["elapsed_s"] <= wall
+    assert "stopped early: interrupted" in stderr and f"{results['cases']} cases in" in stdout
+
+
+def test_spawn_that_cannot_start_is_one_line(tmp_path):
+    p = subprocess.run(fuzz_cmd("--target", "127.0.0.1:0", "--spawn", "/nonexistent/server --port {port}",
+                                "--cases", "1", "--out", str(tmp_path)), cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("hydra-rpc fuzz: could not start the --spawn command: /nonexistent/server:")

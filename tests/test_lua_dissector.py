@@ -1,0 +1,76 @@
+"""The generated Wireshark dissector under real tshark, on synthetic captures whose TCP
+segmentation is chosen byte by byte: headers split across segments, pipelined requests, a
+PIN stream whose pieces straddle segments, on a port nobody registered (heuristic)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from codec.enums import Op, Status
+from codec.framing import encode_request, encode_response
+from codec.payloads import encode_json_decode, encode_piece
+from tools.inspector.lua_dissector import generate
+from tools.inspector.pcap_io import PcapWriter
+
+pytestmark = pytest.mark.skipif(shutil.which("tshark") is None,
+                                reason="tshark is not installed (scripts/install_test_tools.sh installs it)")
+CLIENT, SERVER = ("10.0.0.1", 40000), ("10.0.0.2", 40123)  # 40123: no dissector registered for it
+PIECES = ["Hel", "lo", " w\u00f6r", "ld", ""]
+
+
+def _capture(path: Path) -> None:
+    t = [1.0]
+
+    def send(direction: str, *parts: bytes) -> None:
+        for part in parts:
+            t[0] += 0.01
+            w.data(0, direction, part, t[0])
+
+    with open(path, "wb") as f:
+        w = PcapWriter(f)
+        w.open(0, CLIENT, SERVER, 1.0)
+        info = encode_request(Op.INFO, b"", b"", b"tr")
+        send("c2s", info[:7], info[7:])  # the connection's first segment is a partial header
+        reply = encode_response(Status.OK, b'{"engine":"x"}')
+        send("s2c", reply[:5], reply[5:])
+        two = encode_request(Op.STATE_META, b"0") + encode_request(Op.INFO)
+        send("c2s", two)  # pipelined
+        replies = encode_response(Status.NOT_FOUND, b'{"error":"x"}') + encode_response(Status.OK, b'{"engine":"y"}')
+        send("s2c", replies[:30], replies[30:])
+        msgs = [{"role": "user", "content": "hi"}]
+        send("c2s", encode_request(Op.DECODE, b"1", encode_json_decode(4, msgs), b""))
+        stream = encode_response(Status.OK) + b"".join(encode_piece(p) for p in PIECES)
+        send("s2c", stream[:14], stream[14:23], stream[23:])
+        w.fin(0, "s2c", t[0] + 0.01)
+        w.fin(0, "c2s", t[0] + 0.01)
+
+
+def _tshark(tmp_path: Path, *args: str) -> list[dict]:
+    lua, pcap = tmp_path / "hydra.lua", tmp_path / "synthetic.pcap"
+    lua.write_text(generate())
+    _capture(pcap)
+    fields = ["hydra.op", "hydra.key", "hydra.status", "hydra.request_op", "hydra.response_to", "hydra.pin.piece"]
+    proc = subprocess.run(["tshark", "-n", "-X", f"lua_script:{lua}", "-r", str(pcap), *args, "-Y", "hydra",
+                           "-T", "json", *[a for f in fields for a in ("-e", f)]], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "Lua" not in proc.stderr, proc.stderr
+    return [fr["_source"]["layers"] for fr in json.loads(proc.stdout)]
+
+
+@pytest.mark.parametrize("passes", [[], ["-2"]], ids=["one-pass", "two-pass"])
+def test_split_headers_pairing_and_pin_pieces(tmp_path, passes):
+    layers = _tshark(tmp_path, *passes)
+    requests = [(int(op, 16), key) for ly in layers for op, key in zip(ly.get("hydra.op", []), ly.get("hydra.key", []))]
+    assert requests == [(Op.INFO, ""), (Op.STATE_META, "0"), (Op.INFO, ""), (Op.DECODE, "1")]
+    answers = [(int(op, 16), int(st, 16), int(fr)) for ly in layers
+               for op, st, fr in zip(ly.get("hydra.request_op", []), ly.get("hydra.status", []),
+                                     ly.get("hydra.response_to", []))]
+    assert [(op, st) for op, st, _ in answers] == [(Op.INFO, Status.OK), (Op.STATE_META, Status.NOT_FOUND),
+                                                   (Op.INFO, Status.OK), (Op.DECODE, Status.OK)]
+    assert len({fr for _, _, fr in answers}) == 3  # the pipelined pair was sent in one frame
+    pieces = [p for ly in layers for p in ly.get("hydra.pin.piece", [])]
+    assert pieces == [p for p in PIECES if p]  # an empty piece has no text field
