@@ -56,7 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--allow", action="append", default=[], metavar="CIDR", help="allowed client networks")
     n.add_argument("--first-bytes-timeout", type=float, default=10.0)
     n.add_argument("--idle-timeout", type=float, default=120.0)
-    n.add_argument("--stall-timeout", type=float, default=30.0)
+    n.add_argument("--stall-timeout", type=float, default=30.0, help="seconds without a byte of a started frame")
+    n.add_argument("--min-rate", type=float, default=1024.0, metavar="BYTES/S",
+                   help="a started frame must average this over every --min-rate-window (0: off; default 1024)")
+    n.add_argument("--min-rate-window", type=float, default=10.0, metavar="S",
+                   help="seconds of waiting over which --min-rate is averaged (default 10)")
     n.add_argument("--shutdown-timeout", type=float, default=10.0)
     n.add_argument("--max-drain", type=int, default=64 << 20, help="bytes of a refused payload drained before closing")
     n.add_argument("--ggml-rpc-upstream", type=hostport_arg, default=None, metavar="HOST:PORT",
@@ -94,7 +98,8 @@ def build_app(args: argparse.Namespace):
     scfg = ServerConfig(host=args.host, port=args.port, loop=args.loop, max_connections=args.max_connections,
                         allow=[ipaddress.ip_network(a, strict=False) for a in args.allow],
                         first_bytes_timeout=args.first_bytes_timeout, idle_timeout=args.idle_timeout,
-                        stall_timeout=args.stall_timeout, shutdown_timeout=args.shutdown_timeout,
+                        stall_timeout=args.stall_timeout, min_rate=args.min_rate,
+                        min_rate_window=args.min_rate_window, shutdown_timeout=args.shutdown_timeout,
                         limits=Limits(max_drain=args.max_drain), ggml_rpc_upstream=args.ggml_rpc_upstream,
                         ggml_rpc_embedded=args.ggml_rpc_embedded, log_format=args.log_format,
                         log_level=args.log_level)

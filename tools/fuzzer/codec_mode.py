@@ -121,6 +121,8 @@ def _events(dec, pieces: list[bytes]) -> list[Any]:
                 return out
             except FrameTooLarge as e:
                 out.append(("error", e.rule))
+                if not e.recoverable:  # more than max_drain left to skip: the stream is given up
+                    return out
                 continue
             except CodecError as e:
                 out.append(("error", e.rule))
