@@ -157,6 +157,11 @@ class _Decoder:
         self._buf, self._view = buf, memoryview(buf)
 
     @property
+    def header(self):
+        """The current frame's header once it is parsed (between frames: the last one's)."""
+        return self._header
+
+    @property
     def buffered(self) -> int:
         return self._end - self._start
 
