@@ -14,7 +14,7 @@ from codec.enums import Op, Status
 from codec.errors import BadMagic, CodecError, FrameTooLarge, LocalProtocolError
 from codec.framing import (
     REQUEST_HEADER, RESPONSE_HEADER, decode_request_header, decode_response_header, encode_request,
-    encode_request_header, encode_response, encode_response_header,
+    encode_request_header, encode_response, encode_response_header, pack_request_header_unchecked,
 )
 from codec.limits import NO_PAYLOAD_OPS, Limits
 
@@ -238,3 +238,14 @@ def test_garbage_never_raises_foreign_errors(raw):
                     continue
         except CodecError:
             pass
+
+
+@given(st.integers(0, 0xFF), st.integers(0, 0xFFFF), st.integers(0, 2**64 - 1), st.integers(0, 0xFFFF),
+       st.integers(0, 0xFF))
+def test_unchecked_header_packer_equals_the_construct_layout(op, key_len, payload_len, trace_len, flags):
+    raw = pack_request_header_unchecked(op, key_len, payload_len, trace_len, flags)
+    assert raw == REQUEST_HEADER.build(dict(magic=0x4859, op=op, flags=flags, key_len=key_len,
+                                            payload_len=payload_len, trace_len=trace_len))
+    assert raw == encode_request_header(op, key_len, payload_len, trace_len, flags)
+    # out-of-range values are cut to the field width instead of refused
+    assert pack_request_header_unchecked(op | 0x100, key_len | 0x10000, payload_len, trace_len, flags) == raw

@@ -123,31 +123,32 @@ def decode_v3(pl: Payload, parent: Field | Message) -> str:
     buf, base, total, msg = pl.buf, pl.base, pl.total, pl.msg
     f = parent.add("hydra.v3", None, base, total)
     try:
-        hdr_len, hdr_hash = V3.parse_decode_v3_prefix(buf[:12], total)
+        hdr_len, hdr_hash = V3.parse_decode_v3_prefix(buf[:V3.PREFIX_LEN], total)
     except CodecError as e:
         fail(msg, "DECODE v3 prefix", e)
         return "v3 (bad prefix)"
-    f.add("hydra.v3.hdr_len", hdr_len, base, 4)
-    hh = f.add("hydra.v3.hdr_hash", f"{hdr_hash:016x}", base + 4, 8)
-    hdr_bytes = buf[12 : 12 + hdr_len]
+    f.children += construct_fields(V3.DECODE_V3_PREFIX, None, base, "hydra.v3",
+                                   values={"hdr_len": hdr_len, "hdr_hash": f"{hdr_hash:016x}"})
+    hh = f.children[-1]
+    hdr_bytes = buf[V3.PREFIX_LEN : V3.PREFIX_LEN + hdr_len]
     if len(hdr_bytes) < hdr_len:
         msg.note("DECODE v3 control header not fully captured", WARN)
         return "v3 (header cut)"
     ok = xxh3_64(hdr_bytes) == hdr_hash
     hh.show = f"0x{hdr_hash:016x} ({'matches' if ok else 'MISMATCH: xxh3 of the header is ' + format(xxh3_64(hdr_bytes), '016x')})"
-    f.add("hydra.v3.hdr_hash_ok", ok, base + 4, 8)
-    json_field(pl, f, "hydra.v3.header", hdr_bytes, base + 12)
+    f.add("hydra.v3.hdr_hash_ok", ok, hh.offset, hh.length)
+    json_field(pl, f, "hydra.v3.header", hdr_bytes, base + V3.PREFIX_LEN)
     try:
         hdr = V3.validate_decode_v3(hdr_len, hdr_hash, hdr_bytes, total)
     except CodecError as e:
         fail(msg, "DECODE v3 validation (the engine answers BAD_REQUEST)", e)
         return "v3 (invalid)"
-    body = base + 12 + hdr_len
+    body = base + V3.PREFIX_LEN + hdr_len
     parts = []
     for seg in hdr.segments:
         s = f.add("hydra.v3.segment", {"id": seg.id, "offset": seg.offset, "len": seg.len, "hash": seg.hash},
                   body + seg.offset, seg.len, show=f"{seg.id}: {human(seg.len)} at +{seg.offset} hash {seg.hash or '-'}")
-        lo = 12 + hdr_len + seg.offset
+        lo = V3.PREFIX_LEN + hdr_len + seg.offset
         data = buf[lo : lo + seg.len]
         parts.append(f"{seg.id} {human(seg.len)}")
         checked = _segment_hash(pl, s, seg, data)
@@ -230,10 +231,10 @@ def request(pl: Payload, op: int) -> tuple[str, Dialect | str | None]:
             fail(msg, "SWAP_QUANT", e, WARN)
             pl.raw(msg)
             return human(total), None
-        qk_len = len(sq.qk.encode())
-        msg.add("hydra.swap_quant.qk_len", qk_len, base, 2)
-        msg.add("hydra.swap_quant.qk", sq.qk, base + 2, qk_len)
-        msg.add("hydra.swap_quant.pattern", sq.pattern, base + 2 + qk_len, total - 2 - qk_len)
+        qk_len, head = len(sq.qk.encode()), P.SWAP_QUANT.qk_len.sizeof()
+        msg.add("hydra.swap_quant.qk_len", qk_len, base, head)
+        msg.add("hydra.swap_quant.qk", sq.qk, base + head, qk_len)
+        msg.add("hydra.swap_quant.pattern", sq.pattern, base + head + qk_len, total - head - qk_len)
         return f"qk={sq.qk!r} pattern={sq.pattern!r}", None
     if op in (Op.GET_CHUNKED, Op.SYNC_MISSING):
         if pl.need_whole("hash list"):
@@ -285,7 +286,7 @@ def _prefill(pl: Payload) -> tuple[str, Dialect]:
 
 def _decode(pl: Payload) -> tuple[str, Dialect]:
     # A JSON body only partly captured decides as PIN (its "stream" key may be further on).
-    dialect = decode_dialect(pl.buf if pl.whole else pl.buf[: 12 + 32768])
+    dialect = decode_dialect(pl.buf if pl.whole else pl.buf[: V3.PREFIX_LEN + P.HYDRA_MAX_JSON_HEADER])
     if dialect is Dialect.DECODE_V3:
         return decode_v3(pl, pl.msg), dialect
     if not pl.need_whole(f"DECODE {dialect.label} body"):
