@@ -112,8 +112,8 @@ class _Decoder:
     # -- input ---------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Room for the next received bytes: the rest of a ``receive_into`` destination, or the
-        receive buffer (compacted, or grown to ``sizehint``, only here — never while the
-        transport may still hold the previous view)."""
+        receive buffer (compacted or grown only here — never while the transport may still hold
+        the previous view)."""
         if self._sink is not None:
             return self._sink[self._sink_pos:]
         start, end = self._start, self._end
@@ -121,7 +121,7 @@ class _Decoder:
             self._start = self._end = start = end = 0
             if len(self._buf) > RECV_BUFFER:
                 self._replace(bytearray(RECV_BUFFER))
-        want = max(sizehint, MIN_RECV)
+        want = MIN_RECV  # not the transport's hint: a partial frame must not double the buffer each time
         if len(self._buf) - end < want:
             if start:
                 self._buf[: end - start] = self._view[start:end]
@@ -147,7 +147,7 @@ class _Decoder:
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         data = memoryview(data).cast("B")
         while data:
-            room = self.get_buffer(len(data))
+            room = self.get_buffer()
             n = min(len(room), len(data))
             room[:n] = data[:n]
             self.buffer_updated(n)
@@ -172,14 +172,15 @@ class _Decoder:
 
     @property
     def wanted(self) -> int:
-        """Bytes still to receive before the end of the current frame (of its header, when the
-        header is incomplete). A reader that asks for no more than this never reads into the
-        next frame."""
+        """Bytes still to receive before the next event can be produced (the rest of the header,
+        of the key and trace or meta, of the payload). A reader that asks for no more than this
+        never reads past the part it is waiting for — a caller may read a payload itself after
+        the start event."""
         buffered = self.buffered
         if self._state == _HEAD:
             return max(0, self._header_size - buffered)
         if self._state == _PREAMBLE:
-            return max(0, self._preamble_len() + self._header.payload_len - buffered)
+            return max(0, self._preamble_len() - buffered)
         if self._state in (_PAYLOAD, _SKIP):
             return max(0, self._remaining - buffered - self.receiving)
         return 0

@@ -15,6 +15,7 @@ import asyncio
 import json
 import sys
 
+from codec.dialects import decode_dialect, pin_stream_follows
 from codec.enums import Op, Status, status_name
 from codec.payloads import decode_token_frames
 
@@ -76,7 +77,7 @@ async def _call(args) -> int:
             meta = parse_meta(meta_raw)
             if meta is not None:
                 print(json.dumps(meta, indent=2, ensure_ascii=False), file=sys.stderr)
-            if args.op == Op.DECODE and hdr.status == Status.OK and hdr.payload_len == 0 and not meta_raw:
+            if pin_stream_follows(decode_dialect(payload) if args.op == Op.DECODE else None, hdr):
                 n = 0  # PIN stream: pieces until the server closes
                 async for piece in c.pin_pieces():
                     sys.stdout.buffer.write(piece)

@@ -49,8 +49,10 @@ class HydraConnection(asyncio.BufferedProtocol):
         self.conn_id, self.peer = conn_id, peer
         self.on_request = on_request
         self.decoder = RequestDecoder(cfg.limits)
-        self.whole_limit = cfg.limits.buffer_threshold
-        self._high_water = cfg.limits.buffer_threshold + RECV_BUFFER  # unread bytes before reading pauses
+        # Unread bytes at which reading pauses while nothing waits for them (a handler busy before
+        # it reads its payload, pipelined requests): low, so a large payload is received where the
+        # handler wants it rather than piled up here. A reader waiting for more never pauses it.
+        self._high_water = RECV_BUFFER
         self.clock = ReadClock(cfg.idle_timeout, cfg.stall_timeout, cfg.min_rate, cfg.min_rate_window)
         self.peer_gone = asyncio.Event()
         self.transport: asyncio.Transport | None = None
@@ -212,7 +214,7 @@ class HydraConnection(asyncio.BufferedProtocol):
                     self.clock.new_frame()
         except BadMagic as e:
             log.warning("closing: %s", e, extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
-        except (CloseConnection, PeerGone, ConnectionError):
+        except (CloseConnection, PeerGone, ConnectionError, TimeoutError):
             pass
         finally:
             if self._timer is not None:

@@ -40,11 +40,7 @@ class Body:
             raise ValueError("read past the end of the payload")
         if n == 0:
             return b""
-        if n > self._conn.whole_limit:
-            buf = bytearray(n)
-            await self.read_into(buf)
-            return buf  # type: ignore[return-value]  # bytes-like; no copy of a large payload
-        parts: list[memoryview] = []
+        parts: list[memoryview] = []  # memory follows what arrives: a length is only a claim
         need = n
         while need:
             c = await self._chunk()
@@ -84,8 +80,6 @@ class Body:
 
 class PayloadSource(Protocol):
     """What a :class:`Body` reads from: the connection's decoder, waiting for the client."""
-
-    whole_limit: int  # payloads up to this size come as one chunk
 
     async def payload_chunk(self) -> bytes: ...
 
