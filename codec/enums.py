@@ -74,16 +74,14 @@ class Status(enum.IntEnum):
     NOT_IMPLEMENTED = 0x06
 
 
+_OP_NAMES = {int(o): o.name for o in Op}
+_STATUS_NAMES = {int(s): s.name for s in Status}
+
+
 def op_name(op: int) -> str:
     """Name of an opcode byte, or ``0xNN`` for a value the protocol never defined."""
-    try:
-        return Op(op).name
-    except ValueError:
-        return f"0x{op:02X}"
+    return _OP_NAMES.get(op) or f"0x{op:02X}"
 
 
 def status_name(status: int) -> str:
-    try:
-        return Status(status).name
-    except ValueError:
-        return f"0x{status:02X}"
+    return _STATUS_NAMES.get(status) or f"0x{status:02X}"

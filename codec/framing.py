@@ -85,7 +85,16 @@ def encode_request_header(op: int, key_len: int, payload_len: int, trace_len: in
         raise LocalProtocolError(f"key_len/trace_len must fit u16 (got {key_len}, {trace_len})")
     if not 0 <= payload_len <= MAX_U64:
         raise LocalProtocolError(f"payload_len must fit u64 (got {payload_len})")
-    return _REQ.pack(magic, op, flags, key_len, payload_len, trace_len)
+    return pack_request_header_unchecked(op, key_len, payload_len, trace_len, flags, magic)
+
+
+def pack_request_header_unchecked(op: int, key_len: int, payload_len: int, trace_len: int, flags: int = 0,
+                                  magic: int = MAGIC) -> bytes:
+    """A request header that says whatever it is told, each field cut to its width: for fuzzers
+    and tests whose headers lie about what follows. Everything else uses
+    :func:`encode_request_header`, which refuses what the fields cannot carry."""
+    return _REQ.pack(magic & 0xFFFF, op & 0xFF, flags & 0xFF, key_len & 0xFFFF, payload_len & MAX_U64,
+                     trace_len & 0xFFFF)
 
 
 def encode_request(op: int, key: str | bytes = b"", payload: bytes = b"", trace: str | bytes = b"",

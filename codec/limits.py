@@ -43,8 +43,10 @@ class Limits:
     # Per-op payload caps; ops not listed (unknown, Store) get ``default_max_payload``.
     max_payload: dict[int, int] = field(default_factory=_default_payload_caps)
     default_max_payload: int = 0
+    # Ops whose payload is skipped (up to ``max_drain``) and never handed out.
+    ignore_payload_ops: frozenset[int] = NO_PAYLOAD_OPS
     # Unread payload of a refused request is drained (so the connection stays in
-    # sync) up to this many bytes; beyond it the connection is closed instead.
+    # sync) up to this many bytes; beyond it the stream is given up (closed).
     max_drain: int = 64 * MiB
     # Payloads up to this size are handed to handlers whole; larger ones stream.
     buffer_threshold: int = 1 * MiB

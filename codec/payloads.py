@@ -3,7 +3,8 @@
 docs/protocol.md §6 (opcodes), §9–§10 (DECODE streaming). Dialects: E1 raw-token PREFILL/DECODE, J17/PIN
 JSON DECODE with PIN's ``[u32 len][piece]`` stream, the spec's 9-byte token frames (only ever in
 the spec and C# fakes), and the NEW JSON bodies. Also the strict JSON helpers every codec
-module shares, and the engine's size caps from ``server-rpc.h``.
+module shares, and the engine's size caps from ``server-rpc.h``. Which dialect a payload
+speaks is decided in :mod:`codec.dialects`.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from construct import (
     Bytes,
@@ -436,79 +437,3 @@ def parse_pipeline_attach(payload: Buffer) -> dict[str, Any]:
 
 def encode_pipeline_attach(peer: str, ot_split: str = "") -> bytes:
     return dumps_compact({"peer": peer, "ot_split": ot_split})
-
-
-# ---- dialect detection -----------------------------------------------------------------------
-#
-# Two facts make the dialects separable from the bytes alone:
-#  * JSON text never contains a NUL byte;
-#  * every real token id is < 2**24 (vocabularies are < 16.7 M), so the high byte of each
-#    little-endian i32 token is 0x00.
-
-
-def _looks_like_json_object(payload: Buffer) -> bool:
-    return _first_non_ws(payload) == ord("{") and 0 not in bytes(payload[:4])
-
-
-def _all_tokens_small(payload: Buffer, first: int) -> bool:
-    """Every i32 from index ``first`` has a zero high byte (len % 4 == 0 assumed)."""
-    high = bytes(memoryview(payload)[first * 4 + 3 :: 4])
-    return high.count(0) == len(high)
-
-
-V3_PREFIX_PROBE = 16  # bytes that decide whether a DECODE payload is a v3 frame
-
-
-def looks_like_decode_v3_prefix(first: Buffer) -> bool:
-    """The first 16 bytes look like ``[u32 hdr_len ≤ 32768][u64 hash]{JSON…`` (a streaming server
-    decides from these before reading the rest).
-
-    The JSON starts with ``{`` and its first 4 bytes have no NUL (hdr_len ≥ 4); an E1 DECODE
-    payload has a token's zero high byte at offset 15, so it can never pass.
-    """
-    if len(first) < V3_PREFIX_PROBE:
-        return False
-    hdr_len = _U32.unpack_from(first, 0)[0]
-    return 4 <= hdr_len <= HYDRA_MAX_JSON_HEADER and first[12] == ord("{") and 0 not in bytes(first[12:16])
-
-
-def looks_like_decode_v3(payload: Buffer) -> bool:
-    """:func:`looks_like_decode_v3_prefix`, with the whole control header present."""
-    return looks_like_decode_v3_prefix(payload) and len(payload) >= 12 + _U32.unpack_from(payload, 0)[0]
-
-
-def classify_prefill(payload: Buffer) -> Literal["json", "e1"]:
-    """PREFILL dialect. Precedence:
-
-    1. ``"json"`` — first non-whitespace byte is ``{`` and no NUL in the first 4 bytes;
-    2. ``"e1"`` — ``len % 4 == 0``, ``len ≥ 4`` and every i32 has a zero high byte;
-    3. ``"json"`` otherwise (NEW's dialect: the JSON parser reports the error; this is also
-       the answer for an empty payload, which NEW rejects).
-
-    Token 123 (``7B 00 00 00``) starts with ``{`` but has NULs, so it is E1.
-    """
-    if _looks_like_json_object(payload):
-        return "json"
-    if len(payload) >= 4 and len(payload) % 4 == 0 and _all_tokens_small(payload, 0):
-        return "e1"
-    return "json"
-
-
-def classify_decode(payload: Buffer) -> Literal["v3", "json", "e1"]:
-    """DECODE dialect. Precedence:
-
-    1. ``"v3"`` — :func:`looks_like_decode_v3` (a JSON body's first 4 bytes read as a u32
-       are ≥ 0x0909097B, far above 32768, so JSON never looks like v3);
-    2. ``"json"`` — first non-whitespace byte ``{``, no NUL in the first 4 bytes;
-    3. ``"e1"`` — ``len % 4 == 0``, ``len ≥ 4``, every token after n_predict has a zero high
-       byte (n_predict itself may be anything);
-    4. ``"v3"`` otherwise: NEW's dialect, whose validator names the broken rule.
-    """
-    if looks_like_decode_v3(payload):
-        return "v3"
-    if _looks_like_json_object(payload):
-        return "json"
-    if len(payload) >= 4 and len(payload) % 4 == 0 and _all_tokens_small(payload, 1):
-        return "e1"
-    return "v3"
-

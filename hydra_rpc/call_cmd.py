@@ -19,6 +19,7 @@ import json
 import sys
 from typing import Any, Callable
 
+from codec.dialects import decode_dialect, pin_stream_follows
 from codec.enums import Op, Status, op_name, status_name
 from codec.errors import CodecError
 from codec.framing import (
@@ -200,7 +201,7 @@ async def _call(args: argparse.Namespace) -> int:
             _show_response_head(head, meta_raw)
         _err(f"{status_name(hdr.status)} (0x{hdr.status:02x})")
         meta = parse_meta(meta_raw)
-        if args.op == Op.DECODE and hdr.status == Status.OK and hdr.payload_len == 0 and not meta_raw:
+        if pin_stream_follows(decode_dialect(payload) if args.op == Op.DECODE else None, hdr):
             return await _stream_pin(c, args.verbose)
         data = await c.reader.readexactly(hdr.payload_len) if hdr.payload_len else b""
     finally:

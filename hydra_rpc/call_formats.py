@@ -21,7 +21,7 @@ def _py(mod: str, fn: str, call: str) -> str:
 _SLOT = "The key is the slot number (0, 1, …)."
 
 _FORMATS: dict[int, str] = {
-    Op.INFO: f"""\
+    Op.INFO: """\
 No payload; the key is ignored. The reply meta describes the engine: model identity, slots,
 reload state, config_generation.
   hydra-rpc call INFO | jq .model_name""",

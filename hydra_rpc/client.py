@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import struct
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from codec.decoder import NEED_DATA, ResponseDecoder, ResponseEnd
 from codec.enums import Status, status_name
-from codec.framing import RESPONSE_HEADER_SIZE, ResponseHeader, decode_response_header, encode_request
+from codec.framing import ResponseHeader, encode_request
+from codec.payloads import PieceStreamDecoder
 
 
 @dataclass
@@ -78,15 +79,30 @@ class HydraClient:
         self.writer.write(data)
         await self.writer.drain()
 
+    async def _next(self, dec: ResponseDecoder):
+        """The next event of the response being read; never reads past that response, so the
+        stream stays usable for the next one (and for a caller reading a payload or pieces)."""
+        while True:
+            ev = dec.next_event()
+            if ev is not NEED_DATA:
+                return ev
+            data = await self.reader.read(dec.wanted)
+            if not data:
+                raise asyncio.IncompleteReadError(b"", dec.wanted)
+            dec.feed(data)
+
     async def read_head(self) -> tuple[ResponseHeader, bytes]:
-        hdr = decode_response_header(await self.reader.readexactly(RESPONSE_HEADER_SIZE))
-        meta = await self.reader.readexactly(hdr.meta_len) if hdr.meta_len else b""
-        return hdr, meta
+        """Header and meta only; the payload (or PIN's pieces) is still to be read."""
+        start = await self._next(ResponseDecoder())
+        return start.header, start.meta
 
     async def read_response(self) -> Response:
-        hdr, meta = await self.read_head()
-        payload = await self.reader.readexactly(hdr.payload_len) if hdr.payload_len else b""
-        return Response(hdr.status, parse_meta(meta), payload, meta)
+        dec = ResponseDecoder()
+        start = await self._next(dec)
+        chunks = []
+        while not isinstance(ev := await self._next(dec), ResponseEnd):
+            chunks.append(ev.data)
+        return Response(start.header.status, parse_meta(start.meta), b"".join(chunks), start.meta)
 
     async def request(self, op: int, key: str | bytes = b"", payload: bytes = b"", trace: str | bytes = b"",
                       timeout: float | None = 60.0) -> Response:
@@ -104,13 +120,9 @@ class HydraClient:
             self._busy = False
 
     async def pin_pieces(self) -> AsyncIterator[bytes]:
-        """After a PIN DECODE head (payload_len 0): ``[u32 len][piece]`` frames until EOF."""
-        while True:
-            try:
-                n = struct.unpack("<I", await self.reader.readexactly(4))[0]
-            except asyncio.IncompleteReadError as e:
-                if e.partial:
-                    raise
-                return
-            yield await self.reader.readexactly(n) if n else b""
-
+        """After a head that ``codec.dialects.pin_stream_follows``: the pieces until EOF."""
+        dec = PieceStreamDecoder()
+        while data := await self.reader.read(1 << 16):
+            for piece in dec.feed(data):
+                yield piece
+        dec.eof()

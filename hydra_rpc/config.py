@@ -34,9 +34,11 @@ class ServerConfig:
     max_connections: int = 1024
     allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = field(default_factory=list)
     first_bytes_timeout: float = 10.0  # silent new connection → closed
+    # Read deadlines, counted only while the server waits for the client (hydra_rpc.deadlines):
     idle_timeout: float = 120.0  # no new request on a persistent connection (as the C++)
-    stall_timeout: float = 30.0  # a started frame that stops arriving
-    drain_deadline: float = 30.0  # draining an unread payload after an error reply
+    stall_timeout: float = 30.0  # no byte of a started frame for this long
+    min_rate: float = 1024.0  # bytes/s a started frame must average over every min_rate_window (0: off)
+    min_rate_window: float = 10.0
     shutdown_timeout: float = 10.0  # graceful shutdown: in-flight requests get this long
     limits: Limits = field(default_factory=Limits)
     # ggml-RPC passthrough (off unless configured: upstream rpc-server is "fragile and insecure")
@@ -47,6 +49,10 @@ class ServerConfig:
     # Logging
     log_format: str = "text"  # text | json
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.min_rate > 0 and self.min_rate_window <= 0:
+            raise ValueError("min_rate needs a min_rate_window > 0")
 
     def peer_allowed(self, ip: str) -> bool:
         if not self.allow:

@@ -1,10 +1,20 @@
-"""The Hydra connection loop: strictly one request at a time, never out of sync.
+"""The Hydra connection: a BufferedProtocol feeding the codec's RequestDecoder, and one task
+that serves the decoded requests strictly one at a time.
 
-Each request gets exactly one well-formed response. When a request cannot be
-served (unknown opcode, oversized field, bad key, malformed payload) the unread
-rest of it is drained — bounded by ``limits.max_drain`` and ``drain_deadline`` —
-so the next header is read from the right offset. Only bad magic, or a remainder
-too large to drain, closes the connection (after the error reply, in the latter case).
+The transport receives straight into the decoder's buffer (or, for a large payload a handler
+reads with ``Body.read_into``, straight into the handler's buffer). The decoder owns framing
+and limits; this module owns what goes on the wire when a request is refused and the timing:
+
+* each request gets exactly one well-formed response; a refused frame (oversized field,
+  unknown opcode) is answered ERROR and skipped so the next header is read from the right
+  offset — bounded by ``limits.max_drain``, beyond which the connection is closed after the
+  reply; bad magic closes without a reply;
+* progress-based read deadlines (:mod:`hydra_rpc.deadlines`): idle between requests, stall and
+  minimum rate inside a frame, counted only while the server waits for the client;
+* backpressure both ways: reading pauses while a request's unread bytes pile up, and writers
+  wait (``drain``) while the transport's write buffer is above its high-water mark;
+* ``peer_gone`` is set when the client half-closes or goes away, so a long generation for a
+  client that left can be cancelled.
 """
 from __future__ import annotations
 
@@ -13,168 +23,280 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+from codec.decoder import NEED_DATA, RECV_BUFFER, PayloadChunk, RequestDecoder, RequestStart
 from codec.enums import Status, op_name, status_name
-from codec.errors import BadMagic, RemoteProtocolError
-from codec.framing import REQUEST_HEADER_SIZE, RequestHeader, decode_request_header
-from codec.limits import NO_PAYLOAD_OPS
+from codec.errors import BadMagic, FrameTooLarge, RemoteProtocolError
 
 from .config import ServerConfig
+from .deadlines import IDLE, ReadClock
 from .logs import log_request
 from .wire import Body, PeerGone, Request, ResponseWriter
 
 log = logging.getLogger("hydra_rpc.connection")
 
 Handler = Callable[[Request, ResponseWriter], Awaitable[None]]
+OnRequest = Callable[[str, str, float, int, int], None]
 
 
 class CloseConnection(Exception):
     """Stop serving this connection (after whatever response was already written)."""
 
 
-class HydraConnection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cfg: ServerConfig,
-                 handlers: dict[int, Handler], conn_id: int, peer: str, peer_gone: asyncio.Event,
-                 on_request: Callable[[str, str, float, int, int], None] | None = None):
-        self.reader, self.writer, self.cfg = reader, writer, cfg
-        self.handlers = handlers
+class HydraConnection(asyncio.BufferedProtocol):
+    def __init__(self, cfg: ServerConfig, handlers: dict[int, Handler], conn_id: int, peer: str,
+                 on_request: OnRequest | None = None):
+        self.cfg, self.handlers = cfg, handlers
         self.conn_id, self.peer = conn_id, peer
-        self.peer_gone = peer_gone
         self.on_request = on_request
+        self.decoder = RequestDecoder(cfg.limits)
+        # Unread bytes at which reading pauses while nothing waits for them (a handler busy before
+        # it reads its payload, pipelined requests): low, so a large payload is received where the
+        # handler wants it rather than piled up here. A reader waiting for more never pauses it.
+        self._high_water = RECV_BUFFER
+        self.clock = ReadClock(cfg.idle_timeout, cfg.stall_timeout, cfg.min_rate, cfg.min_rate_window)
+        self.peer_gone = asyncio.Event()
+        self.transport: asyncio.Transport | None = None
         self.in_request = False
         self.stopping = False  # set by a graceful shutdown: finish this request, then close
         self.requests = 0
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future | None = None  # the serving task waits here for bytes
+        self._timer: asyncio.TimerHandle | None = None
+        self._eof = False  # nothing more will arrive
+        self._lost = False  # the transport is gone
+        self._read_paused = False
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future] = []
 
-    async def serve(self, first: bytes) -> None:
-        """Serve requests until the peer leaves, a deadline passes or the server stops.
+    # ---------------------------------------------------------------- protocol callbacks
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
 
-        ``first`` holds the bytes the dispatcher already read (the magic).
-        """
-        pending = first
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.decoder.buffer_updated(nbytes)
+        self.clock.received(nbytes, self._loop.time())
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        elif (self.decoder.buffered >= self._high_water and not self.decoder.receiving
+              and not self._read_paused and not self._lost):
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self.peer_gone.set()
+        self._wake()
+        return True  # keep the transport open: the responses still go out
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = self._lost = True
+        self.peer_gone.set()
+        self._wake()
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_exception(PeerGone("client went away during the response"))
+        self._drain_waiters.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._drain_waiters.clear()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # ---------------------------------------------------------------- writing (ResponseWriter's sink)
+    def write(self, data: bytes | memoryview) -> None:
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self._lost:
+            raise PeerGone("client went away during the response")
+        if self._write_paused:
+            fut = self._loop.create_future()
+            self._drain_waiters.append(fut)
+            await fut
+
+    # ---------------------------------------------------------------- reading
+    async def _wait_data(self) -> None:
+        """Wait for more bytes from the client, under the read deadlines."""
+        if self._eof:
+            raise PeerGone("client closed the connection" if self.decoder.at_boundary and not self.decoder.buffered
+                           else "client closed the connection mid-frame")
+        self.clock.wait(self._loop.time(), idle=self.decoder.at_boundary and not self.decoder.buffered)
+        self._arm()
+        if self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()
+        self._waiter = self._loop.create_future()
         try:
-            while True:
-                hdr_bytes = await self._read_header(pending)
-                pending = b""
-                if hdr_bytes is None:
-                    return
-                try:
-                    header = decode_request_header(hdr_bytes)
-                except BadMagic as e:
-                    log.warning("closing: %s", e, extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
-                    return
-                self.in_request = True
-                try:
-                    await self._one_request(header)
-                finally:
-                    self.in_request = False
-                    self.requests += 1
-                if self.stopping:
-                    return
-        except (CloseConnection, PeerGone, ConnectionError, asyncio.IncompleteReadError):
+            await self._waiter
+        finally:
+            self._waiter = None
+            self.clock.stop(self._loop.time())
+
+    def _arm(self) -> None:
+        at = self.clock.next_check()
+        if at is None or (self._timer is not None and self._timer.when() <= at):
+            return  # an earlier timer re-arms when it fires
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(at, self._on_timer, at)
+
+    def _on_timer(self, at: float) -> None:
+        self._timer = None
+        reason = self.clock.expired(max(at, self._loop.time()))
+        if reason is None:
+            self._arm()
             return
-        except TimeoutError:
-            log.info("closing: stalled mid-frame", extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
+        log.info("closing: %s", self.clock.describe(reason), extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
+        if reason == IDLE:
+            self.transport.close()
+        else:  # a client that stopped sending may not read either: do not wait to flush
+            self.transport.abort()
+
+    async def next_event(self):
+        while True:
+            ev = self.decoder.next_event()
+            if ev is not NEED_DATA:
+                return ev
+            await self._wait_data()
+
+    # PayloadSource, for Body
+    async def payload_chunk(self) -> bytes:
+        ev = await self.next_event()
+        if not isinstance(ev, PayloadChunk):  # Body never asks past payload_len
+            raise AssertionError(f"expected payload bytes, got {ev!r}")
+        return ev.data
+
+    async def payload_into(self, dest: memoryview) -> None:
+        self.decoder.receive_into(dest)
+        while self.decoder.receiving:
+            await self._wait_data()
+
+    async def skip_payload(self) -> None:
+        """Discard the rest of the current request (bounded by ``limits.max_drain``)."""
+        if self.decoder.at_boundary:
             return
-
-    async def _read_header(self, pending: bytes) -> bytes | None:
-        """Wait (idle deadline) for the next header; None on clean EOF or idle timeout."""
-        need = REQUEST_HEADER_SIZE - len(pending)
-        if need <= 0:
-            return pending
         try:
-            async with asyncio.timeout(self.cfg.idle_timeout if not pending else self.cfg.stall_timeout):
-                first = await self.reader.read(need)
-        except TimeoutError:
-            if not pending:
-                log.info("closing idle connection", extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
-                return None
-            raise
-        if not first:
-            return None
-        data = pending + first
-        if len(data) < REQUEST_HEADER_SIZE:
-            async with asyncio.timeout(self.cfg.stall_timeout):
-                data += await self.reader.readexactly(REQUEST_HEADER_SIZE - len(data))
-        return data
+            self.decoder.skip_payload()
+        except FrameTooLarge as e:
+            raise CloseConnection from e
+        while not self.decoder.at_boundary:
+            await self.next_event()
 
-    async def _read_exact(self, n: int) -> bytes:
-        if n == 0:
-            return b""
-        async with asyncio.timeout(self.cfg.stall_timeout):
-            return await self.reader.readexactly(n)
-
-    async def _one_request(self, h: RequestHeader) -> None:
-        started = time.perf_counter()
-        lim = self.cfg.limits
-        resp = ResponseWriter(self.writer)
-        key = b""
-        trace = ""
-        body = Body(self.reader, h.payload_len, self.cfg.stall_timeout)
+    # ---------------------------------------------------------------- serving
+    async def serve(self) -> None:
+        """Serve requests until the client leaves, a deadline passes or the server stops."""
         try:
-            if h.key_len > lim.max_key_len or h.trace_len > lim.max_trace_len:
-                body.remaining = h.body_len
-                await self._refuse(resp, body, Status.ERROR,
-                                   f"key_len {h.key_len}/trace_len {h.trace_len} over the limit "
-                                   f"{lim.max_key_len}/{lim.max_trace_len}")
-                return
-            key = await self._read_exact(h.key_len)
-            trace = (await self._read_exact(h.trace_len)).decode("utf-8", "replace")
+            while not self.stopping:
+                try:
+                    ev = await self.next_event()
+                except FrameTooLarge as e:
+                    await self._refuse(e)
+                    continue
+                if isinstance(ev, RequestStart):
+                    await self._one_request(ev)
+                    self.clock.new_frame()
+        except BadMagic as e:
+            log.warning("closing: %s", e, extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
+        except (CloseConnection, PeerGone, ConnectionError, TimeoutError):
+            pass
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self.transport is not None:
+                self.transport.close()
+
+    async def _refuse(self, e: FrameTooLarge) -> None:
+        """A frame the decoder refused: one ERROR, then skip it (or close, when it is too big)."""
+        h = e.header
+        message = (f"unknown opcode 0x{h.op:02x}" if h.op not in self.handlers and e.rule == "req.payload_len"
+                   else str(e))
+        resp = ResponseWriter(self)
+        with self._request(h, b"", b"", resp):
+            await resp.send(Status.ERROR, {"error": message} if e.recoverable else
+                            {"error": message + "; too large to drain, closing the connection"})
+            if not e.recoverable:
+                raise CloseConnection
+            await self.skip_payload()
+
+    async def _one_request(self, start: RequestStart) -> None:
+        h = start.header
+        resp = ResponseWriter(self)
+        with self._request(h, start.key, start.trace, resp) as trace:
             handler = self.handlers.get(h.op)
             if handler is None:
-                await self._refuse(resp, body, Status.ERROR, f"unknown opcode 0x{h.op:02x}")
-                return
-            if h.op in NO_PAYLOAD_OPS:
-                if h.payload_len:  # this op takes none: drain, ignore, then serve
-                    if not await self._drain(body):
-                        await resp.send(Status.ERROR, {"error": f"payload of {h.payload_len} bytes on "
-                                                                f"{op_name(h.op)}, which takes none"})
-                        raise CloseConnection
-            elif h.payload_len > lim.payload_cap(h.op):
-                await self._refuse(resp, body, Status.ERROR,
-                                   f"payload_len {h.payload_len} exceeds the {op_name(h.op)} limit of "
-                                   f"{lim.payload_cap(h.op)} bytes")
-                return
-            req = Request(h, key, trace, body, self.peer, self.conn_id, self.peer_gone)
-            try:
-                await handler(req, resp)
-            except RemoteProtocolError as e:
-                if resp.started:
-                    raise CloseConnection from e
-                await resp.send(e.status, {"error": str(e), "rule": e.rule})
-            except (PeerGone, ConnectionError, CloseConnection, TimeoutError):
-                raise
-            except Exception as e:  # a bug of ours: answer, log, keep the connection
-                log.exception("handler failed", extra={"fields": {"op": op_name(h.op), "trace": trace}})
-                if resp.started:
-                    raise CloseConnection from e
-                await resp.send(Status.ERROR, {"error": f"internal error: {type(e).__name__}: {e}"})
-            if not resp.started:
-                await resp.send(Status.ERROR, {"error": "handler produced no response"})
-            if not resp.complete and not resp.streaming_eof:
-                raise CloseConnection  # promised bytes not written: cannot stay in sync
-            if body.remaining and not await self._drain(body):
-                raise CloseConnection
-            if resp.close_after:
-                raise CloseConnection
-        finally:
-            st = status_name(resp.status) if resp.status is not None else "NONE"
-            log_request(op=op_name(h.op), key=key[:64].decode("utf-8", "replace"), trace=trace, status=st,
-                        req_bytes=h.payload_len, resp_bytes=resp.payload_len, started=started, peer=self.peer,
-                        conn=self.conn_id)
-            if self.on_request:
-                self.on_request(op_name(h.op), st, time.perf_counter() - started, h.payload_len, resp.payload_len)
+                await resp.send(Status.ERROR, {"error": f"unknown opcode 0x{h.op:02x}"})
+            else:
+                body = Body(self, start.payload_len)
+                await self._run(handler, Request(h, start.key, trace, body, self.peer, self.conn_id, self.peer_gone),
+                                resp)
+            await self.skip_payload()
 
-    async def _drain(self, body: Body) -> bool:
-        """Discard the unread payload; False when it is too large to drain."""
-        if body.remaining > self.cfg.limits.max_drain:
-            return False
-        await body.drain(self.cfg.drain_deadline)
-        return True
-
-    async def _refuse(self, resp: ResponseWriter, body: Body, status: Status, message: str) -> None:
-        """One error response; then drain the rest of the request, or close if it is too big."""
-        drainable = body.remaining <= self.cfg.limits.max_drain
-        await resp.send(status, {"error": message} if drainable else
-                        {"error": message + "; too large to drain, closing the connection"})
-        if not drainable:
+    async def _run(self, handler: Handler, req: Request, resp: ResponseWriter) -> None:
+        try:
+            await handler(req, resp)
+        except RemoteProtocolError as e:
+            if resp.started:
+                raise CloseConnection from e
+            await resp.send(e.status, {"error": str(e), "rule": e.rule})
+        except (PeerGone, ConnectionError, CloseConnection, TimeoutError):
+            raise
+        except Exception as e:  # a bug of ours: answer, log, keep the connection
+            log.exception("handler failed", extra={"fields": {"op": op_name(req.op), "trace": req.trace}})
+            if resp.started:
+                raise CloseConnection from e
+            await resp.send(Status.ERROR, {"error": f"internal error: {type(e).__name__}: {e}"})
+        if not resp.started:
+            await resp.send(Status.ERROR, {"error": "handler produced no response"})
+        if not resp.complete and not resp.streaming_eof:
+            raise CloseConnection  # promised bytes not written: cannot stay in sync
+        if resp.close_after:
             raise CloseConnection
-        await body.drain(self.cfg.drain_deadline)
+
+    def _request(self, h, key: bytes, trace: bytes, resp: ResponseWriter) -> "_RequestScope":
+        return _RequestScope(self, h, key, trace, resp)
+
+
+class _RequestScope:
+    """One request's bookkeeping: ``in_request`` for graceful shutdown, the request log line
+    and the metrics callback, however the request ends."""
+
+    __slots__ = ("conn", "header", "key", "trace", "resp", "started")
+
+    def __init__(self, conn: HydraConnection, header, key: bytes, trace: bytes, resp: ResponseWriter):
+        self.conn, self.header, self.key, self.resp = conn, header, key, resp
+        self.trace = trace.decode("utf-8", "replace")
+
+    def __enter__(self) -> str:
+        self.conn.in_request = True
+        self.started = time.perf_counter()
+        return self.trace
+
+    def __exit__(self, *exc) -> None:
+        conn, h, resp = self.conn, self.header, self.resp
+        conn.in_request = False
+        conn.requests += 1
+        st = status_name(resp.status) if resp.status is not None else "NONE"
+        op = op_name(h.op)
+        log_request(op=op, key=self.key[:64].decode("utf-8", "replace"), trace=self.trace, status=st,
+                    req_bytes=h.payload_len, resp_bytes=resp.payload_len, started=self.started, peer=conn.peer,
+                    conn=conn.conn_id)
+        if conn.on_request:
+            conn.on_request(op, st, time.perf_counter() - self.started, h.payload_len, resp.payload_len)

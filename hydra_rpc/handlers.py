@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from codec import payloads as P
+from codec.dialects import V3_PREFIX_PROBE, Dialect, decode_dialect, looks_like_decode_v3_prefix, prefill_dialect
 from codec.enums import Op, Status
 from codec.errors import MalformedPayload
 from codec.hashing import Xxh3Stream
@@ -172,7 +173,7 @@ class Handlers:
         if req.body.length == 0:
             raise MalformedPayload("PREFILL needs a payload", rule="prefill.empty")
         payload = await req.body.read_all()
-        if P.classify_prefill(payload) == "e1":
+        if prefill_dialect(payload) is Dialect.PREFILL_E1:
             tokens = P.decode_e1_tokens(payload)
             res = await run_job(req, self.engine, GenJob(slot, tokens=tokens, n_predict=0))
             await resp.send(Status.OK, {"n_past": res.n_past, "config_generation": res.config_generation})
@@ -236,8 +237,8 @@ class Handlers:
         slot = self.slot(req)
         if req.body.length == 0:
             raise MalformedPayload("DECODE needs a payload", rule="decode.empty")
-        first = await req.body.read_exactly(min(req.body.length, P.V3_PREFIX_PROBE))
-        if P.looks_like_decode_v3_prefix(first):
+        first = await req.body.read_exactly(min(req.body.length, V3_PREFIX_PROBE))
+        if looks_like_decode_v3_prefix(first):
             if self.decode_v3 is None:
                 raise MalformedPayload("DECODE v3 frames are not enabled", rule="decode.v3_disabled")
             await self.decode_v3(req, resp, slot, first)
@@ -245,8 +246,8 @@ class Handlers:
         if req.body.remaining > HYDRA_MAX_PROMPT_BYTES:
             raise MalformedPayload(f"a JSON/E1 DECODE body over {HYDRA_MAX_PROMPT_BYTES} bytes", rule="decode.size")
         payload = first + await req.body.read_all()
-        kind = P.classify_decode(payload)
-        if kind == "e1":
+        dialect = decode_dialect(payload)
+        if dialect is Dialect.DECODE_E1:
             n_predict, tokens = P.decode_e1_decode(payload)
             job = GenJob(slot, tokens=tokens, append=True, n_predict=max(0, n_predict),
                          sampling=SamplerParams(temperature=0))
@@ -255,14 +256,14 @@ class Handlers:
                                         "stop_reason": "complete", "config_generation": res.config_generation},
                             res.text)
             return
-        if kind != "json":
+        if dialect is Dialect.DECODE_V3:  # a v3 frame would have been seen in its first bytes
             raise MalformedPayload("DECODE payload is neither a v3 frame, JSON nor E1 tokens", rule="decode.dialect")
         d = P.parse_json_decode(payload)
         # PIN decodes greedily (top_k 1, temp 0); a request may ask for sampling explicitly.
         sampling = self.engine.sampler_params(d.body) if "temperature" in d.body else SamplerParams(temperature=0)
         job = GenJob(slot, messages=d.messages, append=d.messages is None, n_predict=d.n_predict,
-                     sampling=sampling, want_logprobs=d.stream is False)
-        if d.stream is False:
+                     sampling=sampling, want_logprobs=dialect is Dialect.DECODE_SPEC)
+        if dialect is Dialect.DECODE_SPEC:
             res = await run_job(req, self.engine, job)
             frames = bytearray()
             events = []

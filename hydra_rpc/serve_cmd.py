@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a connection may wait between requests")
     n.add_argument("--stall-timeout", type=float, default=30.0,
                    help="seconds a started frame may stop arriving before the connection is closed")
+    n.add_argument("--min-rate", type=float, default=1024.0, metavar="BYTES/S",
+                   help="a started frame must average this over every --min-rate-window (0: off; default 1024)")
+    n.add_argument("--min-rate-window", type=float, default=10.0, metavar="S",
+                   help="seconds of waiting over which --min-rate is averaged (default 10)")
     n.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     n.add_argument("--max-drain", type=int, default=64 << 20, help="bytes of a refused payload drained before closing")
@@ -122,7 +126,8 @@ def build_app(args: argparse.Namespace):
     scfg = ServerConfig(host=args.host, port=args.port, loop=args.loop, max_connections=args.max_connections,
                         allow=[ipaddress.ip_network(a, strict=False) for a in args.allow],
                         first_bytes_timeout=args.first_bytes_timeout, idle_timeout=args.idle_timeout,
-                        stall_timeout=args.stall_timeout, shutdown_timeout=args.shutdown_timeout,
+                        stall_timeout=args.stall_timeout, min_rate=args.min_rate,
+                        min_rate_window=args.min_rate_window, shutdown_timeout=args.shutdown_timeout,
                         limits=Limits(max_drain=args.max_drain), ggml_rpc_upstream=args.ggml_rpc_upstream,
                         ggml_rpc_embedded=args.ggml_rpc_embedded, log_format=args.log_format,
                         log_level=args.log_level)

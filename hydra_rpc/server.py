@@ -33,20 +33,71 @@ log = logging.getLogger("hydra_rpc.server")
 GGML_HELLO = 0x0E
 
 
-class _Protocol(asyncio.StreamReaderProtocol):
-    """A stream protocol that also tells us at once when the peer goes away."""
+class _Accepted(asyncio.BufferedProtocol):
+    """A new connection until its first bytes say which protocol it speaks; then the transport
+    goes to a :class:`HydraConnection` (or, for ggml-RPC, to a stream for the passthrough)
+    together with the bytes received so far."""
 
-    def __init__(self, reader, cb, loop):
-        super().__init__(reader, cb, loop=loop)
-        self.peer_gone = asyncio.Event()
+    def __init__(self, server: "HydraServer"):
+        self.server = server
+        self.conn_id = next(server._ids)
+        self.task: asyncio.Task | None = None  # the task serving the dispatched connection
+        self.conn: HydraConnection | None = None
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?:0"
+        self._head = bytearray(64)
+        self._n = 0
+        self._timer: asyncio.TimerHandle | None = None
 
-    def eof_received(self):
-        self.peer_gone.set()
-        return super().eof_received()
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        srv = self.server
+        self.transport = transport
+        srv.connections[self.conn_id] = self
+        srv.stats["accepted"] += 1
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self.peer = f"{peer[0]}:{peer[1]}"
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if not srv.cfg.peer_allowed(peer[0]):
+            srv.stats["refused_allow"] += 1
+            log.warning("refused %s: not in --allow", self.peer)
+            transport.close()
+            return
+        self._timer = asyncio.get_running_loop().call_later(srv.cfg.first_bytes_timeout, self._silent)
 
-    def connection_lost(self, exc):
-        self.peer_gone.set()
-        super().connection_lost(exc)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self._head)[self._n:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._n += nbytes
+        head = bytes(self._head[:self._n])
+        if head[0] == MAGIC_BYTES[0] and len(head) < 2:
+            return  # one more byte decides between Hydra and garbage
+        self._timer.cancel()
+        self.server._dispatch(self, head)
+
+    def eof_received(self) -> bool:
+        self.transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.task is None:
+            self.server.connections.pop(self.conn_id, None)
+
+    def _silent(self) -> None:
+        log.info("closed %s: sent nothing within %.0fs", self.peer, self.server.cfg.first_bytes_timeout)
+        self.transport.close()
+
+    def close(self) -> None:
+        """Shutdown: stop whatever this connection is doing now."""
+        if self.task is not None:
+            self.task.cancel()
+        else:
+            self.transport.close()
 
 
 class HydraServer:
@@ -57,7 +108,7 @@ class HydraServer:
         self.on_request = on_request
         self._server: asyncio.base_events.Server | None = None
         self._ids = itertools.count(1)
-        self.connections: dict[int, tuple[asyncio.Task, HydraConnection | None]] = {}
+        self.connections: dict[int, _Accepted] = {}
         self.passthrough = GgmlPassthrough(cfg)
         self.stats = {"accepted": 0, "refused_limit": 0, "refused_allow": 0, "closed_unknown": 0,
                       "hydra": 0, "ggml": 0}
@@ -73,95 +124,70 @@ class HydraServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Accepted(self), self.cfg.host, self.cfg.port,
+                                                backlog=1024, reuse_address=True)
 
-        def factory():
-            reader = asyncio.StreamReader(limit=2**20, loop=loop)
-            return _Protocol(reader, self._on_connect, loop)
-
-        self._server = await loop.create_server(factory, self.cfg.host, self.cfg.port, backlog=1024,
-                                                reuse_address=True)
-
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn_id = next(self._ids)
-        task = asyncio.current_task()
-        self.connections[conn_id] = (task, None)
-        peer = writer.get_extra_info("peername") or ("?", 0)
-        peer_s = f"{peer[0]}:{peer[1]}"
-        self.stats["accepted"] += 1
-        try:
-            await self._handle(reader, writer, conn_id, peer, peer_s)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-            pass
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            log.exception("connection %d failed", conn_id)
-        finally:
-            self.connections.pop(conn_id, None)
-            writer.close()
-            try:
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
-            except (Exception, asyncio.CancelledError):
-                pass
-
-    async def _handle(self, reader, writer, conn_id, peer, peer_s) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if not self.cfg.peer_allowed(peer[0]):
-            self.stats["refused_allow"] += 1
-            log.warning("refused %s: not in --allow", peer_s)
-            return
-        try:
-            async with asyncio.timeout(self.cfg.first_bytes_timeout):
-                first = await reader.readexactly(1)
-                if first[0] == MAGIC_BYTES[0]:
-                    first += await reader.readexactly(1)
-        except (TimeoutError, asyncio.IncompleteReadError) as e:
-            if isinstance(e, TimeoutError):
-                log.info("closed %s: sent nothing within %.0fs", peer_s, self.cfg.first_bytes_timeout)
-            return
+    def _dispatch(self, acc: _Accepted, head: bytes) -> None:
+        transport = acc.transport
         over_limit = len(self.connections) > self.cfg.max_connections
-        if first == MAGIC_BYTES:
+        if head[:2] == MAGIC_BYTES:
             self.stats["hydra"] += 1
+            conn = HydraConnection(self.cfg, self.handlers, acc.conn_id, acc.peer, self.on_request)
+            transport.set_protocol(conn)
+            conn.connection_made(transport)
             if over_limit:
                 self.stats["refused_limit"] += 1
-                await ResponseWriter(writer).send(
-                    Status.BUSY, {"error": f"connection limit of {self.cfg.max_connections} reached; retry later"})
-                return
-            proto = writer.transport.get_protocol()
-            conn = HydraConnection(reader, writer, self.cfg, self.handlers, conn_id, peer_s,
-                                   getattr(proto, "peer_gone", asyncio.Event()), self.on_request)
-            self.connections[conn_id] = (asyncio.current_task(), conn)
-            await conn.serve(first)
-        elif first[0] == GGML_HELLO:
+                acc.task = asyncio.ensure_future(ResponseWriter(conn).send(
+                    Status.BUSY, {"error": f"connection limit of {self.cfg.max_connections} reached; retry later"}))
+            else:
+                conn.decoder.feed(head)
+                acc.conn = conn
+                acc.task = asyncio.ensure_future(conn.serve())
+        elif head[0] == GGML_HELLO:
             self.stats["ggml"] += 1
             if over_limit:
                 self.stats["refused_limit"] += 1
-                log.warning("refused ggml-RPC client %s: connection limit", peer_s)
+                log.warning("refused ggml-RPC client %s: connection limit", acc.peer)
+                transport.close()
                 return
-            await self.passthrough.handle(reader, writer, first, peer_s)
+            acc.task = asyncio.ensure_future(self._passthrough(transport, head, acc.peer))
         else:
             self.stats["closed_unknown"] += 1
-            try:  # a little more context for the log line, without waiting long
-                async with asyncio.timeout(0.05):
-                    first += await reader.read(14)
-            except TimeoutError:
-                pass
-            log.warning("closed %s: unknown protocol, first bytes %s", peer_s, first[:16].hex(" "))
+            log.warning("closed %s: unknown protocol, first bytes %s", acc.peer, head[:16].hex(" "))
+            transport.close()
+            return
+        acc.task.add_done_callback(lambda t: self._finished(acc, t))
+
+    async def _passthrough(self, transport: asyncio.Transport, head: bytes, peer: str) -> None:
+        """Hand the connection to the ggml-RPC passthrough as a stream (the bytes after the
+        first one are already in the reader)."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=2**20, loop=loop)
+        proto = asyncio.StreamReaderProtocol(reader, loop=loop)
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+        reader.feed_data(head[1:])
+        writer = asyncio.StreamWriter(transport, proto, reader, loop)
+        await self.passthrough.handle(reader, writer, head[:1], peer)
+
+    def _finished(self, acc: _Accepted, task: asyncio.Task) -> None:
+        self.connections.pop(acc.conn_id, None)
+        if not task.cancelled() and task.exception() is not None and not isinstance(
+                task.exception(), (ConnectionError, TimeoutError)):
+            log.error("connection %d failed", acc.conn_id, exc_info=task.exception())
+        acc.transport.close()
 
     async def shutdown(self, timeout: float | None = None, force: bool = False) -> None:
         timeout = self.cfg.shutdown_timeout if timeout is None else timeout
         if self._server is not None:
             self._server.close()
         # Idle connections (no request in flight) close now.
-        for task, conn in list(self.connections.values()):
-            if force or conn is None or not conn.in_request:
-                task.cancel()
+        for acc in list(self.connections.values()):
+            if force or acc.conn is None or not acc.conn.in_request:
+                acc.close()
             else:
-                conn.stopping = True
-        busy = [t for t, _ in self.connections.values() if not t.done()]
+                acc.conn.stopping = True
+        busy = [acc.task for acc in self.connections.values() if acc.task is not None and not acc.task.done()]
         if busy and not force:
             done, pending = await asyncio.wait(busy, timeout=timeout)
             for t in pending:

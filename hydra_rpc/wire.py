@@ -5,145 +5,97 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from codec.enums import Status
 from codec.framing import RequestHeader, encode_response_header
 from codec.payloads import encode_meta
 
-CHUNK = 256 * 1024
+BIG_RESPONSE = 4 << 20  # responses from this size get a larger write buffer (fewer drain round trips)
 
 
 class PeerGone(ConnectionError):
     """The client closed or reset the connection while its request was running."""
 
 
-DIRECT_MIN = 4 << 20  # below this the stream reader's copies do not matter
-
-
-class _DirectReceive(asyncio.BufferedProtocol):
-    """Temporarily stands in for the connection's stream protocol and lets the transport
-    write received bytes directly into the destination buffer; never asks for more than
-    the payload, so the next request's bytes stay with the stream reader."""
-
-    def __init__(self, transport: asyncio.Transport, mv: memoryview, pos: int):
-        self.transport = transport
-        self.previous = transport.get_protocol()
-        self.mv = mv
-        self.pos = pos
-        self.done = asyncio.get_running_loop().create_future()
-        self._restored = False
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.mv[self.pos:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.pos += nbytes
-        if self.pos >= len(self.mv):
-            self.restore()
-            if not self.done.done():
-                self.done.set_result(None)
-
-    def eof_received(self) -> bool:
-        self.restore()
-        if not self.done.done():
-            self.done.set_exception(PeerGone("client closed the connection mid-payload"))
-        return bool(self.previous.eof_received())
-
-    def connection_lost(self, exc) -> None:
-        self.restore()
-        if not self.done.done():
-            self.done.set_exception(PeerGone("client closed the connection mid-payload"))
-        self.previous.connection_lost(exc)
-
-    def restore(self) -> None:
-        if not self._restored:
-            self._restored = True
-            if not self.transport.is_closing():
-                self.transport.set_protocol(self.previous)
-
-
 class Body:
-    """The request payload, read on demand and never beyond ``payload_len``."""
+    """The request payload, read on demand from the connection's decoder, never beyond
+    ``payload_len`` (``length``). Deadlines while waiting for the client are the connection's
+    (progress-based: stall and minimum rate), not a total per read."""
 
-    def __init__(self, reader: asyncio.StreamReader, length: int, stall_timeout: float):
-        self._reader = reader
+    def __init__(self, conn: "PayloadSource", length: int):
+        self._conn = conn
         self.length = length
-        self.remaining = length
-        self._stall = stall_timeout
+        self.remaining = length  # bytes not yet handed to the handler
+        self._held = memoryview(b"")  # the part of a received chunk not handed out yet
 
-    async def _read_some(self, n: int) -> bytes:
-        async with asyncio.timeout(self._stall):
-            data = await self._reader.read(min(n, self.remaining))
-        if not data:
-            raise PeerGone("client closed the connection mid-payload")
-        self.remaining -= len(data)
-        return data
-
-    async def read_all(self) -> bytes:
-        """The whole payload (the caller has checked the size against its limit)."""
-        if self.remaining == 0:
-            return b""
-        async with asyncio.timeout(self._stall + self.remaining / (1 << 20)):
-            try:
-                data = await self._reader.readexactly(self.remaining)
-            except asyncio.IncompleteReadError as e:
-                raise PeerGone("client closed the connection mid-payload") from e
-        self.remaining = 0
-        return data
+    async def _chunk(self) -> memoryview:
+        if self._held:
+            out, self._held = self._held, memoryview(b"")
+            return out
+        return memoryview(await self._conn.payload_chunk())
 
     async def read_exactly(self, n: int) -> bytes:
         if n > self.remaining:
             raise ValueError("read past the end of the payload")
-        async with asyncio.timeout(self._stall + n / (1 << 20)):
-            try:
-                data = await self._reader.readexactly(n)
-            except asyncio.IncompleteReadError as e:
-                raise PeerGone("client closed the connection mid-payload") from e
+        if n == 0:
+            return b""
+        parts: list[memoryview] = []  # memory follows what arrives: a length is only a claim
+        need = n
+        while need:
+            c = await self._chunk()
+            if len(c) > need:
+                self._held, c = c[need:], c[:need]
+            parts.append(c)
+            need -= len(c)
         self.remaining -= n
-        return data
+        if len(parts) == 1 and isinstance(parts[0].obj, bytes) and len(parts[0].obj) == n:
+            return parts[0].obj  # the decoder's whole small payload, as it is
+        return b"".join(parts)
+
+    async def read_all(self) -> bytes:
+        """The whole rest of the payload (the caller has checked the size against its limit)."""
+        return await self.read_exactly(self.remaining)
 
     async def read_into(self, buf: bytearray | memoryview) -> None:
-        """Fill ``buf`` (len ≤ remaining) with the next payload bytes.
-
-        Large payloads are received straight into ``buf`` (see ``_DirectReceive``): the
-        stream reader would copy every byte twice (socket → its buffer → a bytes object →
-        ``buf``), which caps a 256 MiB STATE_PUT far below loopback speed.
-        """
+        """Fill ``buf`` (len ≤ remaining) with the next payload bytes. What the connection has not
+        received yet is received straight into ``buf`` (no intermediate copies)."""
         mv = memoryview(buf).cast("B")
-        if len(mv) >= DIRECT_MIN and self._reader._transport is not None:  # noqa: SLF001
-            await self._read_direct(mv)
-            return
-        pos = 0
-        while pos < len(mv):
-            chunk = await self._read_some(min(CHUNK * 4, len(mv) - pos))
-            mv[pos:pos + len(chunk)] = chunk
-            pos += len(chunk)
+        if len(mv) > self.remaining:
+            raise ValueError("read past the end of the payload")
+        pos = min(len(self._held), len(mv))
+        mv[:pos] = self._held[:pos]
+        self._held = self._held[pos:]
+        if pos < len(mv):
+            await self._conn.payload_into(mv[pos:])
+        self.remaining -= len(mv)
 
-    async def _read_direct(self, mv: memoryview) -> None:
-        reader = self._reader
-        pending = reader._buffer  # noqa: SLF001 - bytes the stream layer already holds
-        pos = min(len(pending), len(mv))
-        mv[:pos] = pending[:pos]
-        del pending[:pos]
-        self.remaining -= pos
-        if pos == len(mv):
-            return
-        transport = reader._transport  # noqa: SLF001
-        receiver = _DirectReceive(transport, mv, pos)
-        transport.set_protocol(receiver)
-        transport.resume_reading()  # the stream layer may have paused it (buffer full)
-        try:
-            async with asyncio.timeout(self._stall + len(mv) / (64 << 20)):
-                await receiver.done
-        finally:
-            receiver.restore()
-            self.remaining -= receiver.pos - pos
-
-    async def drain(self, deadline: float) -> None:
-        """Discard what is left (bounded by ``deadline`` seconds in total)."""
+    async def drain(self, deadline: float | None = None) -> None:
+        """Discard what is left (the connection's drain bound applies)."""
+        self._held = memoryview(b"")
+        self.remaining = 0
         async with asyncio.timeout(deadline):
-            while self.remaining:
-                await self._read_some(1 << 20)
+            await self._conn.skip_payload()
+
+
+class PayloadSource(Protocol):
+    """What a :class:`Body` reads from: the connection's decoder, waiting for the client."""
+
+    async def payload_chunk(self) -> bytes: ...
+
+    async def payload_into(self, dest: memoryview) -> None: ...
+
+    async def skip_payload(self) -> None: ...
+
+
+class ByteSink(Protocol):
+    """What a :class:`ResponseWriter` writes to (the connection; a StreamWriter also fits)."""
+
+    transport: asyncio.WriteTransport
+
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    async def drain(self) -> None: ...
 
 
 @dataclass
@@ -165,7 +117,7 @@ class Request:
 class ResponseWriter:
     """Writes exactly one response. ``start``+``write`` for streamed payloads."""
 
-    def __init__(self, writer: asyncio.StreamWriter):
+    def __init__(self, writer: ByteSink):
         self._w = writer
         self.status: int | None = None
         self.meta_len = 0
@@ -193,7 +145,7 @@ class ResponseWriter:
         m = encode_meta(meta)
         self.status, self.meta_len, self.payload_len = int(status), len(m), payload_len
         self._left = payload_len
-        if payload_len >= DIRECT_MIN:
+        if payload_len >= BIG_RESPONSE:
             # Fewer drain round trips for big payloads; the transport keeps references to
             # the chunks (memoryviews of the state), not copies.
             self._w.transport.set_write_buffer_limits(high=8 << 20)

@@ -14,9 +14,9 @@ from codec.enums import Op, Status
 from codec.errors import BadMagic, CodecError, FrameTooLarge, LocalProtocolError
 from codec.framing import (
     REQUEST_HEADER, RESPONSE_HEADER, decode_request_header, decode_response_header, encode_request,
-    encode_request_header, encode_response, encode_response_header,
+    encode_request_header, encode_response, encode_response_header, pack_request_header_unchecked,
 )
-from codec.limits import Limits
+from codec.limits import NO_PAYLOAD_OPS, Limits
 
 
 def test_magic_is_59_48_on_the_wire():
@@ -119,29 +119,89 @@ def test_request_decoder_split_invariance(reqs, data):
             cur += e.data
         elif isinstance(e, RequestEnd):
             bodies.append(cur)
-    assert bodies == [p for *_, p in reqs]
+    # INFO, STATE_GET and STATE_META ignore their payload: skipped, never handed out.
+    assert bodies == [b"" if op in NO_PAYLOAD_OPS else p for op, *_, p in reqs]
 
 
 def test_oversized_payload_is_skipped_and_stream_stays_in_sync():
-    lim = Limits(max_payload={Op.INFO: 0}, default_max_payload=0)
+    lim = Limits(max_payload={Op.CONFIGURE: 10}, default_max_payload=0)
     dec = RequestDecoder(lim)
-    dec.feed(encode_request(Op.INFO, b"0", b"x" * 100) + encode_request(Op.INFO, b"1"))
+    dec.feed(encode_request(Op.CONFIGURE, b"0", b"x" * 100) + encode_request(Op.INFO, b"1"))
     with pytest.raises(FrameTooLarge) as ei:
         dec.next_event()
-    assert ei.value.rule == "req.payload_len" and ei.value.header.payload_len == 100
+    assert ei.value.rule == "req.payload_len" and ei.value.header.payload_len == 100 and ei.value.recoverable
+    assert "exceeds the CONFIGURE limit of 10 bytes" in str(ei.value)
     evs = list(dec.events())
     assert evs[0] == RequestEnd(skipped=True)
     assert isinstance(evs[1], RequestStart) and evs[1].key == b"1"
     assert evs[2] == RequestEnd()
 
 
-def test_huge_payload_len_allocates_nothing():
+def test_ignored_payload_is_skipped_after_the_start():
     dec = RequestDecoder(Limits())
-    hdr = encode_request_header(Op.CONFIGURE, 0, 1 << 40, 0)
-    dec.feed(hdr + b"{}")
-    with pytest.raises(FrameTooLarge):
-        dec.next_event()
-    assert dec.next_event() is NEED_DATA and dec.buffered == 0
+    dec.feed(encode_request(Op.STATE_META, b"0", b"z" * 5000) + encode_request(Op.INFO))
+    evs = list(dec.events())
+    assert evs[0].header.payload_len == 5000 and evs[0].payload_len == 0
+    assert evs[1] == RequestEnd(skipped=True) and evs[2].header.op == Op.INFO and evs[3] == RequestEnd()
+
+
+@pytest.mark.parametrize("op", [Op.CONFIGURE, Op.INFO])
+def test_more_than_max_drain_left_is_final_and_allocates_nothing(op):
+    dec = RequestDecoder(Limits(max_drain=1000))
+    dec.feed(encode_request_header(op, 0, 1 << 40, 0) + b"{}")
+    for _ in range(2):
+        with pytest.raises(FrameTooLarge) as ei:
+            dec.next_event()
+        assert not ei.value.recoverable and ei.value.header.payload_len == 1 << 40
+    assert dec.buffered == 0
+
+
+def test_skip_payload_is_bounded_by_max_drain():
+    dec = RequestDecoder(Limits(max_drain=10, buffer_threshold=4))
+    dec.feed(encode_request(Op.PREFILL, b"0", b"y" * 30))
+    assert isinstance(dec.next_event(), RequestStart)
+    assert dec.next_event() == PayloadChunk(b"y" * 30)
+    dec2 = RequestDecoder(Limits(max_drain=10, buffer_threshold=4))
+    dec2.feed(encode_request_header(Op.PREFILL, 1, 30, 0) + b"0" + b"y" * 5)
+    dec2.next_event()
+    assert dec2.next_event() == PayloadChunk(b"y" * 5)
+    with pytest.raises(FrameTooLarge) as ei:
+        dec2.skip_payload()
+    assert not ei.value.recoverable and ei.value.rule == "req.drain"
+
+
+def test_receive_into_lands_payload_in_the_destination_and_never_past_it():
+    payload = bytes(range(200))
+    dest = bytearray(150)
+    dec2 = RequestDecoder(Limits(buffer_threshold=4))
+    dec2.feed(encode_request_header(Op.STATE_PUT, 1, 200, 0) + b"0" + payload[:30])
+    assert isinstance(dec2.next_event(), RequestStart)
+    assert dec2.receive_into(memoryview(dest)) == 30 and dec2.receiving == 120
+    room = dec2.get_buffer(1 << 20)
+    assert len(room) == 120  # only the destination's rest: the transport cannot read past it
+    room[:] = payload[30:150]
+    dec2.buffer_updated(120)
+    assert dest == payload[:150] and dec2.receiving == 0 and dec2.payload_remaining == 50
+    assert dec2.wanted == 50
+    dec2.feed(payload[150:] + encode_request(Op.INFO))
+    assert dec2.next_event() == PayloadChunk(payload[150:])
+    assert dec2.next_event() == RequestEnd() and dec2.next_event().header.op == Op.INFO
+
+
+def test_wanted_never_reads_past_the_part_awaited():
+    meta, payload = b'{"a":1}', b"p" * 10
+    stream = encode_response(Status.OK, meta, payload) + encode_response(Status.OK)
+    dec, events, pos, ends = ResponseDecoder(), [], 0, []
+    while pos < len(stream):
+        n = dec.wanted or 1
+        dec.feed(stream[pos:pos + n])
+        pos += n
+        for ev in dec.events():
+            events.append(ev)
+            ends.append(pos)  # where the stream stood when the event came out
+    assert [type(e) for e in events] == [ResponseStart, PayloadChunk, ResponseEnd, ResponseStart, ResponseEnd]
+    # the head came out with nothing of the payload read: a caller can read the payload itself
+    assert ends[0] == 12 + len(meta) and ends[1] == ends[2] == 12 + len(meta) + len(payload)
 
 
 def test_bad_magic_is_final():
@@ -180,3 +240,14 @@ def test_garbage_never_raises_foreign_errors(raw):
                     continue
         except CodecError:
             pass
+
+
+@given(st.integers(0, 0xFF), st.integers(0, 0xFFFF), st.integers(0, 2**64 - 1), st.integers(0, 0xFFFF),
+       st.integers(0, 0xFF))
+def test_unchecked_header_packer_equals_the_construct_layout(op, key_len, payload_len, trace_len, flags):
+    raw = pack_request_header_unchecked(op, key_len, payload_len, trace_len, flags)
+    assert raw == REQUEST_HEADER.build(dict(magic=0x4859, op=op, flags=flags, key_len=key_len,
+                                            payload_len=payload_len, trace_len=trace_len))
+    assert raw == encode_request_header(op, key_len, payload_len, trace_len, flags)
+    # out-of-range values are cut to the field width instead of refused
+    assert pack_request_header_unchecked(op | 0x100, key_len | 0x10000, payload_len, trace_len, flags) == raw

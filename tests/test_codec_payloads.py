@@ -9,15 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codec.decode_v3 import encode_decode_v3
+from codec.dialects import decode_dialect, prefill_dialect
 from codec.errors import CodecError, FrameTooLarge, LocalProtocolError, MalformedPayload, Truncated
 from codec.payloads import (
     ExpertModeRequest,
     PieceStreamDecoder,
     SwapQuantRequest,
     TokenFrame,
-    classify_decode,
-    classify_prefill,
     decode_e1_decode,
     decode_e1_decode_construct,
     decode_e1_tokens,
@@ -292,51 +290,12 @@ def test_json_bodies() -> None:
         assert e.value.rule == rule
 
 
-# ---- dialect detection -----------------------------------------------------------------------
-
-
-def test_classify_examples() -> None:
-    assert classify_prefill(b'{"messages":[]}') == "json"
-    assert classify_prefill(b"\n {}") == "json"
-    assert classify_prefill(encode_e1_tokens([123])) == "e1"  # 7B 00 00 00 starts with "{"
-    assert classify_prefill(encode_e1_tokens([0x7B20])) == "e1"  # 20 7B 00 00: whitespace then "{"
-    assert classify_prefill(b"") == "json"  # NEW rejects it; the JSON path says why
-    assert classify_prefill(b"hello") == "json"
-    assert classify_decode(b'{"n_predict":4}') == "json"
-    assert classify_decode(encode_e1_decode(16, [1, 2, 123, 4, 5, 6, 7, 8])) == "e1"
-    assert classify_decode(encode_e1_decode(-1, [])) == "e1"
-    assert classify_decode(encode_decode_v3({}, b"[]", b"")) == "v3"
-    assert classify_decode(b"\x00" * 5) == "v3"  # broken: NEW's validator names the rule
-
-
-@given(TOKENS)
-def test_classify_any_e1_prefill(tokens: list[int]) -> None:
-    assert classify_prefill(encode_e1_tokens(tokens)) == "e1"
-
-
-@given(st.integers(-1, 2**24 - 1), st.lists(st.integers(0, 2**24 - 1), max_size=40))
-def test_classify_any_e1_decode(n_predict: int, tokens: list[int]) -> None:
-    assert classify_decode(encode_e1_decode(n_predict, tokens)) == "e1"
-
-
-@given(json_objects, st.sampled_from(["", " ", "\n\t"]))
-def test_classify_any_json(body: dict, ws: str) -> None:
-    data = (ws + json.dumps(body)).encode()
-    assert classify_prefill(data) == "json" and classify_decode(data) == "json"
-
-
-@settings(max_examples=50)
-@given(st.binary(max_size=30), st.binary(max_size=30), st.text(max_size=5))
-def test_classify_any_v3(prompt: bytes, kv: bytes, model: str) -> None:
-    assert classify_decode(encode_decode_v3({"model": model}, prompt, kv)) == "v3"
-
-
 # ---- garbage ---------------------------------------------------------------------------------
 
 DECODERS = [
     decode_e1_tokens, decode_e1_decode, parse_json_decode, decode_token_frames, parse_expert_mode,
     parse_swap_quant, parse_configure, parse_prefill_json, parse_pipeline_attach, decode_meta,
-    classify_prefill, classify_decode, lambda b: PieceStreamDecoder(max_piece=64).feed(b),
+    prefill_dialect, decode_dialect, lambda b: PieceStreamDecoder(max_piece=64).feed(b),
 ]
 
 

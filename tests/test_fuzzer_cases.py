@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from codec import decode_v3 as V3
+from codec.dialects import Dialect
 from codec.enums import Op
 from codec.errors import MalformedPayload
 from codec.framing import encode_request
@@ -83,7 +84,7 @@ def test_plan_frames_knows_clean_partial_garbage_and_pin():
     pin = encode_request(Op.DECODE, b"0", b'{"n_predict":2}')
     plan = plan_frames(info + pin)
     assert plan.tail == "clean" and [f.op for f in plan.frames] == [Op.INFO, Op.DECODE]
-    assert plan.frames[1].pin_ok and not plan.frames[0].pin_ok
+    assert plan.frames[1].dialect is Dialect.DECODE_PIN and plan.frames[0].dialect is None
     assert plan_frames(info + pin[:20]).tail == "partial"
     assert plan_frames(info + b"GET / HTTP/1.1\r\n\r\n").tail == "garbage"
     # a lying payload_len turns the canary into part of an unfinished request

@@ -13,7 +13,7 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from codec import decode_v3, ggml, kvblob, payloads, store
+    from codec import decode_v3, dialects, ggml, kvblob, payloads, store
     from codec.decoder import NEED_DATA, RequestDecoder, ResponseDecoder
     from codec.errors import CodecError, FrameTooLarge
     from codec.framing import REQUEST_HEADER, decode_request_header
@@ -43,7 +43,7 @@ def one_input(data: bytes) -> None:
         elif which == 3:
             decode_v3.parse_decode_v3(raw)
         elif which == 4:
-            payloads.classify_decode(raw)
+            dialects.decode_dialect(raw)
             payloads.decode_e1_decode(raw)
         elif which == 5:
             payloads.parse_json_decode(raw)

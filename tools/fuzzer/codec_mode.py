@@ -21,6 +21,7 @@ from typing import Any, Callable
 from construct import ConstructError
 
 from codec import decode_v3 as V3
+from codec import dialects as D
 from codec import ggml as G
 from codec import kvblob as KV
 from codec import payloads as P
@@ -121,6 +122,8 @@ def _events(dec, pieces: list[bytes]) -> list[Any]:
                 return out
             except FrameTooLarge as e:
                 out.append(("error", e.rule))
+                if not e.recoverable:  # more than max_drain left to skip: the stream is given up
+                    return out
                 continue
             except CodecError as e:
                 out.append(("error", e.rule))
@@ -209,8 +212,8 @@ def _check(name: str, data: bytes) -> None:
         _diff(name, _call(pieces, [data]), _call(pieces, _splits(data)))
     elif name == "payloads.json":
         for fn in (P.parse_configure, P.parse_prefill_json, P.parse_json_decode, P.parse_expert_mode,
-                   P.parse_pipeline_attach, P.decode_meta, P.classify_prefill, P.classify_decode,
-                   P.looks_like_decode_v3, S.parse_manifest, S.parse_list_payload, S.parse_hash_list,
+                   P.parse_pipeline_attach, P.decode_meta, D.prefill_dialect, D.decode_dialect,
+                   D.looks_like_decode_v3_prefix, S.parse_manifest, S.parse_list_payload, S.parse_hash_list,
                    S.parse_missing_hashes, S.parse_put_meta):
             _call(fn, data)
     elif name == "decode_v3.prefix":

@@ -9,17 +9,19 @@ DECODE v3, KV blobs, …) are in ``payload_mutators``.
 from __future__ import annotations
 
 import random
-import struct
 from dataclasses import dataclass
 
+from construct import Struct
+
+from codec.decode_v3 import DECODE_V3_PREFIX
 from codec.enums import ENGINE_OPS, Op
-from codec.framing import MAGIC
+from codec.framing import REQUEST_HEADER, REQUEST_HEADER_SIZE, pack_request_header_unchecked
 from codec.framing import encode_request as _encode_request
+from codec.kvblob import KV_V23_HEAD
 
 from .cases import Message
 from .templates import Template
 
-_HDR = struct.Struct("<HBBHQH")
 U64_MAX = (1 << 64) - 1
 HUGE_PAYLOAD_LENS = (1 << 40, U64_MAX, 1 << 63, 1 << 32, (1 << 31) + 1)
 # Bytes below 0x14 open a ggml-RPC session on a shared port: a Hydra-mode case never starts
@@ -38,9 +40,9 @@ def frame(op: int, key: bytes = b"", payload: bytes = b"", trace: bytes = b"", *
           magic: bytes | None = None, key_len: int | None = None, trace_len: int | None = None,
           payload_len: int | None = None) -> bytes:
     """A request whose header fields may lie about what follows."""
-    head = _HDR.pack(MAGIC, op & 0xFF, flags & 0xFF, len(key) if key_len is None else key_len,
-                     len(payload) if payload_len is None else payload_len,
-                     len(trace) if trace_len is None else trace_len)
+    head = pack_request_header_unchecked(op, len(key) if key_len is None else key_len,
+                                         len(payload) if payload_len is None else payload_len,
+                                         len(trace) if trace_len is None else trace_len, flags)
     if magic is not None:
         head = magic + head[2:]
     return head + key + trace + payload
@@ -230,19 +232,31 @@ class LengthLie(Family):
 # ---------------------------------------------------------------------------------- transport
 
 
+def field_ends(layout: Struct) -> list[int]:
+    """Offsets where each member of a fixed-size codec layout ends."""
+    ends, pos = [], 0
+    for sc in layout.subcons:
+        pos += sc.sizeof()
+        ends.append(pos)
+    return ends
+
+
 def boundaries(tp: Template) -> list[int]:
     """Every offset where a field of the request ends (truncation points), without the full length."""
     k, t = len(tp.key), len(tp.trace)
-    out = [1, 2, 3, 4, 6, 14, 15, 16, 16 + k, 16 + k + t]
-    base = 16 + k + t
+    hs = REQUEST_HEADER_SIZE
+    out = [1, hs - 1, *field_ends(REQUEST_HEADER), hs + k, hs + k + t]  # inside the magic and trace_len too
+    base = hs + k + t
     p = tp.parts
     if tp.kind == "v3":
-        hdr_len = struct.unpack_from("<I", tp.payload)[0]
+        prefix = DECODE_V3_PREFIX.sizeof()
+        hdr_len = DECODE_V3_PREFIX.parse(tp.payload[:prefix]).hdr_len
+        body = base + prefix + hdr_len
         prompt_len = len(p.get("prompt", b""))
-        out += [base + 4, base + 12, base + 12 + hdr_len // 2, base + 12 + hdr_len, base + 12 + hdr_len + prompt_len,
-                base + 12 + hdr_len + prompt_len + 1]
-    elif tp.kind == "kvblob":
-        out += [base + 1, base + 5, base + 9, base + 13]
+        out += [*(base + e for e in field_ends(DECODE_V3_PREFIX)), base + prefix + hdr_len // 2, body,
+                body + prompt_len, body + prompt_len + 1]
+    elif tp.kind == "kvblob":  # the v2/v3 head's fields, then the first token
+        out += [*(base + e for e in field_ends(KV_V23_HEAD)), base + KV_V23_HEAD.sizeof() + 4]
     elif tp.payload:
         out += [base + 1, base + len(tp.payload) // 2]
     total = base + len(tp.payload)

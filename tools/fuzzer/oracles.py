@@ -24,10 +24,10 @@ import asyncio
 import re
 from dataclasses import dataclass, field
 
+from codec.dialects import Dialect, decode_dialect
 from codec.enums import Op, Status, status_name
 from codec.errors import BadMagic
 from codec.framing import REQUEST_HEADER_SIZE, decode_request_header, encode_request
-from codec.payloads import classify_decode
 
 from .cases import Outcome
 from .responses import Closed, Conn, Malformed, Resp, Stalled, read_response
@@ -55,9 +55,9 @@ class SentFrame:
     payload: bytes
 
     @property
-    def pin_ok(self) -> bool:
-        """A JSON DECODE may be answered in PIN style (OK, payload 0, then pieces until close)."""
-        return self.op == Op.DECODE and len(self.payload) > 0 and classify_decode(self.payload) == "json"
+    def dialect(self) -> Dialect | None:
+        """What the server reads this as (a PIN DECODE may be answered with a stream of pieces)."""
+        return decode_dialect(self.payload) if self.op == Op.DECODE and self.payload else None
 
 
 @dataclass
@@ -217,7 +217,7 @@ async def await_reply(inbox, frame: SentFrame, target: Target, deadline: float, 
     give_up = loop.time() + max_wait
     while True:
         try:
-            return await read_response(inbox, deadline, pin_ok=frame.pin_ok, until=until)
+            return await read_response(inbox, deadline, dialect=frame.dialect, until=until)
         except Stalled as e:
             if getattr(e, "mid", False):
                 raise Hang(f"the reply to {frame_name(frame)} stopped half-way for {deadline}s") from None

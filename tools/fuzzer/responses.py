@@ -2,12 +2,13 @@
 
 An ``Inbox`` pumps one connection's bytes in a background task from the moment it opens,
 so a server that answers early (a refusal) while we are still sending is never blocked,
-and nothing it sends is lost to a later RST. ``read_response`` parses one response from it:
+and nothing it sends is lost to a later RST. ``read_response`` parses one response from it
+with the codec's ``ResponseDecoder``, taking no byte past that response:
 
-* 12-byte header, meta (u24 ≤ 16 MiB, kept), payload (kept up to a cap, else skipped as it
-  arrives — a lying payload_len never makes us allocate it);
-* PIN dialect: an OK with payload_len 0 to a JSON DECODE is followed by ``[u32 len][piece]``
-  frames until the server closes (docs/protocol.md §9) — that is legal, not a desync;
+* header, meta (kept), payload (kept up to a cap, else dropped chunk by chunk as it arrives —
+  a lying payload_len never makes us allocate it);
+* PIN dialect: when ``codec.dialects.pin_stream_follows`` says so for the request's dialect,
+  ``[u32 len][piece]`` frames follow until the server closes — legal, not a desync;
 * deadlines are *idle* deadlines (no byte for ``idle`` seconds → ``Stalled``) plus an overall
   cap for streams (``until``).
 """
@@ -19,14 +20,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from codec.enums import Status, status_name
+from codec.decoder import NEED_DATA, PayloadChunk, ResponseDecoder, ResponseStart
+from codec.dialects import Dialect, pin_stream_follows
+from codec.enums import status_name
 from codec.errors import CodecError
-from codec.framing import RESPONSE_HEADER_SIZE, decode_response_header
-from codec.payloads import decode_meta
+from codec.payloads import PieceStreamDecoder, decode_meta
 
 KEEP_PAYLOAD = 64 << 20  # payload bytes kept per response (STATE_GET blobs for the stateful model)
 KEEP_RAW = 4096  # raw received bytes kept for a case report
-MAX_PIECE = 1 << 20  # a detokenized piece is a few bytes; a bigger length means garbage
 CSHARP_MAX_PAYLOAD = 4 << 30  # C# ValidatePayloadLen: more is a broken stream to every real client
 
 
@@ -94,16 +95,15 @@ class Inbox:
         del self.buf[:n]
         return out
 
-    async def skip(self, n: int, idle: float, until: float | None = None) -> None:
-        while n:
-            if self.buf:
-                k = min(n, len(self.buf))
-                del self.buf[:k]
-                n -= k
-                continue
+    async def take_some(self, n: int, idle: float, until: float | None = None) -> bytes:
+        """Between 1 and ``n`` bytes, as soon as any are there; b"" at EOF."""
+        while not self.buf:
             if self.eof:
-                raise Closed(1, "payload")
+                return b""
             await self._wait(idle, until)
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
 
     async def settle(self, grace: float) -> str:
         """After the expected replies: "data" (unsolicited bytes), "eof", or "quiet"."""
@@ -163,69 +163,79 @@ class Resp:
         return out
 
 
-async def read_response(inbox: Inbox, idle: float, *, pin_ok: bool = False, until: float | None = None,
-                        keep: int = KEEP_PAYLOAD) -> Resp:
-    """One response. Raises Closed (partial == 0: a clean close instead of a reply), Stalled,
-    or Malformed."""
-    try:
-        head = await inbox.take(RESPONSE_HEADER_SIZE, idle, None, "a response header")
-    except Closed as e:
-        if e.partial:
-            raise Malformed(f"connection closed inside a response header ({e.partial} of 12 bytes)") from None
-        raise
-    h = decode_response_header(head)
-    if h.payload_len > CSHARP_MAX_PAYLOAD:
-        raise Malformed(f"{status_name(h.status)} response declares payload_len {h.payload_len} (> 4 GiB)")
-    try:
-        meta_raw = await inbox.take(h.meta_len, idle, None, "meta")
-        payload = None
-        if h.payload_len <= keep:
-            payload = await inbox.take(h.payload_len, idle, None, "payload")
+async def read_response(inbox: Inbox, idle: float, *, dialect: Dialect | None = None,
+                        until: float | None = None, keep: int = KEEP_PAYLOAD) -> Resp:
+    """One response (``dialect``: the request's, which says whether a PIN stream may follow).
+    Raises Closed (a clean close instead of a reply), Stalled, or Malformed."""
+    dec = ResponseDecoder()
+    start: ResponseStart | None = None
+    payload: bytearray | None = None
+    while True:
+        ev = dec.next_event()
+        if ev is NEED_DATA:
+            try:
+                data = await inbox.take_some(dec.wanted, idle)
+            except Stalled as e:
+                e.mid = not dec.at_boundary  # the header is consumed: this reply cannot be read again
+                raise
+            if not data:
+                raise _closed_inside(dec, start)
+            dec.feed(data)
+        elif isinstance(ev, ResponseStart):
+            start, h = ev, ev.header
+            if h.payload_len > CSHARP_MAX_PAYLOAD:
+                raise Malformed(f"{status_name(h.status)} response declares payload_len {h.payload_len} (> 4 GiB)")
+            payload = bytearray() if h.payload_len <= keep else None
+        elif isinstance(ev, PayloadChunk):
+            if payload is not None:
+                payload += ev.data
         else:
-            await inbox.skip(h.payload_len, idle)
-    except Stalled as e:
-        e.mid = True  # the header is consumed: this reply cannot be read again from the start
-        raise
-    except Closed as e:
-        raise Malformed(f"connection closed inside a {status_name(h.status)} response "
-                        f"(meta_len {h.meta_len}, payload_len {h.payload_len})") from e
+            break
+    h = start.header
     meta, meta_error = None, ""
-    if meta_raw:
+    if start.meta:
         try:
-            meta = decode_meta(meta_raw)
+            meta = decode_meta(start.meta)
         except CodecError as e:
             meta_error = str(e)
-    resp = Resp(h.status, meta_raw, meta, h.payload_len, payload, meta_error)
-    if pin_ok and h.status == Status.OK and h.payload_len == 0:
+    resp = Resp(h.status, start.meta, meta, h.payload_len, None if payload is None else bytes(payload), meta_error)
+    if pin_stream_follows(dialect, h):
         await _read_pieces(inbox, resp, idle, until)
     return resp
 
 
+def _closed_inside(dec: ResponseDecoder, start: ResponseStart | None) -> Exception:
+    if dec.at_boundary:
+        if not dec.buffered:
+            return Closed()
+        return Malformed(f"connection closed inside a response header ({dec.buffered} of 12 bytes)")
+    h = dec.header
+    return Malformed(f"connection closed inside a {status_name(h.status)} response "
+                     f"(meta_len {h.meta_len}, payload_len {h.payload_len})")
+
+
 async def _read_pieces(inbox: Inbox, resp: Resp, idle: float, until: float | None) -> None:
     resp.pieces = 0
+    pieces = PieceStreamDecoder()  # its cap: a piece is a few bytes, a huge length is garbage
     loop = asyncio.get_running_loop()
     while True:
         if until is not None and loop.time() >= until:
             resp.stream_unfinished = True
             return
         try:
-            n = struct.unpack("<I", await inbox.take(4, idle, until, "a piece length"))[0]
-        except Closed as e:
-            if e.partial:
-                raise Malformed(f"PIN stream ended inside a piece length after {resp.pieces} pieces") from None
-            return  # the close that ends a PIN stream
+            data = await inbox.take_some(1 << 16, idle, until)
         except Stalled:
             if until is not None and loop.time() >= until:
                 resp.stream_unfinished = True
                 return
             raise
-        if n > MAX_PIECE:
-            raise Malformed(f"PIN piece of {n} bytes after {resp.pieces} pieces")
         try:
-            await inbox.take(n, idle, None, "a piece")
-        except Closed:
-            raise Malformed(f"PIN stream ended inside piece {resp.pieces}") from None
-        resp.pieces += 1
+            if not data:
+                pieces.eof()
+                return  # the close that ends a PIN stream
+            resp.pieces += len(pieces.feed(data))
+        except CodecError as e:
+            raise Malformed(f"PIN stream after {resp.pieces} pieces: {e}") from None
 
 
 def set_nodelay(writer: asyncio.StreamWriter) -> None:
@@ -261,10 +271,11 @@ class Conn:
         set_nodelay(w)
         return cls(r, w)
 
-    async def request(self, data: bytes, idle: float, *, pin_ok: bool = False, until: float | None = None) -> Resp:
+    async def request(self, data: bytes, idle: float, *, dialect: Dialect | None = None,
+                      until: float | None = None) -> Resp:
         self.writer.write(data)
         await asyncio.wait_for(self.writer.drain(), idle)
-        return await read_response(self.inbox, idle, pin_ok=pin_ok, until=until)
+        return await read_response(self.inbox, idle, dialect=dialect, until=until)
 
     async def close(self) -> None:
         self.writer.close()

@@ -136,7 +136,7 @@ class _Run:
         self.n_past[slot] = n_past
         self.why[slot] = f"step {self.step} ({why})"
 
-    async def request(self, op: int, key: bytes, payload: bytes = b"", *, pin_ok: bool = False) -> Resp | None:
+    async def request(self, op: int, key: bytes, payload: bytes = b"") -> Resp | None:
         """One request on the program's connection. None: closed instead (reconnect next time)."""
         data = encode_request(op, key, payload, b"stateful")
         self.out.sent.append(data)
@@ -258,7 +258,7 @@ class _Run:
             payload = P.encode_e1_decode(k, [])
         else:
             payload = P.encode_json_decode(k, None, stream=False if st["mode"] == "frames" else None)
-        r = await self.request(Op.DECODE, str(s).encode(), payload, pin_ok=st["mode"] == "pin")
+        r = await self.request(Op.DECODE, str(s).encode(), payload)
         n = r.meta.get("n_past") if r is not None and r.status == Status.OK and r.meta else None
         before = self.n_past.get(s)
         if isinstance(n, int) and before is not None and n < before:

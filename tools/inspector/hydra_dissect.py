@@ -4,8 +4,8 @@ Requests start with the 16-byte header (magic ``59 48``); responses with the 12-
 (no magic). Hydra is strictly one request at a time per connection, so the n-th response
 answers the n-th request (FIFO). The pairing is known when a response *header* arrives,
 which matters for one dialect: PIN DECODE answers ``OK, meta 0, payload 0`` and then streams
-``[u32 len][piece]`` frames until the connection closes (docs/protocol.md §9), so the response
-reader switches to "until EOF" when the request it answers was a PIN DECODE.
+``[u32 len][piece]`` frames until the connection closes, so the response reader switches to
+"until EOF" when ``codec.dialects.pin_stream_follows`` says so for the request it answers.
 
 After a bad request header (bad magic: the C++ closes, but a capture of a desynced client
 shows what followed) the reader looks for the next plausible header: magic, a known opcode,
@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from codec.dialects import Dialect, pin_stream_follows
 from codec.enums import Op, Status, op_name, status_name
 from codec.framing import (MAGIC_BYTES, REQUEST_HEADER, REQUEST_HEADER_SIZE, RESPONSE_HEADER, RESPONSE_HEADER_SIZE,
                            RequestHeader, decode_request_header, decode_response_header)
@@ -123,6 +124,7 @@ class _Exchange:
     request: Message | None = None
     response: Message | None = None
     responded: bool = False  # a response header was assigned to it
+    dialect: Dialect | None = None  # of a PREFILL or DECODE request
 
 
 class HydraStream:
@@ -162,9 +164,7 @@ class HydraStream:
         if ex is None:
             return False
         ex.responded = True
-        req = ex.request
-        return (ex.op == Op.DECODE and req is not None and req.attrs.get("dialect") == "pin"
-                and pdu.info["status"] == Status.OK and pdu.info["meta_len"] == 0 and pdu.info["payload_len"] == 0)
+        return pin_stream_follows(ex.dialect, pdu.info["header"])
 
     def _link(self, ex: _Exchange) -> None:
         if ex.request is not None and ex.response is not None:
@@ -239,6 +239,9 @@ class HydraStream:
             pf = msg.add("hydra.payload", None, base, pl, show=human(pl))
             before = len(msg.fields)
             detail, dialect = HP.request(HP.Payload(msg, kept[base : base + pl], base, pl), op)
+            if isinstance(dialect, Dialect):
+                pdu.info["exchange"].dialect = dialect
+                dialect = dialect.label
             if dialect:
                 msg.attrs["dialect"] = dialect
             # Payload fields were appended at top level; nest them under hydra.payload.
@@ -253,8 +256,7 @@ class HydraStream:
         i = pdu.info
         status, ml, pl = i["status"], i["meta_len"], i["payload_len"]
         op = ex.op if ex is not None else None
-        req = ex.request if ex is not None else None
-        dialect = req.attrs.get("dialect") if req is not None else None
+        dialect = ex.dialect if ex is not None else None
         msg.attrs.update(status=Named(status, status_name(status)), meta_len=ml, payload_len=pl)
         if ex is None and self.pairing:
             msg.note("response with no request waiting for one (capture started mid-stream?)", WARN)

@@ -8,7 +8,6 @@ the caller (``hydra_dissect``) also catches anything unexpected, scapy-style.
 """
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 from codec import decode_v3 as V3
@@ -17,12 +16,14 @@ from codec import store as S
 from codec.enums import Op
 from codec.errors import CodecError
 from codec.hashing import kv_hash_str, parse_hash_str, xxh3_64
-from codec.kvblob import FLAG_CHECKPOINT, FLAG_RECURRENT_ONLY, parse_kv_blob_header
+from codec.dialects import Dialect, decode_dialect, prefill_dialect
+from codec.kvblob import (FLAG_CHECKPOINT, FLAG_RECURRENT_ONLY, KV_CHECKPOINT, KV_CHECKPOINT_HEAD, KV_V1_HEAD,
+                          KV_V23_HEAD, parse_kv_blob_header)
 
+from .layout import construct_fields
 from .model import ERROR, NOTE, WARN, Field, Message
 from .util import capped, compact, human, text
 
-_U32 = struct.Struct("<I")
 MAX_CHILDREN = 2000  # pieces, frames, chunk records listed one by one
 
 
@@ -75,18 +76,15 @@ def kv_blob(pl: Payload, parent: Field | Message, buf: bytes, off: int, total: i
         f.show = f"{human(total)} (header does not parse)"
         return f
     v1 = header.version == 1
-    pos = off
-    if not v1:
-        f.add(f"{name}.version", header.version, pos, 1)
-        pos += 1
-    f.add(f"{name}.n_past", header.n_past, pos, 4)
-    f.add(f"{name}.n_tok", len(header.tokens), pos + 4, 4)
+    head = KV_V1_HEAD if v1 else KV_V23_HEAD
+    values = {"version": header.version, "n_past": header.n_past, "n_tok": len(header.tokens)}
+    f.children += construct_fields(head, None, off, name, values=values)
+    pos = off + head.sizeof()
     toks, cut = capped(header.tokens)
-    f.add(f"{name}.tokens", toks, pos + 8, 4 * len(header.tokens),
-          show=f"{len(header.tokens)} tokens: {compact(toks, 100)}")
+    f.add(f"{name}.tokens", toks, pos, 4 * len(header.tokens), show=f"{len(header.tokens)} tokens: {compact(toks, 100)}")
     if cut:
         pl.msg.note(f"{name}.tokens: value lists the first {len(toks)} of {len(header.tokens)}", NOTE)
-    pos += 8 + 4 * len(header.tokens)
+    pos += 4 * len(header.tokens)
     if not v1:
         flags = [n for bit, n in ((FLAG_CHECKPOINT, "checkpoint"), (FLAG_RECURRENT_ONLY, "recurrent-only"))
                  if header.flags & bit]
@@ -94,13 +92,13 @@ def kv_blob(pl: Payload, parent: Field | Message, buf: bytes, off: int, total: i
         pos += 1
         ck = header.checkpoint
         if ck is not None:
-            c = f.add(f"{name}.checkpoint", {"pos_min": ck.pos_min, "pos_max": ck.pos_max, "n_tokens": ck.n_tokens,
-                                             "tgt_size": len(ck.tgt), "dft_size": len(ck.dft)}, pos, hlen - (pos - off))
-            c.add(f"{name}.checkpoint.pos_min", ck.pos_min, pos, 4)
-            c.add(f"{name}.checkpoint.pos_max", ck.pos_max, pos + 4, 4)
-            c.add(f"{name}.checkpoint.n_tokens", ck.n_tokens, pos + 8, 8)
-            c.add(f"{name}.checkpoint.tgt_size", len(ck.tgt), pos + 16, 8)
-            c.add(f"{name}.checkpoint.dft_size", len(ck.dft), pos + 24 + len(ck.tgt), 8)
+            cname = f"{name}.checkpoint"
+            c = f.add(cname, {"pos_min": ck.pos_min, "pos_max": ck.pos_max, "n_tokens": ck.n_tokens,
+                              "tgt_size": len(ck.tgt), "dft_size": len(ck.dft)}, pos, hlen - (pos - off))
+            c.children += construct_fields(KV_CHECKPOINT_HEAD, None, pos, cname, values={
+                "pos_min": ck.pos_min, "pos_max": ck.pos_max, "n_tokens": ck.n_tokens, "tgt_size": len(ck.tgt)})
+            c.add(f"{cname}.dft_size", len(ck.dft), pos + KV_CHECKPOINT_HEAD.sizeof() + len(ck.tgt),
+                  KV_CHECKPOINT.dft_size.sizeof())
     rest = total - hlen
     logits = logits_size or 0
     state = state_size if state_size is not None else rest - logits
@@ -125,31 +123,32 @@ def decode_v3(pl: Payload, parent: Field | Message) -> str:
     buf, base, total, msg = pl.buf, pl.base, pl.total, pl.msg
     f = parent.add("hydra.v3", None, base, total)
     try:
-        hdr_len, hdr_hash = V3.parse_decode_v3_prefix(buf[:12], total)
+        hdr_len, hdr_hash = V3.parse_decode_v3_prefix(buf[:V3.PREFIX_LEN], total)
     except CodecError as e:
         fail(msg, "DECODE v3 prefix", e)
         return "v3 (bad prefix)"
-    f.add("hydra.v3.hdr_len", hdr_len, base, 4)
-    hh = f.add("hydra.v3.hdr_hash", f"{hdr_hash:016x}", base + 4, 8)
-    hdr_bytes = buf[12 : 12 + hdr_len]
+    f.children += construct_fields(V3.DECODE_V3_PREFIX, None, base, "hydra.v3",
+                                   values={"hdr_len": hdr_len, "hdr_hash": f"{hdr_hash:016x}"})
+    hh = f.children[-1]
+    hdr_bytes = buf[V3.PREFIX_LEN : V3.PREFIX_LEN + hdr_len]
     if len(hdr_bytes) < hdr_len:
         msg.note("DECODE v3 control header not fully captured", WARN)
         return "v3 (header cut)"
     ok = xxh3_64(hdr_bytes) == hdr_hash
     hh.show = f"0x{hdr_hash:016x} ({'matches' if ok else 'MISMATCH: xxh3 of the header is ' + format(xxh3_64(hdr_bytes), '016x')})"
-    f.add("hydra.v3.hdr_hash_ok", ok, base + 4, 8)
-    json_field(pl, f, "hydra.v3.header", hdr_bytes, base + 12)
+    f.add("hydra.v3.hdr_hash_ok", ok, hh.offset, hh.length)
+    json_field(pl, f, "hydra.v3.header", hdr_bytes, base + V3.PREFIX_LEN)
     try:
         hdr = V3.validate_decode_v3(hdr_len, hdr_hash, hdr_bytes, total)
     except CodecError as e:
         fail(msg, "DECODE v3 validation (the engine answers BAD_REQUEST)", e)
         return "v3 (invalid)"
-    body = base + 12 + hdr_len
+    body = base + V3.PREFIX_LEN + hdr_len
     parts = []
     for seg in hdr.segments:
         s = f.add("hydra.v3.segment", {"id": seg.id, "offset": seg.offset, "len": seg.len, "hash": seg.hash},
                   body + seg.offset, seg.len, show=f"{seg.id}: {human(seg.len)} at +{seg.offset} hash {seg.hash or '-'}")
-        lo = 12 + hdr_len + seg.offset
+        lo = V3.PREFIX_LEN + hdr_len + seg.offset
         data = buf[lo : lo + seg.len]
         parts.append(f"{seg.id} {human(seg.len)}")
         checked = _segment_hash(pl, s, seg, data)
@@ -192,8 +191,9 @@ def _segment_hash(pl: Payload, parent: Field, seg: Any, data: bytes) -> bool | N
 # ---- requests --------------------------------------------------------------------------------
 
 
-def request(pl: Payload, op: int) -> tuple[str, str | None]:
-    """Fields of a request payload. Returns (summary detail, dialect)."""
+def request(pl: Payload, op: int) -> tuple[str, Dialect | str | None]:
+    """Fields of a request payload. Returns (summary detail, dialect: a ``Dialect`` for PREFILL
+    and DECODE, "json"/"raw" for SET_EXPERT_MODE's two forms)."""
     msg, buf, base, total = pl.msg, pl.buf, pl.base, pl.total
     if total == 0:
         return "", None
@@ -231,10 +231,10 @@ def request(pl: Payload, op: int) -> tuple[str, str | None]:
             fail(msg, "SWAP_QUANT", e, WARN)
             pl.raw(msg)
             return human(total), None
-        qk_len = len(sq.qk.encode())
-        msg.add("hydra.swap_quant.qk_len", qk_len, base, 2)
-        msg.add("hydra.swap_quant.qk", sq.qk, base + 2, qk_len)
-        msg.add("hydra.swap_quant.pattern", sq.pattern, base + 2 + qk_len, total - 2 - qk_len)
+        qk_len, head = len(sq.qk.encode()), P.SWAP_QUANT.qk_len.sizeof()
+        msg.add("hydra.swap_quant.qk_len", qk_len, base, head)
+        msg.add("hydra.swap_quant.qk", sq.qk, base + head, qk_len)
+        msg.add("hydra.swap_quant.pattern", sq.pattern, base + head + qk_len, total - head - qk_len)
         return f"qk={sq.qk!r} pattern={sq.pattern!r}", None
     if op in (Op.GET_CHUNKED, Op.SYNC_MISSING):
         if pl.need_whole("hash list"):
@@ -262,55 +262,53 @@ def request(pl: Payload, op: int) -> tuple[str, str | None]:
     return human(total), None
 
 
-def _prefill(pl: Payload) -> tuple[str, str]:
-    if P.classify_prefill(pl.buf[:4096] if not pl.whole else pl.buf) == "e1":
+def _prefill(pl: Payload) -> tuple[str, Dialect]:
+    dialect = prefill_dialect(pl.buf[:4096] if not pl.whole else pl.buf)
+    if dialect is Dialect.PREFILL_E1:
         if pl.need_whole("E1 token list"):
             try:
                 toks = P.decode_e1_tokens(pl.buf)
             except CodecError as e:
                 fail(pl.msg, "E1 tokens", e, WARN)
-                return "e1", "e1"
+                return "e1", dialect
             vals, _ = capped(toks)
             pl.msg.add("hydra.e1.tokens", vals, pl.base, pl.total, show=f"{len(toks)} tokens: {compact(vals, 100)}")
-            return f"E1 raw tokens ({len(toks)})", "e1"
-        return "e1", "e1"
+            return f"E1 raw tokens ({len(toks)})", dialect
+        return "e1", dialect
     if pl.need_whole("PREFILL JSON body"):
         f = json_field(pl, pl.msg, "hydra.json", pl.buf, pl.base)
         body = f.value if isinstance(f.value, dict) else {}
         n = len(body.get("messages") or []) if isinstance(body.get("messages"), list) else None
         return (f"json, {n} messages" if n is not None else "json") + (
-            f", model {body['model']!r}" if isinstance(body.get("model"), str) else ""), "json"
-    return "json", "json"
+            f", model {body['model']!r}" if isinstance(body.get("model"), str) else ""), dialect
+    return "json", dialect
 
 
-def _decode(pl: Payload) -> tuple[str, str]:
-    kind = P.classify_decode(pl.buf if pl.whole else pl.buf[: 12 + 32768])
-    if kind == "v3":
-        return decode_v3(pl, pl.msg), "v3"
-    if not pl.need_whole(f"DECODE {kind} body"):
-        return kind, kind
-    if kind == "e1":
+def _decode(pl: Payload) -> tuple[str, Dialect]:
+    # A JSON body only partly captured decides as PIN (its "stream" key may be further on).
+    dialect = decode_dialect(pl.buf if pl.whole else pl.buf[: V3.PREFIX_LEN + P.HYDRA_MAX_JSON_HEADER])
+    if dialect is Dialect.DECODE_V3:
+        return decode_v3(pl, pl.msg), dialect
+    if not pl.need_whole(f"DECODE {dialect.label} body"):
+        return dialect.label, dialect
+    if dialect is Dialect.DECODE_E1:
         try:
             n_predict, toks = P.decode_e1_decode(pl.buf)
         except CodecError as e:
             fail(pl.msg, "E1 DECODE", e, WARN)
-            return "e1", "e1"
+            return "e1", dialect
         pl.msg.add("hydra.e1.n_predict", n_predict, pl.base, 4)
         vals, _ = capped(toks)
         pl.msg.add("hydra.e1.tokens", vals, pl.base + 4, pl.total - 4, show=f"{len(toks)} tokens")
-        return f"E1 n_predict={n_predict}, {len(toks)} tokens", "e1"
-    f = json_field(pl, pl.msg, "hydra.json", pl.buf, pl.base)
-    body = f.value if isinstance(f.value, dict) else {}
-    # PIN streams [u32 len][piece] frames until EOF unless the body asks for stream:false,
-    # which this server answers with the spec's 9-byte token frames.
-    dialect = "json-frames" if body.get("stream") is False else "pin"
+        return f"E1 n_predict={n_predict}, {len(toks)} tokens", dialect
+    json_field(pl, pl.msg, "hydra.json", pl.buf, pl.base)
     try:
         d = P.parse_json_decode(pl.buf)
         detail = f"n_predict={d.n_predict}"
     except CodecError as e:
         fail(pl.msg, "JSON DECODE body", e, WARN)
         detail = "invalid"
-    return f"{'PIN stream' if dialect == 'pin' else 'JSON, 9-byte frames'} {detail}", dialect
+    return f"{'PIN stream' if dialect is Dialect.DECODE_PIN else 'JSON, 9-byte frames'} {detail}", dialect
 
 
 def _chunks(pl: Payload, indexed: bool) -> str:
@@ -339,7 +337,8 @@ def _chunks(pl: Payload, indexed: bool) -> str:
 # ---- responses -------------------------------------------------------------------------------
 
 
-def response(pl: Payload, op: int | None, status: int, meta: Any, dialect: str | None, digest: int | None) -> str:
+def response(pl: Payload, op: int | None, status: int, meta: Any, dialect: Dialect | None,
+             digest: int | None) -> str:
     """Fields of a response payload; ``op``/``dialect`` come from the paired request."""
     msg, buf, base, total = pl.msg, pl.buf, pl.base, pl.total
     meta = meta if isinstance(meta, dict) else {}
@@ -354,9 +353,9 @@ def response(pl: Payload, op: int | None, status: int, meta: Any, dialect: str |
         if isinstance(want, str):
             _check_payload_hash(msg, want, digest, base, total)
         return f"KV blob {human(total)}"
-    if ok and op == Op.DECODE and dialect == "json-frames":
+    if ok and dialect is Dialect.DECODE_SPEC:
         return _token_frames(pl)
-    if ok and op == Op.DECODE and dialect == "e1":
+    if ok and dialect is Dialect.DECODE_E1:
         msg.add("hydra.text", text(buf), base, total, show=repr(text(buf[:200])))
         return f"text {text(buf[:40])!r}"
     if ok and op == Op.GET_CHUNKED:
@@ -415,25 +414,25 @@ def _token_frames(pl: Payload) -> str:
 
 
 def pin_pieces(msg: Message, buf: bytes, base: int, seen: int) -> str:
-    """PIN's ``[u32 len][piece]`` frames after an ``OK,0,0`` header, up to EOF (docs/protocol.md §9)."""
+    """PIN's ``[u32 len][piece]`` frames after the head that started them, up to EOF."""
     parent = msg.add("hydra.pin", None, base, seen)
-    pos, n, pieces = 0, len(buf), []
-    while n - pos >= 4:
-        ln = _U32.unpack_from(buf, pos)[0]
-        if n - pos - 4 < ln:
-            break
-        piece = buf[pos + 4 : pos + 4 + ln]
-        pieces.append(text(piece))
-        if len(pieces) <= MAX_CHILDREN:
-            parent.add("hydra.pin.piece", text(piece), base + pos, 4 + ln)
-        pos += 4 + ln
-    if pos < n or seen > n:
-        left = seen - pos
+    dec = P.PieceStreamDecoder()
+    try:
+        pieces = dec.feed(buf)
+    except CodecError as e:
+        fail(msg, "PIN stream", e, WARN)
+        pieces = []
+    pos = 0
+    for i, piece in enumerate(pieces[:MAX_CHILDREN]):
+        parent.add("hydra.pin.piece", text(piece), base + pos, P.PIECE_HEAD.sizeof() + len(piece))
+        pos += P.PIECE_HEAD.sizeof() + len(piece)
+    if dec.buffered or seen > len(buf):
+        left = seen - (len(buf) - dec.buffered)
         if len(buf) < seen:
             msg.note(f"PIN stream: {human(left)} after piece {len(pieces)} not kept or not captured", NOTE)
         else:
             msg.note(f"PIN stream ended inside a frame ({left} bytes of a frame)", WARN)
-    joined = "".join(pieces)
+    joined = "".join(text(p) for p in pieces)
     parent.value = {"pieces": len(pieces), "text": joined}
     parent.show = f"{len(pieces)} pieces: {joined[:80]!r}"
     return f"PIN stream, {len(pieces)} pieces {joined[:40]!r}"
