@@ -120,16 +120,23 @@ async def _main(args: argparse.Namespace) -> int:
                    protocol=protocol, out=args.out, minimize=not args.no_minimize,
                    minimize_seconds=args.minimize_seconds, cfg=cfg)
     target = None if protocol == "codec" else _target(args)
-    if target is not None and not target.spawn and protocol == "hydra":
-        print(LIVE_TARGET_WARNING.format(address=target.address), file=sys.stderr, flush=True)
     progress = _progress(args, args.cases or (len(args.index) if args.index else None), seconds)
     runner = Runner(opts, target, progress)
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+
+    def on_sigint() -> None:
+        runner.stop_requested = True
+        task.cancel()
+
     try:
-        loop.add_signal_handler(signal.SIGINT, task.cancel)
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
     except (NotImplementedError, RuntimeError):
         pass
+    # A SIGINT before our handler went to asyncio.run's, which only cancels this task.
+    runner.stop_requested = task.cancelling() > 0
+    if target is not None and not target.spawn and protocol == "hydra":
+        print(LIVE_TARGET_WARNING.format(address=target.address), file=sys.stderr, flush=True)
     try:
         if target is not None:
             await target.start()

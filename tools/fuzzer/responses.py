@@ -133,10 +133,7 @@ class Inbox:
 
     async def close(self) -> None:
         self._task.cancel()
-        try:
-            await self._task
-        except (asyncio.CancelledError, Exception):
-            pass
+        await asyncio.wait([self._task])  # never swallows a cancellation of *our* task (SIGINT)
 
 
 @dataclass
@@ -282,5 +279,5 @@ class Conn:
         await self.inbox.close()
         try:
             await asyncio.wait_for(self.writer.wait_closed(), 1.0)
-        except (Exception, asyncio.CancelledError):
+        except (OSError, TimeoutError):
             pass

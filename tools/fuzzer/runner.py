@@ -101,6 +101,8 @@ class Runner:
         self.phase = "-"
         self.stopped_early = ""
         self.stopped_by = ""  # the budget that ended the fuzzing: seconds | cases | interrupted
+        self.stop_requested = False  # SIGINT: checked between cases, since a task.cancel() alone can be
+        # swallowed by Python 3.11's asyncio.wait_for when the awaited thing finishes at the same moment
         self.coverage = Coverage(opts.protocol, opts.cfg.slots, opts.start)
         self.generations: dict[str, int | None] = {}  # a live target's config_generation before/after
         self.t0 = time.monotonic()
@@ -120,6 +122,8 @@ class Runner:
             self.baseline = await take_ggml_baseline(self.target, self.opts.cfg.deadline)
         indexes = iter(self.opts.only) if self.opts.only is not None else _count(self.opts.start)
         for i in indexes:
+            if self.stop_requested:
+                raise asyncio.CancelledError
             if self.stopped_early:
                 break
             if self.opts.cases is not None and self.cases_run >= self.opts.cases:
