@@ -256,9 +256,13 @@ class HydraConnection(asyncio.BufferedProtocol):
             if resp.started:
                 raise CloseConnection from e
             await resp.send(e.status, {"error": str(e), "rule": e.rule})
-        except (PeerGone, ConnectionError, CloseConnection, TimeoutError):
+        except (PeerGone, ConnectionError, CloseConnection, TimeoutError, asyncio.IncompleteReadError):
             raise
         except Exception as e:  # a bug of ours: answer, log, keep the connection
+            if self.peer_gone.is_set():  # not a bug: the client left and took its reply's reader with it
+                log.info("client went away before its reply", extra={"fields": {
+                    "op": op_name(req.op), "trace": req.trace, "error": f"{type(e).__name__}: {e}"}})
+                raise CloseConnection from e
             log.exception("handler failed", extra={"fields": {"op": op_name(req.op), "trace": req.trace}})
             if resp.started:
                 raise CloseConnection from e
@@ -297,6 +301,6 @@ class _RequestScope:
         op = op_name(h.op)
         log_request(op=op, key=self.key[:64].decode("utf-8", "replace"), trace=self.trace, status=st,
                     req_bytes=h.payload_len, resp_bytes=resp.payload_len, started=self.started, peer=conn.peer,
-                    conn=conn.conn_id)
+                    conn=conn.conn_id, rule=resp.error_rule, tokens=resp.tokens_streamed)
         if conn.on_request:
             conn.on_request(op, st, time.perf_counter() - self.started, h.payload_len, resp.payload_len)

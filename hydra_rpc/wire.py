@@ -125,6 +125,8 @@ class ResponseWriter:
         self._left = 0  # payload bytes promised but not yet written
         self.close_after = False  # e.g. PIN DECODE streams end with a close
         self.streaming_eof = False  # payload_len 0 followed by frames until close
+        self.error_rule: str | None = None  # why a non-OK reply was sent, for the request log line
+        self.tokens_streamed: int | None = None  # pieces sent by a PIN stream, for the request log line
 
     @property
     def started(self) -> bool:
@@ -144,6 +146,8 @@ class ResponseWriter:
             raise RuntimeError("response already started")
         m = encode_meta(meta)
         self.status, self.meta_len, self.payload_len = int(status), len(m), payload_len
+        if status != Status.OK and meta:
+            self.error_rule = str(meta.get("rule") or meta.get("error") or "")[:200] or None
         self._left = payload_len
         if payload_len >= BIG_RESPONSE:
             # Fewer drain round trips for big payloads; the transport keeps references to
@@ -177,3 +181,4 @@ class ResponseWriter:
         await self.start(status, meta, 0)
         self.streaming_eof = True
         self.close_after = True
+        self.tokens_streamed = 0
