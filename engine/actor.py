@@ -23,7 +23,9 @@ from typing import Any, Callable
 from . import tiers
 from .buffers import LeasedBuffer
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
-from .llama_backend import LoadedModel, SamplerParams, make_inference_executor, make_loader_executor
+from .executors import make_inference_executor, make_loader_executor
+from .llama_backend import LoadedModel
+from .sampling import SamplerParams
 from .reload import ModelParams, ReloadInfo, build_model
 from .slots import Slot, SlotSnapshot
 from .stepper import Running, run_step

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from .llama_backend import SamplerParams
+from .sampling import SamplerParams
 
 _job_ids = itertools.count(1)
 

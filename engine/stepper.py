@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from .jobs import BadInput, GenJob, TokenEvent
-from .llama_backend import BatchItem, LoadedModel, Sampler
+from .backend import BatchItem
+from .llama_backend import LoadedModel, Sampler
 from .slots import Slot
 
 

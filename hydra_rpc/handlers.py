@@ -20,7 +20,7 @@ from codec.kvblob import KvBlobLayout, encode_kv_blob_header, parse_kv_blob, spl
 from engine.actor import Engine
 from engine.buffers import LeasedBuffer
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
-from engine.llama_backend import SamplerParams
+from engine.sampling import SamplerParams
 from engine.tiers import ConfigError
 
 from .keys import parse_slot_key
