@@ -84,6 +84,9 @@ class BackendFactory(Protocol):
     def build(self, params: "ModelParams") -> ModelBackend:
         """Load a model and create its context (loader thread; blocking)."""
 
+    def devices(self, params: "ModelParams") -> list[str]:
+        """The compute devices a model built from ``params`` runs on (INFO ``devices``)."""
+
 
 class LlamaFactory:
     """The production backend: llama.cpp through llama-cpp-python (imported on first use)."""
@@ -105,3 +108,12 @@ class LlamaFactory:
                            n_batch=params.n_batch, n_threads=params.n_threads, n_gpu_layers=params.n_gpu_layers,
                            extra_model_params=dict(params.model_params) or None,
                            extra_ctx_params=dict(params.ctx_params) or None)
+
+    def devices(self, params: "ModelParams") -> list[str]:
+        """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""
+        if not params.rpc_servers:
+            return ["CPU"]
+        from .ggml_rpc_lib import list_devices
+
+        return [f"{d['name']}[{d['description']}]" if d["name"].startswith("RPC") else d["name"]
+                for d in list_devices()]

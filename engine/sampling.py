@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplerParams:
     """Sampling parameters. ``temperature <= 0`` means greedy (argmax)."""
 
@@ -52,16 +52,16 @@ def merge_sampling(t1: Mapping[str, Any], fields: Mapping[str, Any] | None = Non
 
     Fields of the wrong type are ignored here: each wire dialect validates what it accepts.
     """
-    p = SamplerParams(
-        temperature=float(t1.get("sampling.temp", 0.8)),
-        top_k=int(t1.get("sampling.top_k", 40)),
-        top_p=float(t1.get("sampling.top_p", 0.95)),
-        min_p=float(t1.get("sampling.min_p", 0.05)),
-        seed=t1.get("sampling.seed", t1.get("seed")),
-        penalty_repeat=float(t1.get("sampling.penalty_repeat", 1.0)),
-    )
+    values: dict[str, Any] = {
+        "temperature": float(t1.get("sampling.temp", 0.8)),
+        "top_k": int(t1.get("sampling.top_k", 40)),
+        "top_p": float(t1.get("sampling.top_p", 0.95)),
+        "min_p": float(t1.get("sampling.min_p", 0.05)),
+        "seed": t1.get("sampling.seed", t1.get("seed")),
+        "penalty_repeat": float(t1.get("sampling.penalty_repeat", 1.0)),
+    }
     for key, attr in REQUEST_FIELDS.items():
         v = (fields or {}).get(key)
         if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)):
-            setattr(p, attr, int(v) if attr in _INTEGER else float(v))
-    return p
+            values[attr] = int(v) if attr in _INTEGER else float(v)
+    return SamplerParams(**values)
