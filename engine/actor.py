@@ -124,6 +124,7 @@ class Engine:
         self.startup_stage = "ready"
         log.info("model loaded in %.0f ms: %s", (time.perf_counter() - t0) * 1000, self.identity.model_name)
         self._task = asyncio.create_task(self._run(), name="engine-actor")
+        self._task.add_done_callback(self._actor_ended)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Cancel queued and running work, stop the actor, free models off-loop."""
@@ -131,7 +132,7 @@ class Engine:
         for r in self.scheduler.running.values():
             r.job.cancel()
         self.post(Wake())
-        if self._task is not None:
+        if self._task is not None and not self._task.done():
             try:
                 await asyncio.wait_for(self._task, timeout)
             except (TimeoutError, asyncio.TimeoutError, asyncio.CancelledError):
@@ -220,6 +221,7 @@ class Engine:
             raise BadInput(f"invalid slot {job.slot}")
         if self.reloader.pending and self.cfg.reload_policy == "reject":
             raise EngineBusy("reloading", retry_after_ms=self._retry_after_ms())
+        self._require_actor()
         job.done = asyncio.get_running_loop().create_future()
         self.post(Submit(job))
         return job
@@ -279,6 +281,7 @@ class Engine:
         self._mailbox.put_nowait((message, None))
 
     async def _call(self, message: object) -> Any:
+        self._require_actor()
         fut = asyncio.get_running_loop().create_future()
         self._mailbox.put_nowait((message, fut))
         return await fut
@@ -313,6 +316,22 @@ class Engine:
             self.scheduler.after_step(running, self._serving())
             self._publish()
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
+
+    def _require_actor(self) -> None:
+        if self._task is not None and self._task.done():
+            raise EngineUnavailable(f"the engine is not running ({self.startup_error or 'stopped'})")
+
+    def _actor_ended(self, task: asyncio.Task) -> None:
+        """A bug in the actor must fail its callers, not leave every request hanging."""
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        log.error("engine actor crashed: %r", e, exc_info=e)
+        self.lost_model(f"engine actor crashed: {type(e).__name__}: {e}")
+        while not self._mailbox.empty():
+            _, reply = self._mailbox.get_nowait()
+            if reply is not None and not reply.done():
+                reply.set_exception(EngineUnavailable(self.startup_error))
 
     async def _handle(self, message: object, reply: asyncio.Future | None) -> None:
         try:
@@ -457,3 +476,4 @@ class Engine:
 
     def lost_model(self, error: str) -> None:
         self.startup_stage, self.startup_error = "failed", error
+        self.scheduler.stop_all(EngineUnavailable(error), self._serving())

@@ -147,6 +147,7 @@ class Reloader:
         if self.current is not None:
             log.info("reload to generation %d dropped: %s", self.current.generation, reason)
             self._end(self.current, DROPPED, reason)
+            self.host.admit_queued()  # what waited for a drain that no longer happens
 
     # ------------------------------------------------------------------ messages
     async def on_build_done(self, msg: BuildDone) -> None:

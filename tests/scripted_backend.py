@@ -2,12 +2,14 @@
 
 Tokens are bytes: byte ``b`` is token ``b + 3``; 1 is BOS, 2 is EOS. "Decoding" appends the
 fed tokens to the sequence's KV list; the next token is ``script(kv)`` — by default the
-letters a..z in turn. A sequence's state is its token list as bytes. ``Gate``s let a test
+letters a..z in turn. A sequence's state is its token list as bytes, stamped
+with the serial number of the model that made it. ``Gate``s let a test
 hold a decode step or a model build on its thread until it lets go, and see that it is held.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import struct
 import threading
 import time
@@ -23,6 +25,20 @@ from engine.sampling import SamplerParams
 BOS, EOS, FIRST_BYTE = 1, 2, 3
 N_VOCAB = 256 + FIRST_BYTE
 STATE_MAGIC = b"SCRIPTED"
+
+
+_serials = itertools.count(1)
+_STATE_HEAD = len(STATE_MAGIC) + 8
+
+
+def parse_state(raw: bytes) -> tuple[int, list[int]]:
+    """(serial of the model that produced it, tokens); ValueError for anything else."""
+    if raw[:len(STATE_MAGIC)] != STATE_MAGIC or len(raw) < _STATE_HEAD:
+        raise ValueError("not a scripted state")
+    serial, n = struct.unpack_from("<II", raw, len(STATE_MAGIC))
+    if len(raw) != _STATE_HEAD + 4 * n:
+        raise ValueError("scripted state of the wrong length")
+    return serial, list(struct.unpack_from(f"<{n}i", raw, _STATE_HEAD))
 
 
 def letters(kv: list[int]) -> int:
@@ -72,6 +88,7 @@ class ScriptedBackend:
         self.params = params
         self.script = script
         self.decode_gate = decode_gate
+        self.serial = next(_serials)  # written into every state it produces: which model made it
         self.kv: list[list[int]] = [[] for _ in range(params.n_slots)]
         self.batches: list[list[tuple[int, int]]] = []  # per decode: (seq, n_tokens) of each item
         self.samplers: list[ScriptedSampler] = []
@@ -153,11 +170,11 @@ class ScriptedBackend:
         return len(self.kv[seq]) - 1
 
     def state_seq_size(self, seq: int) -> int:
-        return len(STATE_MAGIC) + 4 + 4 * len(self.kv[seq])
+        return _STATE_HEAD + 4 * len(self.kv[seq])
 
     def state_seq_get(self, seq: int) -> bytes:
         kv = self.kv[seq]
-        return STATE_MAGIC + struct.pack(f"<I{len(kv)}i", len(kv), *kv)
+        return STATE_MAGIC + struct.pack(f"<II{len(kv)}i", self.serial, len(kv), *kv)
 
     def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int:
         data = self.state_seq_get(seq)
@@ -167,13 +184,7 @@ class ScriptedBackend:
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         raw = bytes(data)
         self.kv[seq] = []
-        head = len(STATE_MAGIC) + 4
-        if raw[:len(STATE_MAGIC)] != STATE_MAGIC or len(raw) < head:
-            raise ValueError("not a scripted state")
-        (n,) = struct.unpack_from("<I", raw, len(STATE_MAGIC))
-        if len(raw) != head + 4 * n:
-            raise ValueError("scripted state of the wrong length")
-        self.kv[seq] = list(struct.unpack_from(f"<{n}i", raw, head))
+        _, self.kv[seq] = parse_state(raw)
         return len(raw)
 
     def close(self) -> None:

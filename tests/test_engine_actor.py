@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from engine.jobs import BadInput, EngineBusy, GenJob
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from engine.sampling import GREEDY, SamplerParams, merge_sampling
 from engine.tiers import ConfigError
 from tests.engine_env import run, scripted_engine
@@ -193,6 +193,24 @@ async def test_configure_tiers_and_generations():
         assert out.tier == "T2" and out.deferred_keys == ["n_ctx"] and out.config_generation == g0 + 2
         assert await eng.wait_reload(out.reload_ticket) == g0 + 2
         assert eng.n_ctx_slot == 128 and env.model.params.n_ctx_slot == 128
+
+
+@pytest.mark.asyncio
+async def test_an_actor_bug_fails_callers_instead_of_hanging_them(monkeypatch):
+    async with scripted_engine() as env:
+        eng = env.engine
+
+        def bug(serving):
+            raise RuntimeError("a bug in the scheduler")
+
+        monkeypatch.setattr(eng.scheduler, "reap_cancelled", bug)
+        await eng.configure({})  # answered; the actor crashes right after
+        await until(lambda: eng.startup_stage == "failed", "the crash noticed")
+        assert "a bug in the scheduler" in eng.startup_error and not eng.ready
+        with pytest.raises(EngineUnavailable, match="not running"):
+            await eng.configure({})
+        with pytest.raises(EngineUnavailable):
+            eng.submit(GenJob(0, prompt="x"))
 
 
 def test_sampling_merge_t1_defaults_then_request_fields():

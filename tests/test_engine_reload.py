@@ -140,6 +140,25 @@ async def test_newer_config_supersedes_pending_and_same_config_joins():
 
 
 @pytest.mark.asyncio
+async def test_superseding_a_draining_reload_admits_what_waited_for_it():
+    async with scripted_engine(n_ctx_slot=4096) as env:
+        eng, f = env.engine, env.factory
+        long = GenJob(0, prompt="busy", n_predict=4000)
+        eng.submit(long)
+        await until(lambda: eng.snapshot(0).is_processing, "a long generation")
+        await eng.configure({"model_path": "model-b"})
+        await until(lambda: eng.reload.state is DRAINING, "b built, draining")
+        waiting = GenJob(1, prompt="w", n_predict=1)
+        eng.submit(waiting)
+        await until(lambda: eng.snapshot(1).queued == 1, "queued behind the drain")
+        f.build_gate.close()
+        await eng.configure({"model_path": "model-c"})  # b dropped; c loads beside the live model
+        assert eng.reload.state is LOADING
+        assert (await waiting.result()).identity.model_name == "model-a"  # no longer waits for a drain
+        long.cancel()
+
+
+@pytest.mark.asyncio
 async def test_config_asking_for_the_live_model_drops_the_pending_reload():
     async with scripted_engine() as env:
         eng, f = env.engine, env.factory
