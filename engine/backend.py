@@ -32,10 +32,6 @@ class BatchItem:
     logits_last: bool = True
 
 
-class SamplerHandle(Protocol):
-    def free(self) -> None: ...
-
-
 class ModelBackend(Protocol):
     """One model with one context of ``n_seq_max`` sequences (the engine's slots).
 
@@ -59,7 +55,8 @@ class ModelBackend(Protocol):
 
     def decode(self, items: Sequence[BatchItem]) -> None: ...
     def logits(self, seq: int) -> "np.ndarray": ...
-    def make_sampler(self, params: SamplerParams | None = None) -> Any: ...
+    def make_sampler(self, params: SamplerParams | None = None) -> Any:
+        """A sampler handle for ``sample``; the engine calls its ``free()`` when the job ends."""
     def sample(self, seq: int, sampler: Any, want_logprob: bool = False) -> Any:
         """The next token of ``seq`` (with ``want_logprob``: ``(token, logprob)``)."""
 

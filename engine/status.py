@@ -59,9 +59,6 @@ class ReloadState(str, enum.Enum):
     def pending(self) -> bool:
         return self in (ReloadState.LOADING, ReloadState.DRAINING)
 
-    def __str__(self) -> str:
-        return self.value
-
 
 @dataclass(frozen=True)
 class ReloadStatus:

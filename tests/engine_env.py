@@ -46,3 +46,13 @@ async def scripted_engine(n_slots: int = 2, n_ctx_slot: int = 64, **cfg: object)
 async def run(engine: Engine, job: GenJob) -> GenResult:
     engine.submit(job)
     return await job.result()
+
+
+async def long_generation(engine: Engine, slot: int) -> GenJob:
+    """A generation of thousands of steps (cancel it to end it): keeps ``slot`` busy, and so
+    keeps a reload draining, while the test does other things. Needs ``n_ctx_slot=4096``."""
+    from tests.scripted_backend import until
+
+    job = engine.submit(GenJob(slot, prompt="busy", n_predict=4000))
+    await until(lambda: engine.snapshot(slot).job_id == job.id, f"slot {slot} generating")
+    return job

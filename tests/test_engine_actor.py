@@ -11,7 +11,7 @@ import pytest
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from engine.sampling import GREEDY, SamplerParams, merge_sampling
 from engine.tiers import ConfigError
-from tests.engine_env import run, scripted_engine
+from tests.engine_env import long_generation, run, scripted_engine
 from tests.scripted_backend import EOS, FIRST_BYTE, until
 
 
@@ -162,9 +162,7 @@ async def test_state_get_put_moves_a_sequence_to_another_slot():
 async def test_state_ops_refuse_a_busy_slot():
     async with scripted_engine(n_ctx_slot=4096) as env:
         eng = env.engine
-        job = GenJob(0, prompt="a", n_predict=4000)  # thousands of steps: busy while we ask
-        eng.submit(job)
-        await until(lambda: eng.snapshot(0).is_processing, "slot 0 generating")
+        job = await long_generation(eng, 0)
         for call in (eng.state_get(0), eng.state_put(0, [1], b""), eng.erase(0)):
             with pytest.raises(EngineBusy, match="slot 0 is"):
                 await call

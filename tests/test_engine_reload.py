@@ -11,7 +11,7 @@ import pytest
 from engine.jobs import EngineBusy, GenJob, ModelChanged, ReloadFailed
 from engine.reloader import Generations
 from engine.status import ReloadState
-from tests.engine_env import run, scripted_engine
+from tests.engine_env import long_generation, run, scripted_engine
 from tests.scripted_backend import until
 
 LOADING, DRAINING, SWAPPED, FAILED, DROPPED = (ReloadState.LOADING, ReloadState.DRAINING, ReloadState.SWAPPED,
@@ -36,9 +36,7 @@ async def test_shadow_reload_serves_old_while_loading_then_drains_and_swaps():
         old = env.model
         g0 = eng.generation
         f.build_gate.close()
-        long = GenJob(0, prompt="old", n_predict=4000)  # the actor serves its mailbox between steps
-        eng.submit(long)
-        await until(lambda: eng.snapshot(0).is_processing, "a long generation on the old model")
+        long = await long_generation(eng, 0)
         out = await eng.configure({"model_path": "model-b"})
         assert out.tier == "T3" and out.config_generation == g0 + 1 and out.reload is LOADING
         await until(lambda: f.build_gate.waiting == 1, "the shadow build")
@@ -62,9 +60,7 @@ async def test_inplace_reload_drains_frees_then_builds():
     async with scripted_engine(reload_mode="inplace", n_ctx_slot=4096) as env:
         eng, f = env.engine, env.factory
         old = env.model
-        long = GenJob(0, prompt="x", n_predict=4000)
-        eng.submit(long)
-        await until(lambda: eng.snapshot(0).is_processing, "a long generation")
+        long = await long_generation(eng, 0)
         out = await eng.configure({"model_path": "model-b"})
         assert out.reload is DRAINING and len(f.built) == 1  # nothing is built before the drain
         f.build_gate.close()
@@ -143,9 +139,7 @@ async def test_newer_config_supersedes_pending_and_same_config_joins():
 async def test_superseding_a_draining_reload_admits_what_waited_for_it():
     async with scripted_engine(n_ctx_slot=4096) as env:
         eng, f = env.engine, env.factory
-        long = GenJob(0, prompt="busy", n_predict=4000)
-        eng.submit(long)
-        await until(lambda: eng.snapshot(0).is_processing, "a long generation")
+        long = await long_generation(eng, 0)
         await eng.configure({"model_path": "model-b"})
         await until(lambda: eng.reload.state is DRAINING, "b built, draining")
         waiting = GenJob(1, prompt="w", n_predict=1)
@@ -177,9 +171,7 @@ async def test_drain_timeout_drops_the_reload_and_admits_queued_work():
     async with scripted_engine(n_ctx_slot=4096) as env:
         eng, f = env.engine, env.factory
         g0 = eng.generation
-        long = GenJob(0, prompt="busy", n_predict=4000)
-        eng.submit(long)
-        await until(lambda: eng.snapshot(0).is_processing, "a long generation")
+        long = await long_generation(eng, 0)
         out = await eng.configure({"n_ctx": 2048})
         await until(lambda: eng.reload.state is DRAINING, "built, waiting for slot 0")
         waiting = GenJob(1, prompt="w", n_predict=1)
@@ -222,9 +214,7 @@ async def test_select_model_waits_for_its_reload_and_pins_the_request():
         assert unknown.fallback and unknown.params is None and unknown.name == "model-b"
         assert not (await eng.select_model("model-b")).fallback  # the resident model's own name
         # a swap between choosing and running: the pinned job fails rather than run on model-c
-        long = GenJob(0, prompt="y", n_predict=4000)
-        eng.submit(long)
-        await until(lambda: eng.snapshot(0).is_processing, "slot 0 busy")
+        long = await long_generation(eng, 0)
         pinned = GenJob(1, prompt="z", n_predict=1, params=(await eng.select_model("b")).params)
         await eng.configure({"model_path": "model-c"})
         await until(lambda: eng.reload.state is DRAINING, "model-c built")
