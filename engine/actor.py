@@ -12,7 +12,7 @@ lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
            ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
-           ``model_aliases()``
+           ``aliases``, ``model_aliases()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
            (cancel with ``job.cancel()``), ``state_get(slot)``, ``state_put(slot, tokens,
            state)``, ``erase(slot)``, ``configure(cfg)``, ``swap_model(alias)``,
@@ -195,8 +195,12 @@ class Engine:
             slots_total=self.n_slots,
             slots_busy=sum(1 for s in self.snapshots if s.is_processing or s.is_transferring),
             n_ctx_slot=self.n_ctx_slot, rpc_servers=self.params.rpc_servers,
-            devices=tuple(self.cfg.backend.devices(self.params)), aliases=tuple(sorted(self.cfg.aliases)),
-            identity=self.identity)
+            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity)
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """The model aliases clients may name (PREFILL ``model``, SWAP_QUANT), sorted."""
+        return tuple(sorted(self.cfg.aliases))
 
     def model_aliases(self) -> dict[str, bool]:
         """Configured model aliases (sorted) → whether each names the resident model."""

@@ -142,7 +142,7 @@ class Handlers:
         except MalformedPayload as e:
             await resp.send(Status.ERROR, {"success": False, "error": str(e)})
             return
-        aliases = list(self.engine.model_aliases())
+        aliases = list(self.engine.aliases)
         if sq.qk not in aliases:
             await resp.send(Status.NOT_IMPLEMENTED, {
                 "success": False,
