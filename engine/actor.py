@@ -1,15 +1,22 @@
 """The engine actor: one asyncio task owns the model, the context and the slots.
 
-Messages in (mailbox), events out (token queues, futures). Model work runs on a
-single low-priority inference thread; shadow models are built on a loader thread.
-After every step the actor publishes immutable per-slot snapshots, which STATE_META,
-INFO and ``/slots`` read without entering the mailbox — so they answer in
-microseconds whatever the engine is doing (the C++ queues them behind the decode).
+Typed messages in (the mailbox), events out (token queues, futures). Model work runs on a
+single low-priority inference thread; shadow models are built on a loader thread (see
+``engine.reloader``). After every step the actor publishes immutable per-slot snapshots,
+which STATE_META, INFO and ``/slots`` read without entering the mailbox — so they answer in
+microseconds whatever the engine is doing. See ``docs/architecture.md``.
 
-Reloads (T2/T3/T4 CONFIGURE, model-alias swaps) follow DESIGN.md: build a shadow
-model off-loop while the live one serves; when it is ready, stop admitting new
-generation work, let in-flight work finish (bounded by the drain timeout, measured
-from staging like the C++), swap, free the old model off-loop.
+The public face — all the wire layer (``hydra_rpc``) uses:
+
+lifecycle  ``check()``, ``start()``, ``stop()``
+reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
+           ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
+           ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
+           ``aliases``, ``model_aliases()``
+requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
+           (cancel with ``job.cancel()``), ``state_get(slot)``, ``state_put(slot, tokens,
+           state)``, ``erase(slot)``, ``configure(cfg)``, ``swap_model(alias)``,
+           ``wait_reload(ticket)``, ``set_expert_mode(mode)``
 """
 from __future__ import annotations
 
@@ -18,29 +25,30 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from . import tiers
+from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
-from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
-from .llama_backend import LoadedModel, SamplerParams, make_inference_executor, make_loader_executor
-from .reload import ModelParams, ReloadInfo, build_model
+from .executors import make_inference_executor, make_loader_executor
+from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
+from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
+from .model_params import ModelParams, resolve_path
+from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
+from .sampling import SamplerParams, merge_sampling
+from .scheduler import Scheduler, Serving
 from .slots import Slot, SlotSnapshot
+from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadStatus
 from .stepper import Running, run_step
 
 log = logging.getLogger("engine.actor")
-
-ENGINE_NAME = "llama-server-hydra"
-ENGINE_VERSION = "E1"
-CAPABILITIES = ["prefill", "decode", "state_transfer", "expert_mode", "quant_swap", "preset", "tokenizer",
-                "model_name", "model_quant", "model_capabilities", "merged_decode"]
 
 
 @dataclass
 class EngineConfig:
     model: ModelParams
     aliases: dict[str, str] = field(default_factory=dict)
-    low_priority: bool = True  # inference thread at nice 19 (see DESIGN.md measurements)
+    low_priority: bool = True  # inference and loader threads at nice 19
     time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
     token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
     slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once
@@ -49,6 +57,9 @@ class EngineConfig:
     drain_timeout: float = 300.0
     resolve_model: Callable[[str], Any] = str
     defaults: dict[str, Any] = field(default_factory=dict)  # T1 parameters
+    backend: BackendFactory = field(default_factory=LlamaFactory)
+    # how the drain timeout is scheduled (None: the event loop's call_later)
+    call_later: Callable[[float, Callable[[], None]], Any] | None = None
 
 
 @dataclass
@@ -56,7 +67,7 @@ class StateOut:
     n_past: int
     tokens: list[int]
     state: memoryview
-    identity: dict[str, Any]
+    identity: ModelIdentity
     config_generation: int
     release: Callable[[], None] = lambda: None  # call when ``state`` has been sent
 
@@ -65,74 +76,92 @@ class Engine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.params = cfg.model
-        self.model: LoadedModel | None = None
+        self.model: ModelBackend | None = None
         self.slots = [Slot(i) for i in range(cfg.model.n_slots)]
-        self.generation = 1
-        self.reload = ReloadInfo()
+        self.generations = Generations()
         self.startup_stage = "init"  # init | loading_model | ready | failed
         self.startup_error = ""
         self.t1: dict[str, Any] = {"state_chunk_size": tiers.STATE_CHUNK_DEFAULT}
         self.t1.update(cfg.defaults)
         self.expert_mode = "solo"
         self.snapshots: tuple[SlotSnapshot, ...] = ()
-        self.identity: dict[str, Any] = {}
+        self.identity = ModelIdentity()
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
-        self._mailbox: asyncio.Queue = asyncio.Queue()
-        self._running: dict[int, Running] = {}
+        self.loader: concurrent.futures.ThreadPoolExecutor | None = None
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
-        self._loader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
+        self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats)
         self._task: asyncio.Task | None = None
-        self._shadow: LoadedModel | None = None
-        self._shadow_params: ModelParams | None = None
-        self._reload_token = 0
-        self._reload_waiters: list[asyncio.Future] = []
         self._state_buf = LeasedBuffer(bytearray)
         self._stopping = False
+        self.reloader = Reloader(self, cfg.backend, mode=cfg.reload_mode, drain_timeout=cfg.drain_timeout,
+                                 call_later=cfg.call_later)
+        self._dispatch: dict[type, Callable[[Any], Any]] = {
+            Submit: self._on_submit, StateGet: self._on_state_get, StatePut: self._on_state_put,
+            Erase: self._on_erase, Configure: self._on_configure, Wake: self._on_wake,
+            BuildDone: self.reloader.on_build_done, DrainTimeout: self.reloader.on_drain_timeout,
+        }
         self._publish()
 
     # ------------------------------------------------------------------ lifecycle
+    def check(self) -> None:
+        """Raise RuntimeError when the backend cannot run here (before anything is served)."""
+        self.cfg.backend.check()
+
     async def start(self) -> None:
         """Load the first model (off-loop) and start the actor task."""
         self._infer = make_inference_executor(low_priority=self.cfg.low_priority)
-        self._loader = make_loader_executor(low_priority=self.cfg.low_priority)
-        loop = asyncio.get_running_loop()
+        self.loader = make_loader_executor(low_priority=self.cfg.low_priority)
         self.startup_stage = "loading_model"
         t0 = time.perf_counter()
         try:
-            self.model = await loop.run_in_executor(self._loader, build_model, self.params)
+            model = await asyncio.get_running_loop().run_in_executor(self.loader, self.cfg.backend.build,
+                                                                     self.params)
         except Exception as e:
             self.startup_stage, self.startup_error = "failed", str(e)
             raise
-        self.identity = self._identity_of(self.model)
+        self.install(model, self.params)
         self.startup_stage = "ready"
-        log.info("model loaded in %.0f ms: %s", (time.perf_counter() - t0) * 1000, self.identity.get("model_name"))
-        self._publish()
+        log.info("model loaded in %.0f ms: %s", (time.perf_counter() - t0) * 1000, self.identity.model_name)
         self._task = asyncio.create_task(self._run(), name="engine-actor")
+        self._task.add_done_callback(self._actor_ended)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Cancel queued and running work, stop the actor, free models off-loop."""
         self._stopping = True
-        for r in self._running.values():
+        for r in self.scheduler.running.values():
             r.job.cancel()
-        self._mailbox.put_nowait(("wake", None, None))
-        if self._task is not None:
+        self.post(Wake())
+        if self._task is not None and not self._task.done():
             try:
                 await asyncio.wait_for(self._task, timeout)
             except (TimeoutError, asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
-        for slot in self.slots:
-            while slot.queue:
-                self._fail(slot.queue.popleft(), EngineUnavailable("engine stopping"))
-        loop = asyncio.get_running_loop()
-        for m in (self.model, self._shadow):
-            if m is not None and self._loader is not None:
-                await loop.run_in_executor(self._loader, m.close)
-        self.model = self._shadow = None
-        for ex in (self._infer, self._loader):
+        self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
+        if self.loader is not None:
+            self.reloader.cancel("engine stopping")
+            if self.model is not None:
+                await asyncio.get_running_loop().run_in_executor(self.loader, self.model.close)
+        self.model = None
+        for ex in (self._infer, self.loader):
             if ex is not None:
                 ex.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ reads (no mailbox)
+    @property
+    def ready(self) -> bool:
+        """A model is loaded and serving (not during an in-place reload's load)."""
+        return self.startup_stage == "ready" and self.model is not None
+
+    @property
+    def generation(self) -> int:
+        """The config generation new work is served with."""
+        return self.generations.live
+
+    @property
+    def reload(self) -> ReloadStatus:
+        return self.reloader.status
+
     @property
     def n_slots(self) -> int:
         return len(self.slots)
@@ -143,131 +172,123 @@ class Engine:
 
     @property
     def n_vocab(self) -> int:
-        return self.model.n_vocab if self.model else 0
+        return self.identity.n_vocab
+
+    @property
+    def state_chunk_size(self) -> int:
+        """Bytes per write of a state transfer (T1 ``state_chunk_size``)."""
+        return int(self.t1["state_chunk_size"])
+
+    @property
+    def default_n_predict(self) -> int:
+        """Tokens to generate when a request sets no limit: T1 ``n_predict``, else a slot's context."""
+        n = int(self.t1.get("n_predict", -1))
+        return n if n >= 0 else self.n_ctx_slot
 
     def snapshot(self, slot: int) -> SlotSnapshot:
         return self.snapshots[slot]
 
-    def info(self) -> dict[str, Any]:
-        busy = sum(1 for s in self.snapshots if s.is_processing or s.is_transferring)
-        return {
-            "engine": ENGINE_NAME,
-            "version": ENGINE_VERSION,
-            "capabilities": list(CAPABILITIES),
-            "preset_aliases": sorted(self.cfg.aliases),
-            "solo_active": self.expert_mode == "solo",
-            "rpc_backend_active": bool(self.params.rpc_servers),
-            "mode": self.expert_mode,
-            "split_mode": "layer" if self.params.rpc_servers else "none",
-            "peer_addr": "",
-            "peer_reachable": False,
-            "layer_split": "",
-            "combined_head_attached": False,
-            "pipeline_capable": False,
-            "reload": self.reload.as_dict(),
-            "reload_policy": self.cfg.reload_policy,
-            "reload_mode": self.cfg.reload_mode,
-            "config_generation": self.generation,
-            "slots_total": self.n_slots,
-            "slots_busy": busy,
-            "n_ctx_slot": self.params.n_ctx_slot,
-            "startup_stage": self.startup_stage,
-            "rpc_servers": list(self.params.rpc_servers),
-            "devices": self.devices(),
-            **{k: v for k, v in self.identity.items() if k not in ("n_params",)},
-        }
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            startup_stage=self.startup_stage, expert_mode=self.expert_mode, config_generation=self.generation,
+            reload=self.reload, reload_policy=self.cfg.reload_policy, reload_mode=self.cfg.reload_mode,
+            slots_total=self.n_slots,
+            slots_busy=sum(1 for s in self.snapshots if s.is_processing or s.is_transferring),
+            n_ctx_slot=self.n_ctx_slot, rpc_servers=self.params.rpc_servers,
+            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity)
 
-    def devices(self) -> list[str]:
-        """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""
-        if not self.params.rpc_servers:
-            return ["CPU"]
-        from .ggml_rpc_lib import list_devices
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """The model aliases clients may name (PREFILL ``model``, SWAP_QUANT), sorted."""
+        return tuple(sorted(self.cfg.aliases))
 
-        return [f"{d['name']}[{d['description']}]" if d["name"].startswith("RPC") else d["name"]
-                for d in list_devices()]
-
-    @staticmethod
-    def _identity_of(model: LoadedModel) -> dict[str, Any]:
-        ident = dict(model.identity)
-        keep = ("model_path", "model_name", "tokenizer", "model_quant", "model_capabilities")
-        out = {k: ident.get(k) for k in keep if k in ident}
-        out["model_alias"] = ident.get("model_name", "")
-        out["n_vocab"] = model.n_vocab
-        return out
-
-    def wire_identity(self) -> dict[str, Any]:
-        """The identity keys the C++ puts into STATE_*/PREFILL meta (when non-empty)."""
-        keys = ("model_alias", "model_path", "tokenizer", "model_name", "model_quant", "model_capabilities")
-        return {k: self.identity[k] for k in keys if self.identity.get(k) not in (None, "", 0)}
-
-    def _publish(self) -> None:
-        self.snapshots = tuple(s.snapshot(self.generation, self.identity) for s in self.slots)
+    def model_aliases(self) -> dict[str, bool]:
+        """Configured model aliases (sorted) → whether each names the resident model."""
+        return {alias: resolve_path(self.cfg.resolve_model, path) == self.params.model_path
+                for alias, path in sorted(self.cfg.aliases.items())}
 
     # ------------------------------------------------------------------ requests
-    def sampler_params(self, overrides: dict[str, Any] | None = None) -> SamplerParams:
-        """T1 defaults, then the request's own fields."""
-        t1 = self.t1
-        p = SamplerParams(
-            temperature=float(t1.get("sampling.temp", 0.8)),
-            top_k=int(t1.get("sampling.top_k", 40)),
-            top_p=float(t1.get("sampling.top_p", 0.95)),
-            min_p=float(t1.get("sampling.min_p", 0.05)),
-            seed=t1.get("sampling.seed", t1.get("seed")),
-            penalty_repeat=float(t1.get("sampling.penalty_repeat", 1.0)),
-        )
-        for key, attr in (("temperature", "temperature"), ("temp", "temperature"), ("top_k", "top_k"),
-                          ("top_p", "top_p"), ("min_p", "min_p"), ("seed", "seed"),
-                          ("repeat_penalty", "penalty_repeat"), ("penalty_repeat", "penalty_repeat")):
-            v = (overrides or {}).get(key)
-            if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)):
-                setattr(p, attr, int(v) if attr in ("top_k", "seed") else float(v))
-        return p
+    def sampling_for(self, fields: Mapping[str, Any] | None = None) -> SamplerParams:
+        """T1 defaults, then the request's own sampling fields (any dialect's spelling)."""
+        return merge_sampling(self.t1, fields)
+
+    def set_expert_mode(self, mode: str) -> str:
+        """Returns the mode in effect: always "solo" (no combined head or peer exists here)."""
+        self.expert_mode = "solo"
+        return self.expert_mode
 
     def submit(self, job: GenJob) -> GenJob:
-        """Queue a generation job. Raises EngineBusy / EngineUnavailable at once when refused."""
+        """Queue a generation job. Raises EngineBusy / EngineUnavailable / BadInput at once when refused."""
         if self.model is None and self.startup_stage != "ready":
             raise EngineUnavailable(f"no model loaded (stage {self.startup_stage})")
         if not 0 <= job.slot < self.n_slots:
             raise BadInput(f"invalid slot {job.slot}")
-        if self.reload.pending and self.cfg.reload_policy == "reject":
+        if self.reloader.pending and self.cfg.reload_policy == "reject":
             raise EngineBusy("reloading", retry_after_ms=self._retry_after_ms())
+        self._require_actor()
         job.done = asyncio.get_running_loop().create_future()
-        self._mailbox.put_nowait(("gen", job, None))
+        self.post(Submit(job))
         return job
+
+    async def state_get(self, slot: int) -> StateOut:
+        return await self._call(StateGet(slot))
+
+    async def state_put(self, slot: int, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
+        return await self._call(StatePut(slot, tokens, state))
+
+    async def erase(self, slot: int) -> None:
+        await self._call(Erase(slot))
+
+    async def configure(self, cfg: Mapping[str, Any]) -> ConfigureOutcome:
+        """Classify and apply a CONFIGURE: T1 at once, staged tiers start (or join) a reload.
+
+        Raises ConfigError / ValueError when the whole request is refused.
+        """
+        return await self._call(Configure(cfg))
+
+    async def wait_reload(self, ticket: ReloadTicket) -> int:
+        """Wait until a configure's reload is live; returns its generation. Raises ReloadFailed."""
+        return await wait_live(ticket)
+
+    async def swap_model(self, alias: str) -> ConfigureOutcome:
+        """SWAP_QUANT: reload to a configured alias (not awaited). KeyError for an unknown alias."""
+        return await self.configure({"model_path": self.cfg.aliases[alias]})
+
+    async def select_model(self, alias: str | None, hydra_config: Mapping[str, Any] | None = None) -> ModelChoice:
+        """Settle a request's ``model`` (an alias) and ``hydra_config`` before it runs.
+
+        A configured alias of another file, or staged keys, reload the model and wait until the
+        new one is live; the returned ``params`` pins the request to it (``GenJob.params``), so
+        it is served by exactly that config or fails. Any other name is served by the resident
+        model, as llama-server does. Raises ConfigError / ValueError (refused config) or
+        ReloadFailed (the reload did not happen).
+        """
+        path = self.cfg.aliases.get(alias) if alias else None
+        name = alias if path is not None else self.identity.display_name
+        fallback = bool(alias) and path is None and alias not in (self.identity.model_name,
+                                                                  self.identity.model_alias)
+        if path is None and hydra_config is None:
+            return ModelChoice(name, fallback, 0.0, None)
+        staged = dict(hydra_config or {})
+        if path is not None and resolve_path(self.cfg.resolve_model, path) != self.params.model_path:
+            staged["model_path"] = path
+        out = await self.configure(staged)
+        if out.reload_ticket is None:
+            return ModelChoice(name, fallback, 0.0, out.params)
+        await self.wait_reload(out.reload_ticket)
+        return ModelChoice(name, fallback, out.reload_ticket.load_ms, out.params)
 
     def _retry_after_ms(self) -> int:
         return int(max(self.reload.load_ms, 500))
 
-    async def _call(self, kind: str, arg: Any = None) -> Any:
+    def post(self, message: object) -> None:
+        self._mailbox.put_nowait((message, None))
+
+    async def _call(self, message: object) -> Any:
+        self._require_actor()
         fut = asyncio.get_running_loop().create_future()
-        self._mailbox.put_nowait((kind, arg, fut))
+        self._mailbox.put_nowait((message, fut))
         return await fut
-
-    async def state_get(self, slot: int) -> StateOut:
-        return await self._call("state_get", slot)
-
-    async def state_put(self, slot: int, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
-        return await self._call("state_put", (slot, tokens, state))
-
-    async def erase(self, slot: int) -> None:
-        await self._call("erase", slot)
-
-    async def configure(self, cfg: dict[str, Any], sync: bool = False) -> dict[str, Any]:
-        """Classify and apply a CONFIGURE; staged tiers start a reload (awaited when ``sync``)."""
-        out = await self._call("configure", cfg)
-        if sync and out.get("deferred_keys"):
-            await self.wait_reload(out["config_generation"])
-        return out
-
-    async def wait_reload(self, generation: int) -> None:
-        """Wait until the given config generation is live (or its reload failed)."""
-        while self.generation < generation and self.reload.pending and self.reload.generation == generation:
-            fut = asyncio.get_running_loop().create_future()
-            self._reload_waiters.append(fut)
-            await fut
-        if self.generation < generation:
-            raise RuntimeError(f"reload to generation {generation} did not happen: "
-                               f"{self.reload.state} {self.reload.error}".strip())
 
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
@@ -275,19 +296,19 @@ class Engine:
         while not self._stopping:
             while True:
                 try:
-                    msg = self._mailbox.get_nowait()
+                    item = self._mailbox.get_nowait()
                 except asyncio.QueueEmpty:
                     break
-                await self._handle(msg)
-                del msg  # its future may hold a multi-MiB state: do not keep it until the next one
-            self._reap_cancelled()
-            await self._maybe_swap()
-            running = [r for r in self._running.values() if not r.finished]
+                await self._handle(*item)
+                del item  # its future may hold a multi-MiB state: do not keep it until the next one
+            self.scheduler.reap_cancelled(self._serving())
+            await self.reloader.maybe_swap()
+            running = self.scheduler.active()
             if not running:
                 self._publish()
-                msg = await self._mailbox.get()
-                await self._handle(msg)
-                del msg
+                item = await self._mailbox.get()
+                await self._handle(*item)
+                del item
                 continue
             try:
                 await loop.run_in_executor(self._infer, self._step, running)
@@ -296,10 +317,40 @@ class Engine:
                 for r in running:
                     r.error = r.error or e
             self.stats["steps"] += 1
-            self._after_step(running)
-        for r in list(self._running.values()):
-            r.job.cancel()
-            self._finish(r)
+            self.scheduler.after_step(running, self._serving())
+            self._publish()
+        self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
+
+    def _require_actor(self) -> None:
+        if self._task is not None and self._task.done():
+            raise EngineUnavailable(f"the engine is not running ({self.startup_error or 'stopped'})")
+
+    def _actor_ended(self, task: asyncio.Task) -> None:
+        """A bug in the actor must fail its callers, not leave every request hanging."""
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        log.error("engine actor crashed: %r", e, exc_info=e)
+        self.lost_model(f"engine actor crashed: {type(e).__name__}: {e}")
+        while not self._mailbox.empty():
+            _, reply = self._mailbox.get_nowait()
+            if reply is not None and not reply.done():
+                reply.set_exception(EngineUnavailable(self.startup_error))
+
+    async def _handle(self, message: object, reply: asyncio.Future | None) -> None:
+        try:
+            result = await self._dispatch[type(message)](message)
+        except Exception as e:
+            if reply is not None and not reply.done():
+                reply.set_exception(e)
+            elif reply is None:
+                log.exception("engine message %s failed", type(message).__name__)
+            return
+        if reply is not None and not reply.done():
+            reply.set_result(result)
+
+    async def _on_wake(self, _: Wake) -> None:
+        return None
 
     def _step(self, running: list[Running]) -> None:
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
@@ -307,115 +358,28 @@ class Engine:
         run_step(self.model, running, n_ctx_slot=self.params.n_ctx_slot, token_budget=budget,
                  time_slice=self.cfg.time_slice)
 
-    def _after_step(self, running: list[Running]) -> None:
-        for r in running:
-            if r.events:
-                for ev in r.events:
-                    r.job.events.put_nowait(ev)
-                self.stats["tokens_generated"] += len(r.events)
-                r.events.clear()
-            if r.finished or r.job.cancelled:
-                self._finish(r)
+    def _publish(self) -> None:
+        self.snapshots = tuple(s.snapshot(self.generation, self.identity) for s in self.slots)
+
+    def _serving(self) -> Serving:
+        return Serving(open=self.model is not None and not self.reloader.blocks_admission, params=self.params,
+                       generation=self.generation, identity=self.identity)
+
+    async def _on_submit(self, msg: Submit) -> None:
+        self.scheduler.offer(msg.job, self._serving())
         self._publish()
 
-    def _reap_cancelled(self) -> None:
-        for r in list(self._running.values()):
-            if r.job.cancelled and not r.finished:
-                r.stop_reason = "cancelled"
-                self._finish(r)
-        for slot in self.slots:
-            if any(j.cancelled for j in slot.queue):
-                for j in [j for j in slot.queue if j.cancelled]:
-                    slot.queue.remove(j)
-                    self._fail(j, asyncio.CancelledError())
-
-    def _finish(self, r: Running) -> None:
-        slot, job = r.slot, r.job
-        self._running.pop(slot.id, None)
-        slot.finish()
-        if r.sampler is not None:
-            r.sampler.free()
-        job.events.put_nowait(None)
-        if job.done is not None and not job.done.done():
-            if r.error is not None:
-                job.done.set_exception(r.error)
-            else:
-                now = time.perf_counter()
-                pre_end = r.t_prefill_done or now
-                self.stats["prompt_tokens"] += r.prompt_tokens - r.cached_tokens
-                job.done.set_result(GenResult(
-                    slot=slot.id, n_past=slot.n_past, prompt_tokens=r.prompt_tokens,
-                    tokens_generated=len(r.generated), stop_reason=r.stop_reason or "cancelled",
-                    config_generation=r.generation, identity=self.wire_identity(),
-                    prefill_ms=(pre_end - r.t_start) * 1000 if r.t_start else 0.0,
-                    decode_ms=(now - pre_end) * 1000, cached_tokens=r.cached_tokens, state=r.state,
-                    logits=r.logits, tokens=list(slot.tokens), generated=r.generated, text=bytes(r.text)))
-        self._start_next(slot)
-
-    def _fail(self, job: GenJob, exc: BaseException) -> None:
-        job.events.put_nowait(None)
-        if job.done is not None and not job.done.done():
-            if isinstance(exc, asyncio.CancelledError):
-                job.done.cancel()
-            else:
-                job.done.set_exception(exc)
-
-    def _start_next(self, slot: Slot) -> None:
-        if slot.busy or self.reload.state == "draining" or self.model is None:
-            return
-        while slot.queue:
-            job = slot.queue.popleft()
-            if job.cancelled:
-                self._fail(job, asyncio.CancelledError())
-                continue
-            self._admit(slot, job)
-            return
-
-    def _admit(self, slot: Slot, job: GenJob) -> None:
-        slot.job = job
-        slot.generation = self.generation
-        slot.begin("prefill", 0)
-        self.stats["jobs"] += 1
-        self._running[slot.id] = Running(job, slot, self.generation)
-
-    async def _handle(self, msg: tuple) -> None:
-        kind, arg, fut = msg
-        try:
-            result = await getattr(self, f"_on_{kind}")(arg)
-        except Exception as e:
-            if fut is not None and not fut.done():
-                fut.set_exception(e)
-            elif fut is None and kind != "gen":
-                log.exception("engine message %s failed", kind)
-            return
-        if fut is not None and not fut.done():
-            fut.set_result(result)
-
-    async def _on_wake(self, _):
-        return None
-
-    async def _on_gen(self, job: GenJob) -> None:
-        slot = self.slots[job.slot]
-        if job.cancelled:
-            self._fail(job, asyncio.CancelledError())
-        elif slot.busy or self.reload.state == "draining" or slot.queue or self.model is None:
-            if len(slot.queue) >= self.cfg.slot_queue:
-                self._fail(job, EngineBusy(f"slot {slot.id} is busy and its queue is full"))
-            else:
-                slot.queue.append(job)
-        else:
-            self._admit(slot, job)
-        self._publish()
-
-    def _require_model(self) -> None:
+    # ------------------------------------------------------------------ state transfer
+    def _require_idle(self, slot_id: int, what: str = "busy") -> Slot:
         if self.model is None:  # an in-place reload freed it and is loading the next one
             raise EngineBusy("no model loaded: an in-place reload is in progress", self._retry_after_ms())
-
-    async def _on_state_get(self, slot_id: int) -> StateOut:
-        self._require_model()
         slot = self.slots[slot_id]
         if slot.busy:
-            raise EngineBusy(f"slot {slot_id} is busy")
+            raise EngineBusy(f"slot {slot_id} is {what}")
+        return slot
+
+    async def _on_state_get(self, msg: StateGet) -> StateOut:
+        slot = self._require_idle(msg.slot)
         slot.transferring = True
         slot.begin("state_get", slot.n_past)
         self._publish()
@@ -423,9 +387,9 @@ class Engine:
         model = self.model
         release = None
         try:
-            size = await loop.run_in_executor(self._infer, model.state_seq_size, slot_id)
+            size = await loop.run_in_executor(self._infer, model.state_seq_size, slot.id)
             buf, release = self._state_buf.lease(size)
-            n = await loop.run_in_executor(self._infer, model.state_seq_get_into, slot_id, buf)
+            n = await loop.run_in_executor(self._infer, model.state_seq_get_into, slot.id, buf)
         except BaseException:
             if release is not None:
                 release()
@@ -435,23 +399,19 @@ class Engine:
             slot.operation = "idle"
         slot.state_size = n
         self._publish()
-        return StateOut(slot.n_past, list(slot.tokens), buf[:n].toreadonly(), self.wire_identity(),
+        return StateOut(slot.n_past, list(slot.tokens), buf[:n].toreadonly(), self.identity,
                         slot.generation, release)
 
-    async def _on_state_put(self, arg) -> int:
-        slot_id, tokens, state = arg
-        self._require_model()
-        slot = self.slots[slot_id]
-        if slot.busy:
-            raise EngineBusy(f"slot {slot_id} is busy")
+    async def _on_state_put(self, msg: StatePut) -> int:
+        slot = self._require_idle(msg.slot)
         slot.transferring = True
-        slot.begin("state_put", len(tokens))
+        slot.begin("state_put", len(msg.tokens))
         self._publish()
         model = self.model
 
         def load() -> tuple[int, int, int]:
-            n = model.state_seq_set(slot_id, state)
-            return n, model.seq_pos_max(slot_id), model.state_seq_size(slot_id)
+            n = model.state_seq_set(slot.id, msg.state)
+            return n, model.seq_pos_max(slot.id), model.state_seq_size(slot.id)
 
         try:
             n, pos_max, size = await asyncio.get_running_loop().run_in_executor(self._infer, load)
@@ -464,165 +424,60 @@ class Engine:
         n_kv = pos_max + 1
         # Positions whose token we do not know get -1: they never match a prompt, so prefix
         # reuse stops there, and a continuation cannot re-feed an unknown token.
-        slot.tokens = (list(tokens[:n_kv]) + [-1] * max(0, n_kv - len(tokens)))
+        slot.tokens = (list(msg.tokens[:n_kv]) + [-1] * max(0, n_kv - len(msg.tokens)))
         slot.tail = []
         slot.state_size = size
         slot.generation = self.generation
         self._publish()
         return n
 
-    async def _on_erase(self, slot_id: int) -> None:
-        self._require_model()
-        slot = self.slots[slot_id]
-        if slot.busy:
-            raise EngineBusy(f"slot {slot_id} is processing")
-        await asyncio.get_running_loop().run_in_executor(self._infer, self.model.seq_clear, slot_id)
+    async def _on_erase(self, msg: Erase) -> None:
+        slot = self._require_idle(msg.slot, "processing")
+        await asyncio.get_running_loop().run_in_executor(self._infer, self.model.seq_clear, slot.id)
         slot.tokens, slot.tail, slot.state_size = [], [], 0
         self._publish()
 
-    # ------------------------------------------------------------------ configure and reload
-    async def _on_configure(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        c = tiers.classify(cfg)  # ConfigError propagates: whole request refused
-        new_params = None
-        if c.staged:
-            new_params = self.params.derive(c.staged, self.cfg.resolve_model)  # ValueError → refused
+    # ------------------------------------------------------------------ configure
+    async def _on_configure(self, msg: Configure) -> ConfigureOutcome:
+        c = tiers.classify(dict(msg.cfg))  # ConfigError propagates: whole request refused
+        new_params = self.params.derive(c.staged, self.cfg.resolve_model) if c.staged else None  # ValueError
         if c.t1:
             self.t1.update(c.t1)
-            self.generation += 1
+            self.generations.apply()
             self._publish()
-        out: dict[str, Any] = {
-            "success": True, "tier": c.tier, "params_applied": dict(c.t1),
-            "deferred_keys": list(dict.fromkeys(c.deferred_keys)),
-            "unrecognized_keys": c.unrecognized_keys, "rejected_keys": c.rejected_keys,
-        }
-        if "state_chunk_size" in c.t1:
-            out["state_chunk_size_applied"] = c.t1["state_chunk_size"]
-        if new_params is not None and new_params != self.params:
-            self._start_reload(new_params, c)
-            out["config_generation"] = self.reload.generation
-            out["reload"] = self.reload.state
-        else:
-            out["config_generation"] = self.generation
-            if new_params is not None:
-                out["deferred_keys"] = []
-                out["unchanged_keys"] = list(dict.fromkeys(c.deferred_keys))
-        return out
+        deferred = list(dict.fromkeys(c.deferred_keys))
+        common = dict(tier=c.tier, params_applied=dict(c.t1), unrecognized_keys=c.unrecognized_keys,
+                      rejected_keys=c.rejected_keys, state_chunk_size_applied=c.t1.get("state_chunk_size"))
+        if new_params is not None and (new_params != self.params or self.model is None):
+            ticket = self.reloader.request(new_params, c.tier, deferred)
+            return ConfigureOutcome(deferred_keys=deferred, config_generation=ticket.generation, params=new_params,
+                                    reload=self.reload.state, reload_ticket=ticket, **common)
+        if new_params is not None and self.reloader.pending:  # asks for what is live: the pending one is moot
+            self.reloader.cancel(f"superseded by a config asking for the live model ({', '.join(deferred)})")
+        return ConfigureOutcome(deferred_keys=[], config_generation=self.generation, params=self.params,
+                                unchanged_keys=deferred if new_params is not None else None, **common)
 
-    def _start_reload(self, params: ModelParams, c: tiers.Classified) -> None:
-        loop = asyncio.get_running_loop()
-        if self.reload.pending:
-            log.info("reload to generation %d superseded", self.reload.generation)
-            self._drop_shadow()
-        self._reload_token += 1
-        token = self._reload_token
-        self.reload = ReloadInfo(state="loading", generation=self.generation + 1, target=params.model_path,
-                                 tier=c.tier, started_at=time.time(), keys=list(dict.fromkeys(c.deferred_keys)))
-        self._shadow_params = params
-        loop.call_later(self.cfg.drain_timeout, lambda: self._mailbox.put_nowait(("drain_timeout", token, None)))
-        if self.cfg.reload_mode == "inplace":
-            self.reload.state = "draining"  # free first, load after: wait for in-flight work
-            return
-        self._build_shadow(token, params)
+    # ------------------------------------------------------------------ for the Reloader
+    def quiescent(self) -> bool:
+        return self.scheduler.quiescent()
 
-    def _build_shadow(self, token: int, params: ModelParams) -> None:
-        t0 = time.perf_counter()
-        fut = asyncio.get_running_loop().run_in_executor(self._loader, build_model, params)
+    def busy_slots(self) -> list[int]:
+        return self.scheduler.busy_slots()
 
-        def done(f: asyncio.Future) -> None:
-            self._mailbox.put_nowait(("shadow_done", (token, f, (time.perf_counter() - t0) * 1000), None))
-
-        fut.add_done_callback(done)
-
-    async def _on_shadow_done(self, arg) -> None:
-        token, fut, ms = arg
-        try:
-            model = fut.result()
-        except Exception as e:
-            if token == self._reload_token and self.reload.pending:
-                self.reload.state, self.reload.error, self.reload.load_ms = "failed", str(e), ms
-                log.warning("reload failed, still serving generation %d: %s", self.generation, e)
-                self._wake_reload_waiters()
-                if self.model is None:  # inplace mode lost its model: restore the old one
-                    await self._restore_after_inplace_failure()
-            return
-        if token != self._reload_token or not self.reload.pending:
-            await asyncio.get_running_loop().run_in_executor(self._loader, model.close)  # stale
-            return
-        self.reload.load_ms = ms
-        if self.cfg.reload_mode == "inplace":
-            self._swap_in(model, self._shadow_params)
-            return
-        self._shadow = model
-        self.reload.state = "draining"
-
-    async def _on_drain_timeout(self, token: int) -> None:
-        if token != self._reload_token or not self.reload.pending:
-            return
-        busy = [r.slot.id for r in self._running.values()]
-        self.reload.state = "dropped"
-        self.reload.error = (f"drain timeout of {self.cfg.drain_timeout:g}s passed with slots {busy} still "
-                             f"busy; pending config dropped")
-        log.warning(self.reload.error)
-        self._drop_shadow()
-        self._wake_reload_waiters()
-        for slot in self.slots:
-            self._start_next(slot)
-
-    def _drop_shadow(self) -> None:
-        if self._shadow is not None:
-            m, self._shadow = self._shadow, None
-            self._loader.submit(m.close)
-
-    async def _maybe_swap(self) -> None:
-        if self.reload.state != "draining" or self._running or any(s.transferring for s in self.slots):
-            return
-        loop = asyncio.get_running_loop()
-        if self.cfg.reload_mode == "inplace":
-            if self.model is not None:
-                old, self.model = self.model, None
-                self.reload.state = "loading"
-                await loop.run_in_executor(self._loader, old.close)
-                self._build_shadow(self._reload_token, self._shadow_params)
-            return
-        if self._shadow is None:
-            return
-        model, self._shadow = self._shadow, None
-        old = self.model
-        self._swap_in(model, self._shadow_params)
-        if old is not None:
-            self._loader.submit(old.close)  # freed off-loop
-
-    def _swap_in(self, model: LoadedModel, params: ModelParams) -> None:
-        t0 = time.perf_counter()
-        self.model = model
-        self.params = params
-        self.generation = self.reload.generation
-        self.identity = self._identity_of(model)
-        self._state_buf.clear()
-        for slot in self.slots:  # a new context holds no sequences
-            slot.tokens, slot.tail, slot.state_size = [], [], 0
-        self.reload.state = "swapped"
-        self.reload.swap_ms = (time.perf_counter() - t0) * 1000
-        log.info("swapped to config generation %d (%s) after %.0f ms load", self.generation,
-                 self.identity.get("model_name"), self.reload.load_ms)
+    def install(self, model: ModelBackend | None, params: ModelParams) -> ModelBackend | None:
+        """Make ``model`` (None: none, during an in-place reload) the live one; returns the old one."""
+        old, self.model, self.params = self.model, model, params
+        if model is not None:
+            self.identity = ModelIdentity.of(model.identity, model.n_vocab)
+            self._state_buf.clear()
+            for slot in self.slots:  # a new context holds no sequences
+                slot.tokens, slot.tail, slot.state_size = [], [], 0
         self._publish()
-        self._wake_reload_waiters()
-        for slot in self.slots:
-            self._start_next(slot)
+        return old
 
-    async def _restore_after_inplace_failure(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            self.model = await loop.run_in_executor(self._loader, build_model, self.params)
-        except Exception as e:  # nothing left to serve with
-            self.startup_stage, self.startup_error = "failed", f"could not restore the old model: {e}"
-            return
-        for slot in self.slots:
-            slot.tokens, slot.tail = [], []
-            self._start_next(slot)
+    def admit_queued(self) -> None:
+        self.scheduler.admit_queued(self._serving())
 
-    def _wake_reload_waiters(self) -> None:
-        waiters, self._reload_waiters = self._reload_waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
+    def lost_model(self, error: str) -> None:
+        self.startup_stage, self.startup_error = "failed", error
+        self.scheduler.stop_all(EngineUnavailable(error), self._serving())

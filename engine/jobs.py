@@ -4,9 +4,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-from .llama_backend import SamplerParams
+from .sampling import SamplerParams
+
+if TYPE_CHECKING:
+    from .model_params import ModelParams
+    from .status import ModelIdentity
 
 _job_ids = itertools.count(1)
 
@@ -20,7 +24,16 @@ class EngineBusy(Exception):
 
 
 class EngineUnavailable(Exception):
-    """No model is loaded (first load failed or in progress)."""
+    """No model is loaded (first load failed or in progress). Maps to ERROR / HTTP 503."""
+
+
+class ReloadFailed(EngineUnavailable):
+    """The reload a request asked for (a model alias, a ``hydra_config``) did not happen:
+    its build failed, the drain timeout passed, or a newer config replaced it."""
+
+
+class ModelChanged(EngineUnavailable):
+    """The model config a request named was swapped out before the request ran."""
 
 
 class BadInput(ValueError):
@@ -42,7 +55,7 @@ class GenResult:
     tokens_generated: int
     stop_reason: str  # eos | length | stop | ctx_full | cancelled | none (prefill only)
     config_generation: int
-    identity: dict[str, Any]
+    identity: ModelIdentity
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     cached_tokens: int = 0
@@ -73,10 +86,12 @@ class GenJob:
     stop: list[str] = field(default_factory=list)
     capture_state: bool = False
     want_logprobs: bool = False
+    # Serve only on this model config (a request that named a model or a config); if another
+    # one is live when the job is admitted, it fails with ModelChanged. None: whatever is live.
+    params: ModelParams | None = None
     id: int = field(default_factory=lambda: next(_job_ids))
     # runtime, owned by the actor / inference thread
     cancelled: bool = False
-    started: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: asyncio.Future | None = None
 

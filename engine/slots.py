@@ -3,7 +3,7 @@
 A ``Slot`` is owned by the engine actor (and, during a step, by the inference
 thread the actor is awaiting — never both at once). A ``SlotSnapshot`` is an
 immutable copy published after every step; STATE_META, INFO, ``/slots`` read
-snapshots and never wait for the actor.
+snapshots and never wait for the actor (the wire layer shapes them into JSON).
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from .status import ModelIdentity
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,31 +28,12 @@ class SlotSnapshot:
     elapsed_ms: float
     config_generation: int
     queued: int
-    identity: dict[str, Any]
+    identity: ModelIdentity
+    job_id: int | None  # the generation job running here
 
     @property
     def progress(self) -> float:
         return (self.tokens_processed / self.tokens_total) if self.tokens_total else 0.0
-
-    def meta(self, requested_id: int | None = None) -> dict[str, Any]:
-        """STATE_META meta: reference §4.3 keys, the progress fields, config_generation."""
-        out: dict[str, Any] = {
-            "slot_id": self.slot_id if requested_id is None else requested_id,
-            "n_past": self.n_past,
-            "state_size": self.state_size,
-            "is_processing": self.is_processing,
-            "is_transferring": self.is_transferring,
-        }
-        out.update({k: v for k, v in self.identity.items() if v not in ("", 0, None)})
-        out.update({
-            "operation": self.operation,
-            "tokens_processed": self.tokens_processed,
-            "tokens_total": self.tokens_total,
-            "progress": round(self.progress, 6),
-            "elapsed_ms": round(self.elapsed_ms, 3),
-            "config_generation": self.config_generation,
-        })
-        return out
 
 
 @dataclass
@@ -88,7 +71,7 @@ class Slot:
         self.operation = "idle"
         self.job = None
 
-    def snapshot(self, generation: int, identity: dict[str, Any]) -> SlotSnapshot:
+    def snapshot(self, generation: int, identity: ModelIdentity) -> SlotSnapshot:
         busy = self.operation != "idle"
         return SlotSnapshot(
             slot_id=self.id,
@@ -103,4 +86,5 @@ class Slot:
             config_generation=self.generation if self.tokens else generation,
             queued=len(self.queue),
             identity=identity,
+            job_id=self.job.id if self.job is not None else None,
         )

@@ -12,12 +12,12 @@ while a step is in flight (it is awaiting the step), so there is one owner at a 
 """
 from __future__ import annotations
 
-import codecs
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from .backend import BatchItem, ModelBackend
 from .jobs import BadInput, GenJob, TokenEvent
-from .llama_backend import BatchItem, LoadedModel, Sampler
 from .slots import Slot
 
 
@@ -27,7 +27,7 @@ class Running:
     slot: Slot
     generation: int
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
-    sampler: Sampler | None = None
+    sampler: Any = None  # the backend's sampler handle while the job generates
     last: int | None = None  # sampled token to feed next
     n_generated: int = 0
     prompt_tokens: int = 0
@@ -42,7 +42,6 @@ class Running:
     state: bytes | None = None
     logits: bytes | None = None
     admitted: bool = False
-    _utf8: object = None
 
     @property
     def finished(self) -> bool:
@@ -61,7 +60,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def admit(model: LoadedModel, r: Running, n_ctx_slot: int) -> None:
+def admit(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
     """Tokenize the job's input and line its slot's KV cache up with it (inference thread)."""
     job, slot = r.job, r.slot
     r.t_start = time.perf_counter()
@@ -97,12 +96,11 @@ def admit(model: LoadedModel, r: Running, n_ctx_slot: int) -> None:
     r.cached_tokens = keep
     r.prompt_tokens = len(target)
     r.sampler = model.make_sampler(job.sampling) if job.n_predict > 0 else None
-    r._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     r.admitted = True
     slot.begin("prefill" if r.pending else "decode", len(r.pending) + job.n_predict)
 
 
-def _after_logits(model: LoadedModel, r: Running, n_ctx_slot: int) -> None:
+def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
     """The job's last fed token has logits: capture state and/or sample the next token."""
     job, slot = r.job, r.slot
     if not r.t_prefill_done:
@@ -115,9 +113,9 @@ def _after_logits(model: LoadedModel, r: Running, n_ctx_slot: int) -> None:
         r.stop_reason = r.stop_reason or ("none" if job.n_predict == 0 else "length")
         return
     if job.want_logprobs:
-        tok, lp = r.sampler.sample(model, slot.id, True)
+        tok, lp = model.sample(slot.id, r.sampler, True)
     else:
-        tok, lp = r.sampler.sample(model, slot.id), 0.0
+        tok, lp = model.sample(slot.id, r.sampler), 0.0
     r.n_generated += 1
     slot.tokens_processed += 1
     if model.is_eog(tok):
@@ -147,7 +145,7 @@ def _hit_stop(r: Running, stops: list[str]) -> bool:
     return any(s and s in tail for s in stops)
 
 
-def run_step(model: LoadedModel, running: list[Running], *, n_ctx_slot: int, token_budget: int,
+def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, token_budget: int,
              time_slice: float, max_iters: int = 256) -> None:
     """Advance every running job by one or more batched decodes (inference thread)."""
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""CONFIGURE key classification (reference §7), shared by CONFIGURE and PREFILL ``hydra_config``.
+"""CONFIGURE key classification, shared by CONFIGURE and PREFILL ``hydra_config`` (docs/protocol.md).
 
 T1  applied at once to the defaults of later requests.
 T2  needs a new context (same weights): ``n_ctx``, cache types, ``rope_*``.

@@ -28,10 +28,8 @@ class App:
     async def start(self) -> None:
         """HTTP first (so ``/health`` says 503 while the first model loads), then the
         engine, then the Hydra port."""
-        from engine.llama_backend import check_rpc_support
-
-        check_rpc_support()  # fail fast: a wheel built without GGML_RPC is a broken install
         self.engine = Engine(self.engine_cfg)
+        self.engine.check()  # fail fast, before any port is bound
         try:
             from .metrics import Metrics
         except ImportError:
@@ -43,9 +41,8 @@ class App:
 
             self.http = await start_http(self, self.http_host or self.server_cfg.host, self.http_port)
         await self.engine.start()
-        handlers = Handlers(self.engine)
-        dv3 = DecodeV3(self.engine, handlers._select_model)
-        handlers.decode_v3 = dv3.handle
+        dv3 = DecodeV3(self.engine)
+        handlers = Handlers(self.engine, decode_v3=dv3.handle)
         self.extras["decode_results"] = dv3.results
         self.server = HydraServer(self.server_cfg, handlers.table(),
                                   on_request=metrics.observe_request if metrics else None)

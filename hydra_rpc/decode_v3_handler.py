@@ -1,4 +1,4 @@
-"""Merged DECODE v3 (reference §4.7): validate every rule, read the whole payload,
+"""Merged DECODE v3 (docs/protocol.md): validate every rule, read the whole payload,
 restore the KV segment into the slot, reply, then generate in the background; the
 result is fetched over HTTP ``GET /v1/decode/{decode_request_id}``.
 
@@ -20,8 +20,10 @@ from engine.actor import Engine
 from engine.buffers import lazy_buffer
 from engine.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
+from engine.model_params import ModelParams
 
-from .handlers import BlobRejected, restore_kv_blob
+from .engine_meta import identity_meta
+from .handlers import BlobRejected, restore_kv_blob, select_model
 from .wire import Request, ResponseWriter
 
 CAP_NAMES = ["MTP", "VISION", "REASONING", "TOOL_USE", "CODE"]
@@ -49,10 +51,9 @@ def gate_a(kv_md: dict[str, Any], ident: dict[str, Any]) -> tuple[dict[str, Any]
 
 
 class DecodeV3:
-    def __init__(self, engine: Engine, select_model=None):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.results = DecodeResults()
-        self.select_model = select_model
         self._tasks: set[asyncio.Task] = set()
 
     async def handle(self, req: Request, resp: ResponseWriter, slot: int, first: bytes) -> None:
@@ -85,9 +86,8 @@ class DecodeV3:
                 return
             raise
         decode_id = self.results.next_id()
-        if self.select_model is not None and hdr.model:
-            await self.select_model(hdr.model, None)
-        match, valid, reason = gate_a(hdr.kv_metadata, self.engine.identity)
+        choice = await select_model(self.engine, hdr.model, None)
+        match, valid, reason = gate_a(hdr.kv_metadata, identity_meta(self.engine.identity))
         if not valid:
             await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id, "match": match,
                                            "reason": reason, "error_code": "CAP_MISMATCH"})
@@ -106,7 +106,7 @@ class DecodeV3:
                 return
         restore_ms = (time.perf_counter() - t0) * 1000
         n_past = self.engine.snapshot(slot).n_past
-        job = self._job(slot, prompt_obj)
+        job = self._job(slot, prompt_obj, choice.params)
         try:
             self.engine.submit(job)
         except EngineBusy as e:
@@ -122,18 +122,14 @@ class DecodeV3:
                                     "n_past_after_restore": n_past, "restore_slot_ms": round(restore_ms, 3),
                                     "config_generation": self.engine.generation})
 
-    def _job(self, slot: int, p: dict[str, Any]) -> GenJob:
-        sampling_in = dict(p.get("sampling") or {}) if isinstance(p.get("sampling"), dict) else {}
-        for k in ("temperature", "top_k", "top_p", "min_p", "seed"):
-            if k in p:
-                sampling_in.setdefault(k, p[k])
-        if "temp" in sampling_in:
-            sampling_in.setdefault("temperature", sampling_in["temp"])
+    def _job(self, slot: int, p: dict[str, Any], params: ModelParams | None) -> GenJob:
+        # the prompt's own sampling object wins over the generation keys merged into the prompt
+        fields = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed") if k in p}
+        if isinstance(p.get("sampling"), dict):
+            fields.update(p["sampling"])
         n_predict = p.get("n_predict", p.get("max_tokens", -1))
         if not isinstance(n_predict, int) or isinstance(n_predict, bool) or n_predict < 0:
-            n_predict = int(self.engine.t1.get("n_predict", -1))
-            if n_predict < 0:
-                n_predict = self.engine.n_ctx_slot
+            n_predict = self.engine.default_n_predict
         stop = p.get("stop") or []
         stop = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)]
         messages = p.get("messages")
@@ -141,7 +137,7 @@ class DecodeV3:
         if not isinstance(messages, list):
             messages = None
         return GenJob(slot, messages=messages, prompt=prompt, n_predict=n_predict,
-                      sampling=self.engine.sampler_params(sampling_in), stop=stop)
+                      sampling=self.engine.sampling_for(fields), stop=stop, params=params)
 
     async def _collect(self, entry: DecodeEntry) -> None:
         try:

@@ -21,9 +21,11 @@ from codec.kvblob import KvBlobLayout, encode_kv_blob_header, parse_kv_blob, spl
 from engine.actor import Engine
 from engine.buffers import LeasedBuffer
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
-from engine.llama_backend import SamplerParams
+from engine.sampling import GREEDY
+from engine.status import ModelChoice
 from engine.tiers import ConfigError
 
+from .engine_meta import configure_meta, identity_meta, info_meta, slot_meta
 from .keys import parse_slot_key
 from .wire import PeerGone, Request, ResponseWriter
 
@@ -31,9 +33,10 @@ KV_VERSION = 3
 
 
 class Handlers:
-    def __init__(self, engine: Engine, decode_v3=None):
+    def __init__(self, engine: Engine, decode_v3: Any = None):
         self.engine = engine
-        self.decode_v3 = decode_v3  # set by hydra_rpc.decode_v3_handler when available
+        # merged DECODE v3 frames go here: ``await decode_v3(req, resp, slot, first_bytes)``
+        self.decode_v3 = decode_v3
         self.put_buffer = LeasedBuffer()  # STATE_PUT payloads land here (resident, reused)
 
     def table(self) -> dict[int, Any]:
@@ -58,11 +61,11 @@ class Handlers:
     async def info(self, req: Request, resp: ResponseWriter) -> None:
         if req.key:
             self.slot(req)  # a given key must still name a slot
-        await resp.send(Status.OK, self.engine.info())
+        await resp.send(Status.OK, info_meta(self.engine.info()))
 
     async def state_meta(self, req: Request, resp: ResponseWriter) -> None:
         slot = self.slot(req)
-        await resp.send(Status.OK, self.engine.snapshot(slot).meta(slot))
+        await resp.send(Status.OK, slot_meta(self.engine.snapshot(slot), slot))
 
     # ---------------------------------------------------------------- state transfer
     async def state_get(self, req: Request, resp: ResponseWriter) -> None:
@@ -70,11 +73,11 @@ class Handlers:
         out = await self.engine.state_get(slot)
         try:
             head = encode_kv_blob_header(KV_VERSION, out.n_past, out.tokens)
-            meta = {"n_past": out.n_past, "state_size": len(out.state), **out.identity,
+            meta = {"n_past": out.n_past, "state_size": len(out.state), **identity_meta(out.identity),
                     "config_generation": out.config_generation}
             await resp.start(Status.OK, meta, len(head) + len(out.state))
             await resp.write(head)
-            await write_chunked(resp, out.state, self.engine.t1["state_chunk_size"])
+            await write_chunked(resp, out.state, self.engine.state_chunk_size)
             await resp.drain_all()  # the transport holds views of the buffer until sent
         finally:
             out.release()
@@ -91,14 +94,14 @@ class Handlers:
                 layout, consumed = await restore_kv_blob(self.engine, slot, buf)
             except BlobRejected as e:
                 await resp.send(Status.ERROR, {"error": str(e), "restored": False, "model_match": False,
-                                               **self.engine.wire_identity()})
+                                               **identity_meta(self.engine.identity)})
                 return
         finally:
             release()
         layout = split_logits_tail(layout, consumed, self.engine.n_vocab)
         snap = self.engine.snapshot(slot)
         await resp.send(Status.OK, {
-            "restored": True, "bytes": consumed, "model_match": True, **self.engine.wire_identity(),
+            "restored": True, "bytes": consumed, "model_match": True, **identity_meta(self.engine.identity),
             "n_past": snap.n_past, "blob_version": layout.header.version,
             "logits_tail": layout.logits_offset is not None,
             "restore_ms": round((time.perf_counter() - t0) * 1000, 3),
@@ -117,7 +120,7 @@ class Handlers:
         except (ConfigError, ValueError) as e:
             await resp.send(Status.ERROR, {"success": False, "error": f"CONFIGURE: {e}"})
             return
-        await resp.send(Status.OK, out)
+        await resp.send(Status.OK, configure_meta(out))
 
     async def set_expert_mode(self, req: Request, resp: ResponseWriter) -> None:
         self.slot(req)
@@ -126,13 +129,12 @@ class Handlers:
         except MalformedPayload as e:
             await resp.send(Status.ERROR, {"success": False, "error": str(e)})
             return
-        meta: dict[str, Any] = {"success": True, "mode": "solo"}
-        if m.mode == "combined":
+        meta: dict[str, Any] = {"success": True, "mode": self.engine.set_expert_mode(m.mode)}
+        if m.mode == "combined" and meta["mode"] != "combined":
             # No combined head/peer exists in this engine: the mode in effect stays solo,
             # and we say so (clients treat mode == "solo" as not combined).
             meta.update(requested="combined", peer_connected=False,
                         reason="no combined peer configured; staying solo")
-        self.engine.expert_mode = "solo"
         await resp.send(Status.OK, meta)
 
     async def swap_quant(self, req: Request, resp: ResponseWriter) -> None:
@@ -141,12 +143,12 @@ class Handlers:
         except MalformedPayload as e:
             await resp.send(Status.ERROR, {"success": False, "error": str(e)})
             return
-        aliases = self.engine.cfg.aliases
+        aliases = list(self.engine.aliases)
         if sq.qk not in aliases:
             await resp.send(Status.NOT_IMPLEMENTED, {
                 "success": False,
                 "error": f"SWAP_QUANT: quant key {sq.qk!r} is not a known model alias "
-                         f"({sorted(aliases) or 'none configured'}); per-tensor quant swaps are not supported"})
+                         f"({aliases or 'none configured'}); per-tensor quant swaps are not supported"})
             return
         if sq.pattern not in ("", "*", ".*", ".+", "^.*$"):
             await resp.send(Status.NOT_IMPLEMENTED, {
@@ -154,10 +156,10 @@ class Handlers:
                 "error": f"SWAP_QUANT: tensor pattern {sq.pattern!r} covers part of the model; only a whole-model "
                          f"swap (empty or '.*' pattern) is supported"})
             return
-        out = await self.engine.configure({"model_path": aliases[sq.qk]})
-        await resp.send(Status.OK, {"success": True, "swapped": bool(out.get("deferred_keys")),
-                                    "quant": sq.qk, "reload": self.engine.reload.state,
-                                    "config_generation": out["config_generation"]})
+        out = await self.engine.swap_model(sq.qk)
+        await resp.send(Status.OK, {"success": True, "swapped": bool(out.deferred_keys),
+                                    "quant": sq.qk, "reload": (out.reload or self.engine.reload.state).value,
+                                    "config_generation": out.config_generation})
 
     async def pipeline_attach(self, req: Request, resp: ResponseWriter) -> None:
         parse_slot_key(req.key, Op.STATE_META, self.engine.n_slots)  # numeric key, as the C++
@@ -179,14 +181,14 @@ class Handlers:
             await resp.send(Status.OK, {"n_past": res.n_past, "config_generation": res.config_generation})
             return
         body = P.parse_prefill_json(payload)
-        model_fallback, load_ms = await self._select_model(body.get("model"), body.get("hydra_config"))
+        choice = await select_model(self.engine, body.get("model"), body.get("hydra_config"))
         messages, prompt = body.get("messages"), body.get("prompt")
         if messages is None and not isinstance(prompt, str):
             raise MalformedPayload("PREFILL needs 'messages' (array) or 'prompt' (string)", rule="prefill.input")
         if messages is not None and not isinstance(messages, list):
             raise MalformedPayload("messages must be an array", rule="prefill.messages")
         job = GenJob(slot, messages=messages, prompt=None if messages is not None else prompt, n_predict=0,
-                     capture_state=True)
+                     capture_state=True, params=choice.params)
         res = await run_job(req, self.engine, job)
         state, logits = res.state or b"", res.logits or b""
         head = encode_kv_blob_header(KV_VERSION, res.n_past, res.tokens)
@@ -194,43 +196,18 @@ class Handlers:
         h.update(state)
         h.update(logits)
         meta: dict[str, Any] = {"n_past": res.n_past, "state_size": len(state), "logits_size": len(logits),
-                                **res.identity, "model_fallback": model_fallback}
+                                **identity_meta(res.identity), "model_fallback": choice.fallback}
         if res.prefill_ms > 0:
             meta["prefill_ms"] = round(res.prefill_ms, 3)
-        if load_ms > 0:
-            meta["model_load_ms"] = round(load_ms, 3)
+        if choice.load_ms > 0:
+            meta["model_load_ms"] = round(choice.load_ms, 3)
         meta.update(kv_hash_str=h.kv_hash_str(), tokens_processed=res.prompt_tokens - res.cached_tokens,
                     prompt_tokens=res.prompt_tokens, cache_tokens=res.cached_tokens,
                     config_generation=res.config_generation)
         await resp.start(Status.OK, meta, len(head) + len(state) + len(logits))
         await resp.write(head)
-        await write_chunked(resp, state, self.engine.t1["state_chunk_size"])
+        await write_chunked(resp, state, self.engine.state_chunk_size)
         await resp.write(logits)
-
-    async def _select_model(self, alias: Any, hydra_config: Any) -> tuple[bool, float]:
-        """PREFILL ``model`` / ``hydra_config``: returns (model_fallback, model_load_ms)."""
-        eng = self.engine
-        fallback, staged = False, {}
-        if isinstance(alias, str) and alias:
-            path = eng.cfg.aliases.get(alias)
-            if path is None:
-                fallback = alias not in (eng.identity.get("model_name"), eng.identity.get("model_alias"))
-            elif str(eng.cfg.resolve_model(path)) != eng.params.model_path:
-                staged["model_path"] = path
-        if hydra_config is not None:
-            if not isinstance(hydra_config, dict):
-                raise MalformedPayload("hydra_config must be an object", rule="prefill.hydra_config")
-            staged.update(hydra_config)
-        if not staged:
-            return fallback, 0.0
-        try:
-            out = await eng.configure(staged)
-        except (ConfigError, ValueError) as e:
-            raise MalformedPayload(f"hydra_config: {e}", rule="prefill.hydra_config") from None
-        if out.get("deferred_keys"):
-            await eng.wait_reload(out["config_generation"])
-            return fallback, eng.reload.load_ms
-        return fallback, 0.0
 
     # ---------------------------------------------------------------- decode
     async def decode(self, req: Request, resp: ResponseWriter) -> None:
@@ -249,8 +226,7 @@ class Handlers:
         dialect = decode_dialect(payload)
         if dialect is Dialect.DECODE_E1:
             n_predict, tokens = P.decode_e1_decode(payload)
-            job = GenJob(slot, tokens=tokens, append=True, n_predict=max(0, n_predict),
-                         sampling=SamplerParams(temperature=0))
+            job = GenJob(slot, tokens=tokens, append=True, n_predict=max(0, n_predict), sampling=GREEDY)
             res = await run_job(req, self.engine, job)
             await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
                                         "stop_reason": "complete", "config_generation": res.config_generation},
@@ -260,7 +236,7 @@ class Handlers:
             raise MalformedPayload("DECODE payload is neither a v3 frame, JSON nor E1 tokens", rule="decode.dialect")
         d = P.parse_json_decode(payload)
         # PIN decodes greedily (top_k 1, temp 0); a request may ask for sampling explicitly.
-        sampling = self.engine.sampler_params(d.body) if "temperature" in d.body else SamplerParams(temperature=0)
+        sampling = self.engine.sampling_for(d.body) if "temperature" in d.body else GREEDY
         job = GenJob(slot, messages=d.messages, append=d.messages is None, n_predict=d.n_predict,
                      sampling=sampling, want_logprobs=dialect is Dialect.DECODE_SPEC)
         if dialect is Dialect.DECODE_SPEC:
@@ -278,6 +254,16 @@ class Handlers:
                             bytes(frames))
             return
         await stream_pin(req, resp, self.engine, job)
+
+
+async def select_model(engine: Engine, alias: Any, hydra_config: Any) -> ModelChoice:
+    """PREFILL ``model`` / ``hydra_config`` and DECODE v3 ``model``: see ``Engine.select_model``."""
+    if hydra_config is not None and not isinstance(hydra_config, dict):
+        raise MalformedPayload("hydra_config must be an object", rule="prefill.hydra_config")
+    try:
+        return await engine.select_model(alias if isinstance(alias, str) else None, hydra_config)
+    except (ConfigError, ValueError) as e:
+        raise MalformedPayload(f"hydra_config: {e}", rule="prefill.hydra_config") from None
 
 
 class BlobRejected(Exception):

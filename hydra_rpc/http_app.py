@@ -20,6 +20,7 @@ Every failure is a JSON error object with a real status; a bug in a handler beco
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -29,9 +30,9 @@ from typing import Any
 from aiohttp import web
 
 from codec.limits import HYDRA_MAX_PROMPT_BYTES
-from engine.actor import ENGINE_NAME, ENGINE_VERSION
 from engine.jobs import EngineBusy
 
+from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_meta
 from .http_openai import (
     FINISH_REASON,
     ApiError,
@@ -217,17 +218,17 @@ class Routes:
         eng = self.engine
         server = self.app.server
         stage = eng.startup_stage if eng is not None else "init"
-        ready = stage == "ready" and eng.model is not None
+        ready = eng is not None and eng.ready
         body: dict[str, Any] = {
             "status": "ok" if ready else ("error" if stage == "failed" else "loading"),
             "startup_stage": stage,
             "has_model": ready,
-            "model_name": (eng.identity.get("model_name") or "") if eng is not None else "",
+            "model_name": eng.identity.model_name if eng is not None else "",
             "rpc_active": server is not None and bool(server.sockets),
         }
         if eng is not None:
             body["config_generation"] = eng.generation
-            body["reload"] = eng.reload.state
+            body["reload"] = eng.reload.state.value
             if stage == "failed":
                 body["error"] = eng.startup_error
         return json_response(body, status=200 if ready else 503,
@@ -242,17 +243,12 @@ class Routes:
     async def models(self, request: web.Request) -> web.Response:
         eng = self.engine
         require_ready(eng)
-        ident = eng.identity
-        resident = ident.get("model_alias") or ident.get("model_name") or "hydra-rpc"
-        meta = {k: v for k, v in ident.items() if k != "model_path"}
+        resident = eng.identity.display_name
+        meta = {k: v for k, v in dataclasses.asdict(eng.identity).items() if k != "model_path"}
         data = [{"id": resident, "object": "model", "created": 0, "owned_by": "hydra-rpc", "resident": True,
                  "meta": {**meta, "n_ctx_slot": eng.n_ctx_slot, "n_slots": eng.n_slots,
                           "config_generation": eng.generation}}]
-        for alias, path in sorted(eng.cfg.aliases.items()):
-            try:
-                here = str(eng.cfg.resolve_model(path)) == eng.params.model_path
-            except Exception:
-                here = False
+        for alias, here in eng.model_aliases().items():
             if alias != resident:
                 data.append({"id": alias, "object": "model", "created": 0, "owned_by": "hydra-rpc",
                              "resident": here})
@@ -269,13 +265,13 @@ class Routes:
         out = []
         for s in eng.snapshots:
             entry = {"id": s.slot_id, "n_ctx": eng.n_ctx_slot, "queued": s.queued}
-            entry.update(s.meta())
+            entry.update(slot_meta(s))
             out.append(entry)
         return json_response(out)
 
     async def slot_meta(self, request: web.Request) -> web.Response:
         slot = _slot_of(request, self.engine)
-        return json_response(self.engine.snapshot(slot).meta(slot))
+        return json_response(slot_meta(self.engine.snapshot(slot), slot))
 
     async def slot_action(self, request: web.Request) -> web.Response:
         eng = self.engine
@@ -339,7 +335,7 @@ class Routes:
             return json_response({**error_body(status, f"merged DECODE {entry.id} {entry.state}: {msg}"), **base,
                                   "status": entry.state}, status=status)
         eng = self.engine
-        model = entry.model or (eng.identity.get("model_alias") or eng.identity.get("model_name") or "")
+        model = entry.model or (eng.identity.model_alias or eng.identity.model_name)
         text, hit = cut_at_stop(res.text.decode("utf-8", "replace"), entry.job.stop)
         finish = "stop" if hit else FINISH_REASON.get(res.stop_reason)
         created = int(time.time() - (time.monotonic() - entry.created))
@@ -355,8 +351,8 @@ class Routes:
         # merged DECODE. The slot snapshot adds the phase when this job is the one running.
         out: dict[str, Any] = {"tokens_generated": entry.job.events.qsize(), "operation": "queued"}
         eng = self.engine
-        if eng is not None and 0 <= entry.slot < eng.n_slots and eng.slots[entry.slot].job is entry.job:
-            snap = eng.snapshot(entry.slot)
+        snap = eng.snapshot(entry.slot) if eng is not None and 0 <= entry.slot < eng.n_slots else None
+        if snap is not None and snap.job_id == entry.job.id:
             out.update(operation=snap.operation, n_past=snap.n_past, tokens_processed=snap.tokens_processed,
                        tokens_total=snap.tokens_total, progress=round(snap.progress, 6))
         return out

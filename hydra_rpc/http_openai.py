@@ -22,7 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult, ReloadFailed
+from engine.status import ModelChoice
 from engine.tiers import ConfigError
 
 # engine stop_reason → OpenAI finish_reason ("none" is a zero-token request; cancelled has none)
@@ -218,18 +219,7 @@ def _max_tokens(body: dict[str, Any], engine: Any) -> int:
         if v >= 0:
             return v
     # No limit given: the T1 default, else up to the slot's context (the engine stops at ctx_full).
-    default = int(engine.t1.get("n_predict", -1))
-    return default if default >= 0 else engine.n_ctx_slot
-
-
-def sampling_of(engine: Any, fields: dict[str, Any]) -> Any:
-    """T1 defaults + the request's fields; OpenAI's penalties map onto llama.cpp's."""
-    p = engine.sampler_params(fields)
-    if "frequency_penalty" in fields:
-        p.penalty_freq = float(fields["frequency_penalty"])
-    if "presence_penalty" in fields:
-        p.penalty_present = float(fields["presence_penalty"])
-    return p
+    return engine.default_n_predict
 
 
 def choose_slot(engine: Any) -> int:
@@ -246,24 +236,16 @@ def choose_slot(engine: Any) -> int:
     return min(snaps, key=lambda s: (s.queued, s.is_transferring, s.slot_id)).slot_id
 
 
-async def select_model(engine: Any, requested: str | None) -> str:
-    """The ``model`` field, like PREFILL's: a configured alias of another file swaps the model
-    (shadow reload, then this request runs on it); any other name is served by the resident
-    model, as llama-server does. Returns the name to report."""
-    resident = engine.identity.get("model_alias") or engine.identity.get("model_name") or "hydra-rpc"
-    path = engine.cfg.aliases.get(requested) if requested else None
-    if path is None:
-        return resident
+async def select_model(engine: Any, requested: str | None) -> ModelChoice:
+    """The ``model`` field, like PREFILL's (see ``Engine.select_model``): a configured alias of
+    another file swaps the model and the request runs on it; any other name is served by the
+    resident model, as llama-server does."""
     try:
-        if str(engine.cfg.resolve_model(path)) != engine.params.model_path:
-            out = await engine.configure({"model_path": path})
-            if out.get("deferred_keys"):
-                await engine.wait_reload(out["config_generation"])
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+        return await engine.select_model(requested)
+    except (ConfigError, ValueError) as e:
         raise ApiError(400, f"model {requested!r}: {e}", param="model") from None
-    except RuntimeError as e:  # the reload failed or was dropped; the old model still serves
+    except ReloadFailed as e:  # the reload failed or was dropped; the old model still serves
         raise ApiError(503, f"model {requested!r} could not be loaded: {e}", param="model") from None
-    return requested
 
 
 # ---------------------------------------------------------------- stop sequences
@@ -394,10 +376,11 @@ class OpenAIRoutes:
         engine = self.app.engine
         require_ready(engine)
         creq = parse_completion_request(await read_json_object(request, self.max_body), kind, engine)
-        model = await select_model(engine, creq.model)
+        choice = await select_model(engine, creq.model)
+        model = choice.name
         slot = creq.slot if creq.slot is not None else choose_slot(engine)
         job = GenJob(slot, messages=creq.messages, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict,
-                     sampling=sampling_of(engine, creq.sampling), stop=creq.stop)
+                     sampling=engine.sampling_for(creq.sampling), stop=creq.stop, params=choice.params)
         try:
             engine.submit(job)
         except (EngineBusy, BadInput, EngineUnavailable) as e:

@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_app(args: argparse.Namespace):
     from engine.actor import EngineConfig
     from engine.model_files import resolve_model
-    from engine.reload import ModelParams
+    from engine.model_params import ModelParams
 
     from .app import App
 

@@ -11,7 +11,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.actor import Engine, EngineConfig
-from engine.reload import ModelParams
+from engine.model_params import ModelParams
 from hydra_rpc.app import App
 from hydra_rpc.config import ServerConfig
 from hydra_rpc.http_app import start_http

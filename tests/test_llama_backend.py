@@ -1,4 +1,4 @@
-"""engine/llama_backend.py on the generated tiny model (no RPC here)."""
+"""engine/llama_backend on the generated tiny model (no RPC here)."""
 from __future__ import annotations
 
 import os
@@ -17,9 +17,10 @@ from engine.llama_backend import (
     SamplerParams,
     StateError,
     check_rpc_support,
-    make_inference_executor,
     make_sampler,
 )
+from engine.executors import make_inference_executor
+from engine.llama_backend.chat_template import ChatTemplate
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 GREEDY = SamplerParams(temperature=0.0)
@@ -125,19 +126,19 @@ def test_chat_template(m: LoadedModel) -> None:
     assert toks[0] == m.bos and toks[1] != m.bos
 
 
-def test_chat_fallbacks(tiny_model_path: str) -> None:
-    with LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=1) as x:
-        x._template_src = None  # pretend the GGUF has no template
-        msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                {"role": "assistant", "content": "yo"}]
-        assert x.chat_format == "generic"
-        assert x.apply_chat_template(msgs) == "<|system|>\nsys\n<|user|>\nhi\n<|assistant|>\nyo\n<|assistant|>\n"
-        x._identity["architecture"] = "gemma3"
-        assert x.chat_format == "gemma"
-        assert x.apply_chat_template(msgs) == (
-            "<start_of_turn>user\nsys\n\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
-            "<start_of_turn>model\n"
-        )
+def test_chat_fallbacks() -> None:
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "yo"}]
+    generic = ChatTemplate(None, "llama")  # a GGUF without a template
+    assert generic.format == "generic"
+    assert generic.render(msgs, True, bos_token="", eos_token="") == (
+        "<|system|>\nsys\n<|user|>\nhi\n<|assistant|>\nyo\n<|assistant|>\n")
+    gemma = ChatTemplate(None, "gemma3")
+    assert gemma.format == "gemma"
+    assert gemma.render(msgs, True, bos_token="", eos_token="") == (
+        "<start_of_turn>user\nsys\n\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
 
 
 def test_greedy_deterministic(m: LoadedModel) -> None:

@@ -6,8 +6,8 @@ thread. Together with ``--reload-mode inplace`` (free the old model first, load 
 slot is idle) this is the C++ behaviour of docs/protocol.md §6.5: the reload waits for idle
 slots, then nothing on any connection is answered until the new model is loaded.
 
-It replaces one private method of the engine actor (``Engine._build_shadow``), so it breaks
-loudly if the actor changes shape; it is never used outside ``hydra-rpc bench``.
+It replaces one private method of the engine's reloader (``Reloader._build``), so it breaks
+loudly if the reloader changes shape; it is never used outside ``hydra-rpc bench``.
 """
 from __future__ import annotations
 
@@ -17,22 +17,21 @@ import time
 
 
 def _install() -> None:
-    from engine import actor
-    from engine.reload import build_model
+    from engine import reloader
 
-    if not hasattr(actor.Engine, "_build_shadow"):
-        raise SystemExit("blocking_server: engine.actor.Engine has no _build_shadow any more; update the emulation")
+    if not hasattr(reloader.Reloader, "_build"):
+        raise SystemExit("blocking_server: engine.reloader.Reloader has no _build any more; update the emulation")
 
-    def build_on_loop(self, token, params) -> None:
+    def build_on_loop(self, ticket) -> None:
         t0 = time.perf_counter()
         fut = asyncio.get_running_loop().create_future()
         try:
-            fut.set_result(build_model(params))  # blocks the event loop: the point of this baseline
+            fut.set_result(self.factory.build(ticket.params))  # blocks the event loop: the point of this baseline
         except Exception as e:
             fut.set_exception(e)
-        self._mailbox.put_nowait(("shadow_done", (token, fut, (time.perf_counter() - t0) * 1000), None))
+        self.host.post(reloader.BuildDone(ticket, fut, (time.perf_counter() - t0) * 1000))
 
-    actor.Engine._build_shadow = build_on_loop
+    reloader.Reloader._build = build_on_loop
 
 
 def main(argv: list[str]) -> int:

@@ -1,11 +1,9 @@
-"""Model parameters, building a (shadow) model off the event loop, and reload bookkeeping."""
+"""What a model is built from (``ModelParams``), and how a staged CONFIGURE derives new ones."""
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
-from .llama_backend import LoadedModel
 from .tiers import T4_CTX_PARAMS, T4_MODEL_PARAMS, model_path_of
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -13,7 +11,10 @@ CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "
 
 @dataclass(frozen=True)
 class ModelParams:
-    """Everything needed to build a LoadedModel; a staged CONFIGURE derives a new one."""
+    """Everything a backend factory needs to build a model; a staged CONFIGURE derives a new one.
+
+    Frozen and compared by value: a reload is needed exactly when the derived params differ.
+    """
 
     model_path: str
     n_ctx_slot: int = 4096
@@ -25,18 +26,14 @@ class ModelParams:
     ctx_params: tuple[tuple[str, Any], ...] = ()
     model_params: tuple[tuple[str, Any], ...] = ()
 
-    def derive(self, staged: dict[str, Any], resolve_model) -> "ModelParams":
+    def derive(self, staged: dict[str, Any], resolve_model: Callable[[str], Any]) -> "ModelParams":
         """Apply staged T2/T3/T4 keys. Raises ValueError for values of the wrong type."""
         p = self
         ctx = dict(self.ctx_params)
         mp = dict(self.model_params)
         path = model_path_of(staged)
         if path is not None:
-            try:
-                path = str(resolve_model(path))
-            except (OSError, ValueError):
-                pass  # reported by the (failing) build, as a failed reload — not here
-            p = replace(p, model_path=path)
+            p = replace(p, model_path=resolve_path(resolve_model, path))
         for key, v in staged.items():
             if key == "n_ctx":
                 if not isinstance(v, int) or isinstance(v, bool) or v < 16:
@@ -77,39 +74,10 @@ class ModelParams:
         return replace(p, ctx_params=tuple(sorted(ctx.items())), model_params=tuple(sorted(mp.items())))
 
 
-def build_model(p: ModelParams) -> LoadedModel:
-    """Load weights and create the context (loader thread; blocking)."""
-    if p.rpc_servers:
-        from .ggml_rpc_lib import register_rpc_server
-
-        for ep in p.rpc_servers:
-            register_rpc_server(ep)
-    return LoadedModel(p.model_path, n_ctx=p.n_ctx_slot * p.n_slots, n_seq_max=p.n_slots, n_batch=p.n_batch,
-                       n_threads=p.n_threads, n_gpu_layers=p.n_gpu_layers,
-                       extra_model_params=dict(p.model_params) or None,
-                       extra_ctx_params=dict(p.ctx_params) or None)
-
-
-@dataclass
-class ReloadInfo:
-    """What INFO reports under ``reload`` (the C++ reports nothing)."""
-
-    state: str = "idle"  # idle | loading | draining | swapped | failed | dropped
-    generation: int = 0  # the config generation the reload will produce
-    target: str = ""
-    tier: str = ""
-    error: str = ""
-    started_at: float = 0.0
-    load_ms: float = 0.0
-    swap_ms: float = 0.0
-    keys: list[str] = field(default_factory=list)
-
-    @property
-    def pending(self) -> bool:
-        return self.state in ("loading", "draining")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"state": self.state, "generation": self.generation, "target": self.target, "tier": self.tier,
-                "error": self.error, "started_at": self.started_at, "load_ms": round(self.load_ms, 3),
-                "swap_ms": round(self.swap_ms, 3), "keys": list(self.keys),
-                "pending_for_ms": round((time.time() - self.started_at) * 1000, 1) if self.pending else 0}
+def resolve_path(resolve_model: Callable[[str], Any], spec: str) -> str:
+    """A model name or path → the file to load. A name that does not resolve is kept as it is:
+    the build then fails and the reload reports it (a failed reload, not a refused request)."""
+    try:
+        return str(resolve_model(spec))
+    except (OSError, ValueError):
+        return spec

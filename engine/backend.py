@@ -1,0 +1,116 @@
+"""What the engine needs from a model: the ``ModelBackend`` protocol and how one is built.
+
+``LoadedModel`` (llama.cpp, ``engine.llama_backend``) is the production backend; tests add a
+scripted one. The actor and the stepper only ever call what is declared here, always from
+one thread at a time (the inference thread, or the loader thread while building).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from .sampling import SamplerParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .model_params import ModelParams
+
+
+@dataclass(slots=True)
+class BatchItem:
+    """Tokens of one sequence for one ``decode`` step.
+
+    ``pos0`` is the position of the first token (= ``seq_pos_max(seq) + 1`` for a
+    continuation). With ``logits_last`` the logits of the last token are computed and can
+    be read with ``logits`` / sampled with ``sample``.
+    """
+
+    seq: int
+    tokens: Sequence[int]
+    pos0: int
+    logits_last: bool = True
+
+
+class ModelBackend(Protocol):
+    """One model with one context of ``n_seq_max`` sequences (the engine's slots).
+
+    ``identity`` holds at least model_path, model_name, tokenizer, model_quant and
+    model_capabilities (the keys the wire reports).
+    """
+
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def n_batch(self) -> int: ...
+    @property
+    def bos(self) -> int: ...
+    @property
+    def identity(self) -> dict[str, Any]: ...
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def token_to_piece(self, tok: int, special: bool = False) -> bytes: ...
+    def is_eog(self, tok: int) -> bool: ...
+
+    def decode(self, items: Sequence[BatchItem]) -> None: ...
+    def logits(self, seq: int) -> "np.ndarray": ...
+    def make_sampler(self, params: SamplerParams | None = None) -> Any:
+        """A sampler handle for ``sample``; the engine calls its ``free()`` when the job ends."""
+    def sample(self, seq: int, sampler: Any, want_logprob: bool = False) -> Any:
+        """The next token of ``seq`` (with ``want_logprob``: ``(token, logprob)``)."""
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_clear(self, seq: int) -> None: ...
+    def seq_pos_max(self, seq: int) -> int: ...
+
+    def state_seq_size(self, seq: int) -> int: ...
+    def state_seq_get(self, seq: int) -> bytes | memoryview: ...
+    def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int: ...
+    def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class BackendFactory(Protocol):
+    """Builds backends; injected through ``EngineConfig.backend``."""
+
+    def check(self) -> None:
+        """Raise RuntimeError when this backend cannot run here (checked before serving)."""
+
+    def build(self, params: "ModelParams") -> ModelBackend:
+        """Load a model and create its context (loader thread; blocking)."""
+
+    def devices(self, params: "ModelParams") -> list[str]:
+        """The compute devices a model built from ``params`` runs on (INFO ``devices``)."""
+
+
+class LlamaFactory:
+    """The production backend: llama.cpp through llama-cpp-python (imported on first use)."""
+
+    def check(self) -> None:
+        from .llama_backend import check_rpc_support
+
+        check_rpc_support()  # a wheel built without GGML_RPC is a broken install
+
+    def build(self, params: "ModelParams") -> ModelBackend:
+        from .llama_backend import LoadedModel
+
+        if params.rpc_servers:
+            from .ggml_rpc_lib import register_rpc_server
+
+            for ep in params.rpc_servers:
+                register_rpc_server(ep)
+        return LoadedModel(params.model_path, n_ctx=params.n_ctx_slot * params.n_slots, n_seq_max=params.n_slots,
+                           n_batch=params.n_batch, n_threads=params.n_threads, n_gpu_layers=params.n_gpu_layers,
+                           extra_model_params=dict(params.model_params) or None,
+                           extra_ctx_params=dict(params.ctx_params) or None)
+
+    def devices(self, params: "ModelParams") -> list[str]:
+        """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""
+        if not params.rpc_servers:
+            return ["CPU"]
+        from .ggml_rpc_lib import list_devices
+
+        return [f"{d['name']}[{d['description']}]" if d["name"].startswith("RPC") else d["name"]
+                for d in list_devices()]

@@ -1,0 +1,423 @@
+"""``LoadedModel``: one llama.cpp model plus one context of ``n_seq_max`` sequences (slots).
+
+Everything here blocks; ctypes releases the GIL during every foreign call, so the event
+loop keeps running while ``llama_decode`` computes. Drive one model from ONE thread (the
+engine's inference thread). Built against llama-cpp-python 0.3.36 (llama.cpp's
+``llama_memory_*`` API; the old ``llama_kv_self_*`` functions no longer exist).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any, Literal, Sequence, overload
+
+import numpy as np
+
+import llama_cpp.llama_cpp as L
+
+from ..backend import BatchItem
+from ..sampling import SamplerParams
+from . import vocab
+from .batch import LlamaBatch
+from .chat_template import ChatTemplate
+from .identity import chat_template_source, read_identity
+from .runtime import (
+    DecodeError,
+    LlamaBackendError,
+    StateError,
+    clear_llama_errors,
+    default_threads,
+    ensure_backend,
+    last_llama_errors,
+)
+from .sampler import Sampler, make_sampler
+
+
+def _set_fields(params: Any, extra: dict[str, Any] | None, struct_name: str) -> None:
+    names = {f[0] for f in type(params)._fields_}
+    for k, v in (extra or {}).items():
+        if k not in names:
+            raise ValueError(f"unknown {struct_name} field {k!r}")
+        setattr(params, k, v)
+
+
+class LoadedModel:
+    """The KV cache is unified (``kv_unified=True``): the sequences share ``n_ctx`` cells and
+    each one may grow up to ``n_ctx`` tokens as long as the total fits.
+
+    Implements :class:`engine.backend.ModelBackend`. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 4096,
+        n_seq_max: int = 4,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        extra_model_params: dict[str, Any] | None = None,
+        extra_ctx_params: dict[str, Any] | None = None,
+    ) -> None:
+        self._model = None
+        self._ctx = None
+        self._batch: LlamaBatch | None = None
+        self._closed = False
+        path = Path(model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        self.model_path = path
+        ensure_backend()
+
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = int(n_gpu_layers)
+        _set_fields(mparams, extra_model_params, "llama_model_params")
+        clear_llama_errors()
+        model = L.llama_model_load_from_file(os.fsencode(path), mparams)
+        if not model:
+            raise LlamaBackendError(f"failed to load model {path}: {'; '.join(last_llama_errors()) or 'unknown error'}")
+        self._model = model
+
+        try:
+            nt = int(n_threads) if n_threads else default_threads()
+            cparams = L.llama_context_default_params()
+            cparams.n_ctx = int(n_ctx)
+            cparams.n_batch = int(n_batch)
+            cparams.n_ubatch = min(int(n_batch), 512)
+            cparams.n_seq_max = int(n_seq_max)
+            cparams.n_threads = nt
+            cparams.n_threads_batch = nt
+            cparams.kv_unified = True
+            cparams.no_perf = True
+            _set_fields(cparams, extra_ctx_params, "llama_context_params")
+            ctx = L.llama_init_from_model(model, cparams)
+            if not ctx:
+                raise LlamaBackendError(
+                    f"failed to create a context for {path}: {'; '.join(last_llama_errors()) or 'unknown error'}"
+                )
+            self._ctx = ctx
+            self._mem = L.llama_get_memory(ctx)
+            self._vocab = L.llama_model_get_vocab(model)
+            self._n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+            self._n_ctx = int(L.llama_n_ctx(ctx))
+            self._n_batch = int(L.llama_n_batch(ctx))
+            self._n_seq_max = int(L.llama_n_seq_max(ctx))
+            self.n_threads = nt
+            # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
+            self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
+            self._logit_idx: dict[int, int] = {}
+            self._identity = read_identity(model, self._vocab, path, self._n_vocab)
+            self.chat = ChatTemplate(chat_template_source(model), self._identity["architecture"])
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the batch, the context and the model. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._batch is not None:
+            self._batch.free()
+            self._batch = None
+        if self._ctx is not None:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "LoadedModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _ctx_handle(self) -> Any:
+        if self._ctx is None:
+            raise LlamaBackendError("model is closed")
+        return self._ctx
+
+    def _voc(self) -> Any:
+        if self._closed:
+            raise LlamaBackendError("model is closed")
+        return self._vocab
+
+    # ---- properties --------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells of the context (shared by all sequences; the limit per sequence too)."""
+        return self._n_ctx
+
+    @property
+    def n_seq_max(self) -> int:
+        return self._n_seq_max
+
+    @property
+    def n_batch(self) -> int:
+        """Maximum number of tokens in one :meth:`decode` call."""
+        return self._n_batch
+
+    @property
+    def bos(self) -> int:
+        return int(L.llama_vocab_bos(self._voc()))
+
+    @property
+    def eos(self) -> int:
+        return int(L.llama_vocab_eos(self._voc()))
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """See :func:`engine.llama_backend.identity.read_identity`."""
+        return dict(self._identity)
+
+    # ---- tokenization ------------------------------------------------------------------
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text -> tokens. ``add_special`` adds BOS (if the model wants it); ``parse_special``
+        turns special-token text like ``<s>`` / ``<start_of_turn>`` into those tokens."""
+        return vocab.tokenize(self._voc(), text, add_special, parse_special)
+
+    def token_to_piece(self, tok: int, special: bool = False) -> bytes:
+        """Raw bytes of one token (may be a partial UTF-8 sequence). Control tokens give
+        b"" unless ``special``."""
+        return vocab.token_to_piece(self._voc(), tok, special)
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        """Tokens -> raw bytes. Control tokens are dropped unless ``special``."""
+        return vocab.detokenize(self._voc(), tokens, special)
+
+    def is_eog(self, tok: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self._voc(), int(tok)))
+
+    # ---- chat template -----------------------------------------------------------------
+    @property
+    def chat_format(self) -> str:
+        return self.chat.format
+
+    def _piece_text(self, tok: int) -> str:
+        return self.token_to_piece(tok, special=True).decode("utf-8", "replace") if tok >= 0 else ""
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render ``messages`` to prompt text (see :class:`ChatTemplate`).
+
+        Tokenize the result with ``parse_special=True``; :meth:`chat_tokens` does that and
+        avoids a doubled BOS when the template itself emits one.
+        """
+        return self.chat.render(messages, add_generation_prompt, bos_token=self._piece_text(self.bos),
+                                eos_token=self._piece_text(self.eos), **extra)
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """:meth:`apply_chat_template` + tokenize (parse_special) with exactly one leading BOS
+        when the model adds BOS."""
+        toks = self.tokenize(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                             add_special=True, parse_special=True)
+        bos = self.bos
+        if bos >= 0 and len(toks) >= 2 and toks[0] == bos and toks[1] == bos:
+            toks = toks[1:]
+        return toks
+
+    # ---- sequences ---------------------------------------------------------------------
+    def _check_seq(self, seq: int) -> int:
+        if self._closed:
+            raise LlamaBackendError("model is closed")
+        seq = int(seq)
+        if not 0 <= seq < self._n_seq_max:
+            raise ValueError(f"seq {seq} out of range 0..{self._n_seq_max - 1}")
+        return seq
+
+    def seq_clear(self, seq: int) -> None:
+        """Remove every cell of ``seq`` from the KV cache."""
+        seq = self._check_seq(seq)
+        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._logit_idx.pop(seq, None)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq`` (p0 < 0: from 0; p1 < 0: to the end).
+        Returns False if a partial removal is impossible (e.g. recurrent models)."""
+        seq = self._check_seq(seq)
+        return bool(L.llama_memory_seq_rm(self._mem, seq, int(p0), int(p1)))
+
+    def clear_all(self) -> None:
+        """Empty the whole KV cache (all sequences)."""
+        self._ctx_handle()
+        L.llama_memory_clear(self._mem, True)
+        self._logit_idx.clear()
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Largest position stored for ``seq`` (-1 if empty); the next token goes to +1."""
+        return int(L.llama_memory_seq_pos_max(self._mem, self._check_seq(seq)))
+
+    def seq_copy(self, src: int, dst: int) -> None:
+        """Make ``dst`` a copy of ``src`` (``dst`` is cleared first). Cheap with a unified KV cache."""
+        src, dst = self._check_seq(src), self._check_seq(dst)
+        if src == dst:
+            return
+        L.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._logit_idx.pop(dst, None)
+
+    # ---- the batched step ----------------------------------------------------------------
+    def decode(self, items: Sequence[BatchItem]) -> None:
+        """Decode the tokens of all ``items`` in ONE ``llama_decode`` call.
+
+        Each item is one sequence (at most one item per sequence); its tokens get positions
+        ``pos0, pos0+1, ...``. With ``logits_last`` the output row of its last token is kept
+        for :meth:`logits` / :meth:`sample` until the next ``decode``. The total number of
+        tokens must not exceed :attr:`n_batch` (chunk long prompts). Raises
+        :class:`DecodeError` if llama.cpp rejects the batch or the context is full.
+        """
+        self._logit_idx = {}
+        if not items:
+            return
+        ctx = self._ctx_handle()
+        out = self._batch.fill(items)
+        clear_llama_errors()
+        rc = int(L.llama_decode(ctx, self._batch.raw))
+        if rc != 0:
+            raise DecodeError(rc, self._decode_error_message(rc, items))
+        self._logit_idx = out
+
+    def _decode_error_message(self, rc: int, items: Sequence[BatchItem]) -> str:
+        what = {1: "no KV slot for the batch (context full)", 2: "aborted", -1: "invalid batch"}.get(
+            rc, "fatal error"
+        )
+        detail = ", ".join(
+            f"seq {it.seq}: {len(it.tokens)} tok at pos {it.pos0} (cache pos_max {self.seq_pos_max(it.seq)})"
+            for it in items[:8]
+        )
+        logs = "; ".join(last_llama_errors(3))
+        return f"llama_decode failed with {rc} ({what}); {detail}" + (f"; llama.cpp: {logs}" if logs else "")
+
+    def _logits_index(self, seq: int) -> int:
+        try:
+            return self._logit_idx[seq]
+        except KeyError:
+            raise LlamaBackendError(
+                f"no logits for seq {seq}: the last decode() had no logits_last item for it"
+            ) from None
+
+    def _row(self, idx: int) -> np.ndarray:
+        ptr = L.llama_get_logits_ith(self._ctx_handle(), idx)
+        if not ptr:
+            raise LlamaBackendError(f"llama_get_logits_ith({idx}) returned NULL")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def _row_logsumexp(self, idx: int) -> float:
+        row = self._row(idx)
+        m = float(row.max())
+        return m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
+
+    def has_logits(self, seq: int) -> bool:
+        return seq in self._logit_idx
+
+    def logits(self, seq: int, copy: bool = False) -> np.ndarray:
+        """float32[n_vocab] logits of ``seq``'s last token of the last :meth:`decode`.
+
+        Without ``copy`` this is a view of llama.cpp's buffer, valid until the next decode.
+        """
+        row = self._row(self._logits_index(seq))
+        return row.copy() if copy else row
+
+    def token_logprob(self, seq: int, tok: int) -> float:
+        """log softmax(raw logits of ``seq``)[tok]."""
+        idx = self._logits_index(seq)
+        return float(self._row(idx)[int(tok)]) - self._row_logsumexp(idx)
+
+    @overload
+    def sample(self, seq: int, sampler: Sampler, want_logprob: Literal[False] = False) -> int: ...
+    @overload
+    def sample(self, seq: int, sampler: Sampler, want_logprob: Literal[True]) -> tuple[int, float]: ...
+
+    def sample(self, seq: int, sampler: Sampler, want_logprob: bool = False) -> int | tuple[int, float]:
+        """Sample a token for ``seq`` from the last :meth:`decode` (and let the sampler accept it).
+
+        With ``want_logprob`` returns ``(token, logprob)``, the logprob being the natural-log
+        softmax of the *raw* logits (before temperature/penalties) at the chosen token.
+        """
+        idx = self._logits_index(seq)
+        lse = self._row_logsumexp(idx) if want_logprob else 0.0
+        tok = int(L.llama_sampler_sample(sampler.handle, self._ctx_handle(), idx))
+        if want_logprob:
+            return tok, float(self._row(idx)[tok]) - lse
+        return tok
+
+    def make_sampler(self, params: SamplerParams | None = None) -> Sampler:
+        return make_sampler(params, self)
+
+    # ---- state -------------------------------------------------------------------------
+    def state_seq_size(self, seq: int) -> int:
+        return int(L.llama_state_seq_get_size(self._ctx_handle(), self._check_seq(seq)))
+
+    def state_seq_get(self, seq: int) -> memoryview:
+        """Snapshot of ``seq``'s KV cells (restorable into any seq with :meth:`state_seq_set`).
+
+        Returned as a read-only view of the one buffer llama.cpp wrote into — no second copy,
+        which matters for multi-hundred-MiB states (peak memory ≈ 1× the state).
+        """
+        seq = self._check_seq(seq)
+        ctx = self._ctx_handle()
+        size = int(L.llama_state_seq_get_size(ctx, seq))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        n = int(L.llama_state_seq_get_data(ctx, buf, size, seq))
+        return memoryview(buf).cast("B")[:n].toreadonly()
+
+    def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int:
+        """Write ``seq``'s state into ``buf`` (writable, ≥ :meth:`state_seq_size`); returns its length."""
+        seq = self._check_seq(seq)
+        mv = memoryview(buf).cast("B")
+        dst = (ctypes.c_uint8 * len(mv)).from_buffer(mv)
+        return int(L.llama_state_seq_get_data(self._ctx_handle(), dst, len(mv), seq))
+
+    def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        """Replace ``seq``'s cells with a snapshot from :meth:`state_seq_get`; returns bytes read.
+
+        ``data`` is read in place (bytes, or a writable contiguous buffer such as a bytearray
+        slice) — never copied. The sequence is cleared first; raises :class:`StateError` if
+        llama.cpp rejects the data.
+        """
+        seq = self._check_seq(seq)
+        ctx = self._ctx_handle()
+        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._logit_idx.pop(seq, None)
+        n_bytes = len(data) if not isinstance(data, memoryview) else data.nbytes
+        if not n_bytes:
+            return 0
+        if isinstance(data, bytes):
+            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        else:
+            mv = memoryview(data).cast("B")
+            if mv.readonly:
+                mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
+            src = ctypes.cast((ctypes.c_uint8 * n_bytes).from_buffer(mv), ctypes.POINTER(ctypes.c_uint8))
+        clear_llama_errors()
+        n = int(L.llama_state_seq_set_data(ctx, src, n_bytes, seq))
+        if n == 0:
+            L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            logs = "; ".join(last_llama_errors(3))
+            raise StateError(
+                f"llama_state_seq_set_data rejected {n_bytes} bytes for seq {seq}"
+                + (f": {logs}" if logs else "")
+            )
+        return n
+

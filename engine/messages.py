@@ -1,0 +1,43 @@
+"""The engine actor's mailbox messages: frozen dataclasses, dispatched by type.
+
+A message that wants an answer travels with a future; the reloader's own messages
+(``BuildDone``, ``DrainTimeout``) live in ``engine.reloader``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .jobs import GenJob
+
+
+@dataclass(frozen=True)
+class Submit:
+    job: GenJob
+
+
+@dataclass(frozen=True)
+class StateGet:
+    slot: int
+
+
+@dataclass(frozen=True)
+class StatePut:
+    slot: int
+    tokens: list[int]
+    state: bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Erase:
+    slot: int
+
+
+@dataclass(frozen=True)
+class Configure:
+    cfg: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do but look at the state again (the engine is stopping)."""

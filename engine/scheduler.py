@@ -1,0 +1,152 @@
+"""Generation jobs on slots: queueing, admission, cancellation, results.
+
+One job runs per slot; more wait in the slot's queue (bounded: a full queue answers BUSY).
+A job is admitted only while the gate is open (a model is live and no reload is draining)
+and only onto the config it names, if it names one. Cancelled jobs leave before the next
+step. Owned by the engine actor; the inference thread touches ``Running`` objects only
+while the actor awaits a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from .jobs import EngineBusy, GenJob, GenResult, ModelChanged
+from .model_params import ModelParams
+from .slots import Slot
+from .status import ModelIdentity
+from .stepper import Running
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What admission needs to know about the live config."""
+
+    open: bool  # a model is live and no reload is draining
+    params: ModelParams
+    generation: int
+    identity: ModelIdentity
+
+
+class Scheduler:
+    def __init__(self, slots: list[Slot], slot_queue: int, stats: dict[str, int]):
+        self.slots = slots
+        self.slot_queue = slot_queue
+        self.stats = stats
+        self.running: dict[int, Running] = {}  # slot id → its running job
+
+    def quiescent(self) -> bool:
+        """Nothing runs and no state transfer is in flight: a reload may swap now."""
+        return not self.running and not any(s.transferring for s in self.slots)
+
+    def busy_slots(self) -> list[int]:
+        return sorted(self.running)
+
+    def active(self) -> list[Running]:
+        return [r for r in self.running.values() if not r.finished]
+
+    def offer(self, job: GenJob, serving: Serving) -> None:
+        """A submitted job: admit it, queue it, or refuse it (queue full)."""
+        slot = self.slots[job.slot]
+        if job.cancelled:
+            fail(job, asyncio.CancelledError())
+        elif slot.busy or slot.queue or not serving.open:
+            if len(slot.queue) >= self.slot_queue:
+                fail(job, EngineBusy(f"slot {slot.id} is busy and its queue is full"))
+            else:
+                slot.queue.append(job)
+        else:
+            self._admit(slot, job, serving)
+
+    def admit_queued(self, serving: Serving) -> None:
+        for slot in self.slots:
+            self._start_next(slot, serving)
+
+    def reap_cancelled(self, serving: Serving) -> None:
+        for r in list(self.running.values()):
+            if r.job.cancelled and not r.finished:
+                r.stop_reason = "cancelled"
+                self.finish(r, serving)
+        for slot in self.slots:
+            for job in [j for j in slot.queue if j.cancelled]:
+                slot.queue.remove(job)
+                fail(job, asyncio.CancelledError())
+
+    def after_step(self, running: list[Running], serving: Serving) -> None:
+        """Deliver the step's tokens; finish the jobs that are done."""
+        for r in running:
+            if r.events:
+                for ev in r.events:
+                    r.job.events.put_nowait(ev)
+                self.stats["tokens_generated"] += len(r.events)
+                r.events.clear()
+            if r.finished or r.job.cancelled:
+                self.finish(r, serving)
+
+    def stop_all(self, exc: BaseException, serving: Serving) -> None:
+        """Engine stopping: fail what waits (first: finishing a job admits the next), cancel what runs."""
+        for slot in self.slots:
+            while slot.queue:
+                fail(slot.queue.popleft(), exc)
+        for r in list(self.running.values()):
+            r.job.cancel()
+            self.finish(r, serving)
+
+    def finish(self, r: Running, serving: Serving) -> None:
+        slot, job = r.slot, r.job
+        self.running.pop(slot.id, None)
+        slot.finish()
+        if r.sampler is not None:
+            r.sampler.free()
+        job.events.put_nowait(None)
+        if job.done is not None and not job.done.done():
+            if r.error is not None:
+                job.done.set_exception(r.error)
+            else:
+                job.done.set_result(self._result(r, serving.identity))
+        self._start_next(slot, serving)
+
+    def _result(self, r: Running, identity: ModelIdentity) -> GenResult:
+        now = time.perf_counter()
+        pre_end = r.t_prefill_done or now
+        self.stats["prompt_tokens"] += r.prompt_tokens - r.cached_tokens
+        return GenResult(
+            slot=r.slot.id, n_past=r.slot.n_past, prompt_tokens=r.prompt_tokens,
+            tokens_generated=len(r.generated), stop_reason=r.stop_reason or "cancelled",
+            config_generation=r.generation, identity=identity,
+            prefill_ms=(pre_end - r.t_start) * 1000 if r.t_start else 0.0,
+            decode_ms=(now - pre_end) * 1000, cached_tokens=r.cached_tokens, state=r.state,
+            logits=r.logits, tokens=list(r.slot.tokens), generated=r.generated, text=bytes(r.text))
+
+    def _start_next(self, slot: Slot, serving: Serving) -> None:
+        if slot.busy or not serving.open:
+            return
+        while slot.queue:
+            job = slot.queue.popleft()
+            if job.cancelled:
+                fail(job, asyncio.CancelledError())
+            elif self._admit(slot, job, serving):
+                return
+
+    def _admit(self, slot: Slot, job: GenJob, serving: Serving) -> bool:
+        if job.params is not None and job.params != serving.params:
+            fail(job, ModelChanged(
+                f"the model config this request named was replaced before it ran (config generation "
+                f"{serving.generation} serves {serving.params.model_path}); retry"))
+            return False
+        slot.job = job
+        slot.generation = serving.generation
+        slot.begin("prefill", 0)
+        self.stats["jobs"] += 1
+        self.running[slot.id] = Running(job, slot, serving.generation)
+        return True
+
+
+def fail(job: GenJob, exc: BaseException) -> None:
+    job.events.put_nowait(None)
+    if job.done is not None and not job.done.done():
+        if isinstance(exc, asyncio.CancelledError):
+            job.done.cancel()
+        else:
+            job.done.set_exception(exc)

@@ -1,0 +1,125 @@
+"""Typed data the engine hands to the wire layer, which shapes it into JSON (``hydra_rpc``).
+
+Everything here is immutable: a reader (INFO, STATE_META, ``/slots``, metrics) may hold
+it while the actor moves on.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .model_params import ModelParams
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The resident model as the wire names it (empty before the first load)."""
+
+    model_path: str = ""
+    model_name: str = ""
+    tokenizer: str = ""
+    model_quant: str = ""
+    model_capabilities: int = 0
+    model_alias: str = ""
+    n_vocab: int = 0
+
+    @classmethod
+    def of(cls, backend_identity: dict[str, Any], n_vocab: int) -> "ModelIdentity":
+        ident = backend_identity
+        return cls(model_path=str(ident.get("model_path", "")), model_name=str(ident.get("model_name", "")),
+                   tokenizer=str(ident.get("tokenizer", "")), model_quant=str(ident.get("model_quant", "")),
+                   model_capabilities=int(ident.get("model_capabilities", 0)),
+                   model_alias=str(ident.get("model_name", "")), n_vocab=n_vocab)
+
+    @property
+    def display_name(self) -> str:
+        """The name to report for the resident model."""
+        return self.model_alias or self.model_name or "hydra-rpc"
+
+
+class ReloadState(str, enum.Enum):
+    """Where the latest reload is. ``loading``/``draining`` are pending; the rest are final.
+
+    shadow:   loading (build beside the live model) → draining (built; wait for in-flight
+              work) → swapped.
+    in-place: draining (wait for in-flight work) → loading (old model freed) → swapped.
+    Either may end ``failed`` (the build failed; the old config still serves) or ``dropped``
+    (the drain timeout passed, or a newer config replaced it).
+    """
+
+    IDLE = "idle"
+    LOADING = "loading"
+    DRAINING = "draining"
+    SWAPPED = "swapped"
+    FAILED = "failed"
+    DROPPED = "dropped"
+
+    @property
+    def pending(self) -> bool:
+        return self in (ReloadState.LOADING, ReloadState.DRAINING)
+
+
+@dataclass(frozen=True)
+class ReloadStatus:
+    """The latest reload (the C++ reports nothing about reloads)."""
+
+    state: ReloadState = ReloadState.IDLE
+    generation: int = 0  # the config generation it will produce (or produced, once swapped)
+    target: str = ""
+    tier: str = ""
+    error: str = ""
+    started_at: float = 0.0  # wall-clock seconds, for reporting
+    load_ms: float = 0.0
+    swap_ms: float = 0.0
+    keys: tuple[str, ...] = ()
+
+    @property
+    def pending(self) -> bool:
+        return self.state.pending
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What INFO reports about the engine, read without entering the mailbox."""
+
+    startup_stage: str
+    expert_mode: str
+    config_generation: int
+    reload: ReloadStatus
+    reload_policy: str
+    reload_mode: str
+    slots_total: int
+    slots_busy: int
+    n_ctx_slot: int
+    rpc_servers: tuple[str, ...]
+    devices: tuple[str, ...]
+    aliases: tuple[str, ...]
+    identity: ModelIdentity
+
+
+@dataclass(frozen=True)
+class ConfigureOutcome:
+    """What a CONFIGURE (or the config part of a PREFILL) did."""
+
+    tier: str
+    params_applied: dict[str, Any]
+    deferred_keys: list[str]
+    unrecognized_keys: list[str]
+    rejected_keys: dict[str, str]
+    config_generation: int  # live now, or promised by the pending reload
+    params: ModelParams  # the model config this outcome leads to (live, or the reload's target)
+    unchanged_keys: list[str] | None = None  # staged keys that asked for what is live already
+    state_chunk_size_applied: int | None = None
+    reload: ReloadState | None = None  # set when a reload is pending for this config
+    reload_ticket: Any = field(default=None, compare=False, repr=False)  # for Engine.wait_reload
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A request's ``model`` / ``hydra_config``, settled (see ``Engine.select_model``)."""
+
+    name: str  # the name to report: the requested alias, else the resident model's
+    fallback: bool  # the name is neither an alias nor the resident model (PREFILL model_fallback)
+    load_ms: float  # how long the reload this request waited for spent loading (0: none)
+    params: ModelParams | None  # the config the request must be served by (None: whatever is live)

@@ -1,0 +1,264 @@
+"""A scripted ``ModelBackend`` for step-by-step engine tests (no model, no wall clock).
+
+Tokens are bytes: byte ``b`` is token ``b + 3``; 1 is BOS, 2 is EOS. "Decoding" appends the
+fed tokens to the sequence's KV list; the next token is ``script(kv)`` — by default the
+letters a..z in turn. A sequence's state is its token list as bytes, stamped
+with the serial number of the model that made it. ``Gate``s let a test
+hold a decode step or a model build on its thread until it lets go, and see that it is held.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from engine.backend import BatchItem
+from engine.model_params import ModelParams
+from engine.sampling import SamplerParams
+
+BOS, EOS, FIRST_BYTE = 1, 2, 3
+N_VOCAB = 256 + FIRST_BYTE
+STATE_MAGIC = b"SCRIPTED"
+
+
+_serials = itertools.count(1)
+_STATE_HEAD = len(STATE_MAGIC) + 8
+
+
+def parse_state(raw: bytes) -> tuple[int, list[int]]:
+    """(serial of the model that produced it, tokens); ValueError for anything else."""
+    if raw[:len(STATE_MAGIC)] != STATE_MAGIC or len(raw) < _STATE_HEAD:
+        raise ValueError("not a scripted state")
+    serial, n = struct.unpack_from("<II", raw, len(STATE_MAGIC))
+    if len(raw) != _STATE_HEAD + 4 * n:
+        raise ValueError("scripted state of the wrong length")
+    return serial, list(struct.unpack_from(f"<{n}i", raw, _STATE_HEAD))
+
+
+def letters(kv: list[int]) -> int:
+    """The default script: a, b, c, … z, a, … by position."""
+    return FIRST_BYTE + ord("a") + len(kv) % 26
+
+
+class Gate:
+    """Blocks the thread that passes it while closed. Counts who waits and who passed."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.passed = 0
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def pass_through(self) -> None:
+        with self._lock:
+            self.waiting += 1
+        try:
+            if not self._open.wait(60):  # a safety net for a broken test, never a timing assumption
+                raise RuntimeError("gate left closed")
+        finally:
+            with self._lock:
+                self.waiting -= 1
+                self.passed += 1
+
+
+@dataclass
+class ScriptedSampler:
+    params: SamplerParams
+    freed: bool = False
+
+    def free(self) -> None:
+        self.freed = True
+
+
+class ScriptedBackend:
+    def __init__(self, params: ModelParams, script: Callable[[list[int]], int], decode_gate: Gate):
+        self.params = params
+        self.script = script
+        self.decode_gate = decode_gate
+        self.serial = next(_serials)  # written into every state it produces: which model made it
+        self.kv: list[list[int]] = [[] for _ in range(params.n_slots)]
+        self.batches: list[list[tuple[int, int]]] = []  # per decode: (seq, n_tokens) of each item
+        self.samplers: list[ScriptedSampler] = []
+        self.closed = False
+        self._with_logits: set[int] = set()
+
+    # ---- identity and vocabulary
+    @property
+    def n_vocab(self) -> int:
+        return N_VOCAB
+
+    @property
+    def n_batch(self) -> int:
+        return self.params.n_batch
+
+    @property
+    def bos(self) -> int:
+        return BOS
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {"model_path": self.params.model_path, "model_name": self.params.model_path,
+                "tokenizer": f"bytes/{N_VOCAB}", "model_quant": "F32", "model_capabilities": 0}
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode() if isinstance(text, str) else bytes(text)
+        return ([BOS] if add_special else []) + [b + FIRST_BYTE for b in data]
+
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tokenize("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
+
+    def token_to_piece(self, tok: int, special: bool = False) -> bytes:
+        return bytes([tok - FIRST_BYTE]) if tok >= FIRST_BYTE else b""
+
+    def is_eog(self, tok: int) -> bool:
+        return tok == EOS
+
+    # ---- the step
+    def decode(self, items: Sequence[BatchItem]) -> None:
+        self._check_open()
+        self.decode_gate.pass_through()
+        self._with_logits = set()
+        for it in items:
+            if it.pos0 != len(self.kv[it.seq]):
+                raise ValueError(f"seq {it.seq}: token at pos {it.pos0} but the KV holds {len(self.kv[it.seq])}")
+            self.kv[it.seq].extend(it.tokens)
+            if it.logits_last:
+                self._with_logits.add(it.seq)
+        self.batches.append([(it.seq, len(it.tokens)) for it in items])
+
+    def logits(self, seq: int) -> np.ndarray:
+        self._require_logits(seq)
+        row = np.zeros(N_VOCAB, dtype=np.float32)
+        row[self.script(self.kv[seq])] = 1.0
+        return row
+
+    def make_sampler(self, params: SamplerParams | None = None) -> ScriptedSampler:
+        s = ScriptedSampler(params or SamplerParams())
+        self.samplers.append(s)
+        return s
+
+    def sample(self, seq: int, sampler: ScriptedSampler, want_logprob: bool = False) -> Any:
+        self._require_logits(seq)
+        if sampler.freed:
+            raise RuntimeError("sampler was freed")
+        tok = self.script(self.kv[seq])
+        return (tok, 0.0) if want_logprob else tok
+
+    # ---- sequences and state
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        kv = self.kv[seq]
+        del kv[max(p0, 0):(len(kv) if p1 < 0 else p1)]
+        return True
+
+    def seq_clear(self, seq: int) -> None:
+        self.kv[seq] = []
+
+    def seq_pos_max(self, seq: int) -> int:
+        return len(self.kv[seq]) - 1
+
+    def state_seq_size(self, seq: int) -> int:
+        return _STATE_HEAD + 4 * len(self.kv[seq])
+
+    def state_seq_get(self, seq: int) -> bytes:
+        kv = self.kv[seq]
+        return STATE_MAGIC + struct.pack(f"<II{len(kv)}i", self.serial, len(kv), *kv)
+
+    def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int:
+        data = self.state_seq_get(seq)
+        memoryview(buf).cast("B")[:len(data)] = data
+        return len(data)
+
+    def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        raw = bytes(data)
+        self.kv[seq] = []
+        _, self.kv[seq] = parse_state(raw)
+        return len(raw)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("model is closed")
+
+    def _require_logits(self, seq: int) -> None:
+        self._check_open()
+        if seq not in self._with_logits:
+            raise RuntimeError(f"no logits for seq {seq}")
+
+
+@dataclass
+class ScriptedFactory:
+    """Builds ScriptedBackends. ``fail`` names model paths whose build raises."""
+
+    script: Callable[[list[int]], int] = letters
+    fail: set[str] = field(default_factory=set)
+    decode_gate: Gate = field(default_factory=Gate)
+    build_gate: Gate = field(default_factory=Gate)
+    built: list[ScriptedBackend] = field(default_factory=list)
+
+    def check(self) -> None:
+        pass
+
+    def build(self, params: ModelParams) -> ScriptedBackend:
+        self.build_gate.pass_through()
+        if params.model_path in self.fail:
+            raise RuntimeError(f"cannot load {params.model_path}")
+        model = ScriptedBackend(params, self.script, self.decode_gate)
+        self.built.append(model)
+        return model
+
+    def devices(self, params: ModelParams) -> list[str]:
+        return ["CPU"]
+
+
+@dataclass
+class _Timer:
+    delay: float
+    callback: Callable[[], None]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualTimers:
+    """``EngineConfig.call_later`` whose timers fire only when the test says so."""
+
+    def __init__(self) -> None:
+        self.timers: list[_Timer] = []
+
+    def __call__(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        t = _Timer(delay, callback)
+        self.timers.append(t)
+        return t
+
+    def fire(self) -> int:
+        """Fire every pending timer; returns how many fired."""
+        due = [t for t in self.timers if not t.cancelled]
+        self.timers = []
+        for t in due:
+            t.callback()
+        return len(due)
+
+
+async def until(predicate: Callable[[], bool], what: str = "condition", timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds (the deadline only turns a hang into a failure)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)

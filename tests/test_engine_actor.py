@@ -1,0 +1,216 @@
+"""The engine actor step by step on the scripted backend: generation, batching, snapshots,
+cancellation, queueing and BUSY, state transfer, CONFIGURE tiers. No model, no wall clock:
+a test holds a decode step at a gate and looks at the published state while it is held.
+(The same behaviours on the real model and over TCP: test_engine_opcodes, test_http_*.)"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
+from engine.sampling import GREEDY, SamplerParams, merge_sampling
+from engine.tiers import ConfigError
+from tests.engine_env import long_generation, run, scripted_engine
+from tests.scripted_backend import EOS, FIRST_BYTE, until
+
+
+def letter(c: str) -> int:
+    return FIRST_BYTE + ord(c)
+
+
+@pytest.mark.asyncio
+async def test_prefill_then_scripted_generation():
+    async with scripted_engine() as env:
+        res = await run(env.engine, GenJob(0, prompt="hi", n_predict=5, sampling=GREEDY))
+        # [BOS, h, i] is prefilled; the script then says the letter at each position: d, e, f, g, h
+        assert res.text == b"defgh" and res.stop_reason == "length" and res.tokens_generated == 5
+        assert res.prompt_tokens == 3 and res.cached_tokens == 0
+        assert res.n_past == 7  # the last sampled token is not in the KV yet (the slot's tail)
+        assert env.model.kv[0] == res.tokens and res.config_generation == env.engine.generation
+        assert all(s.freed for s in env.model.samplers)
+
+
+@pytest.mark.asyncio
+async def test_continuation_feeds_the_tail_and_prefix_is_reused():
+    async with scripted_engine() as env:
+        eng = env.engine
+        first = await run(eng, GenJob(0, prompt="hi", n_predict=2))
+        again = await run(eng, GenJob(0, n_predict=2))  # no input: continue the slot's sequence
+        assert again.cached_tokens == first.n_past and again.text == b"fg"
+        prefix = await run(eng, GenJob(0, prompt="hi there", n_predict=0))
+        assert prefix.cached_tokens == 3 and prefix.stop_reason == "none"
+
+
+@pytest.mark.asyncio
+async def test_stop_reasons_eos_stop_and_context_full():
+    def eos_after_4(kv: list[int]) -> int:
+        return EOS if len(kv) >= 4 else letter("x")
+
+    from tests.scripted_backend import ScriptedFactory
+
+    async with scripted_engine(backend=ScriptedFactory(script=eos_after_4)) as env:
+        res = await run(env.engine, GenJob(0, prompt="a", n_predict=10))
+        assert res.stop_reason == "eos" and res.text == b"xx"
+    async with scripted_engine(n_ctx_slot=8) as env:
+        res = await run(env.engine, GenJob(0, prompt="ab", n_predict=100, stop=["ef"]))
+        assert res.stop_reason == "stop" and res.text.endswith(b"ef")
+        res = await run(env.engine, GenJob(1, prompt="ab", n_predict=100))
+        assert res.stop_reason == "ctx_full" and res.n_past == 7
+        with pytest.raises(BadInput, match="does not fit"):
+            await run(env.engine, GenJob(1, prompt="a" * 8, n_predict=1))
+        with pytest.raises(BadInput, match="out of range"):
+            await run(env.engine, GenJob(1, tokens=[1, 10**6]))
+
+
+@pytest.mark.asyncio
+async def test_two_slots_share_one_batched_decode():
+    async with scripted_engine() as env:
+        eng, gate = env.engine, env.factory.decode_gate
+        gate.close()
+        a, b = GenJob(0, prompt="one", n_predict=3), GenJob(1, prompt="two", n_predict=3)
+        eng.submit(a)
+        eng.submit(b)
+        await until(lambda: gate.waiting == 1, "the first step")
+        gate.open()
+        await asyncio.gather(a.result(), b.result())
+        assert [(0, 4), (1, 4)] in env.model.batches  # both prefills in one llama_decode
+        assert [(0, 1), (1, 1)] in env.model.batches  # and their decode steps too
+
+
+@pytest.mark.asyncio
+async def test_snapshots_answer_while_a_step_is_held():
+    async with scripted_engine() as env:
+        eng, gate = env.engine, env.factory.decode_gate
+        gate.close()
+        job = GenJob(0, prompt="abc", n_predict=4)
+        eng.submit(job)
+        await until(lambda: gate.waiting == 1, "a held step")
+        snap = eng.snapshot(0)
+        assert snap.is_processing and snap.job_id == job.id and snap.operation in ("prefill", "decode")
+        assert eng.info().slots_busy == 1 and not eng.snapshot(1).is_processing
+        gate.open()
+        await job.result()
+        assert not eng.snapshot(0).is_processing and eng.snapshot(0).job_id is None
+
+
+@pytest.mark.asyncio
+async def test_cancel_running_and_queued_jobs_frees_the_slot_at_the_next_step():
+    async with scripted_engine() as env:
+        eng, gate = env.engine, env.factory.decode_gate
+        gate.close()
+        running, queued = GenJob(0, prompt="a", n_predict=1000), GenJob(0, prompt="b", n_predict=1)
+        eng.submit(running)
+        eng.submit(queued)
+        await until(lambda: gate.waiting == 1 and eng.snapshot(0).queued == 1, "one running, one queued")
+        queued.cancel()
+        running.cancel()
+        gate.open()
+        res = await running.result()
+        assert res.stop_reason == "cancelled" and res.tokens_generated < 1000
+        with pytest.raises(asyncio.CancelledError):
+            await queued.result()
+        await until(lambda: not eng.snapshot(0).is_processing and eng.snapshot(0).queued == 0, "slot 0 idle")
+        assert (await run(eng, GenJob(0, prompt="c", n_predict=1))).stop_reason == "length"
+
+
+@pytest.mark.asyncio
+async def test_busy_slot_queues_in_order_then_answers_busy():
+    async with scripted_engine(slot_queue=2) as env:
+        eng, gate = env.engine, env.factory.decode_gate
+        gate.close()
+        jobs = [GenJob(0, prompt=p, n_predict=1) for p in ("a", "b", "c", "d")]
+        for j in jobs:
+            eng.submit(j)
+        with pytest.raises(EngineBusy, match="queue is full"):
+            await jobs[3].result()
+        assert eng.snapshot(0).queued == 2
+        gate.open()
+        results = [await j.result() for j in jobs[:3]]
+        assert [r.tokens[:2] for r in results] == [[1, letter(p)] for p in "abc"]  # FIFO
+        with pytest.raises(BadInput, match="invalid slot"):
+            eng.submit(GenJob(7))
+
+
+@pytest.mark.asyncio
+async def test_state_get_put_moves_a_sequence_to_another_slot():
+    async with scripted_engine() as env:
+        eng = env.engine
+        await run(eng, GenJob(0, prompt="hello", n_predict=0))
+        out = await eng.state_get(0)
+        try:
+            assert out.n_past == 6 and out.tokens == env.model.kv[0]
+            assert await eng.state_put(1, out.tokens, bytes(out.state)) == len(out.state)
+        finally:
+            out.release()
+        assert env.model.kv[1] == env.model.kv[0] and eng.snapshot(1).n_past == 6
+        a = await run(eng, GenJob(0, n_predict=3))
+        b = await run(eng, GenJob(1, n_predict=3))
+        assert a.text == b.text
+        with pytest.raises(ValueError, match="not a scripted state"):
+            await eng.state_put(1, [1, 2], b"junk")
+        assert eng.snapshot(1).n_past == 0  # a failed restore leaves the slot empty
+        await eng.erase(0)
+        assert eng.snapshot(0).n_past == 0 and env.model.kv[0] == []
+
+
+@pytest.mark.asyncio
+async def test_state_ops_refuse_a_busy_slot():
+    async with scripted_engine(n_ctx_slot=4096) as env:
+        eng = env.engine
+        job = await long_generation(eng, 0)
+        for call in (eng.state_get(0), eng.state_put(0, [1], b""), eng.erase(0)):
+            with pytest.raises(EngineBusy, match="slot 0 is"):
+                await call
+        job.cancel()
+        assert (await job.result()).stop_reason == "cancelled"
+
+
+@pytest.mark.asyncio
+async def test_configure_tiers_and_generations():
+    async with scripted_engine() as env:
+        eng = env.engine
+        g0 = eng.generation
+        out = await eng.configure({"sampling": {"temp": 0.25}, "n_predict": 7, "fit": True, "frobnicate": 1})
+        assert out.tier == "T1" and out.config_generation == g0 + 1 == eng.generation
+        assert out.params_applied == {"sampling.temp": 0.25, "n_predict": 7}
+        assert "fit" in out.rejected_keys and out.unrecognized_keys == ["frobnicate"]
+        assert eng.sampling_for({}).temperature == 0.25 and eng.default_n_predict == 7
+        with pytest.raises(ConfigError, match="wrong type"):
+            await eng.configure({"sampling.top_k": "many"})
+        with pytest.raises(ValueError, match="n_ctx"):
+            await eng.configure({"n_ctx": 4})
+        assert eng.generation == g0 + 1  # refused requests apply nothing
+        same = await eng.configure({"n_ctx": 64})  # what is live already: no reload
+        assert same.deferred_keys == [] and same.unchanged_keys == ["n_ctx"] and same.reload_ticket is None
+        out = await eng.configure({"n_ctx": 128})
+        assert out.tier == "T2" and out.deferred_keys == ["n_ctx"] and out.config_generation == g0 + 2
+        assert await eng.wait_reload(out.reload_ticket) == g0 + 2
+        assert eng.n_ctx_slot == 128 and env.model.params.n_ctx_slot == 128
+
+
+@pytest.mark.asyncio
+async def test_an_actor_bug_fails_callers_instead_of_hanging_them(monkeypatch):
+    async with scripted_engine() as env:
+        eng = env.engine
+
+        def bug(serving):
+            raise RuntimeError("a bug in the scheduler")
+
+        monkeypatch.setattr(eng.scheduler, "reap_cancelled", bug)
+        await eng.configure({})  # answered; the actor crashes right after
+        await until(lambda: eng.startup_stage == "failed", "the crash noticed")
+        assert "a bug in the scheduler" in eng.startup_error and not eng.ready
+        with pytest.raises(EngineUnavailable, match="not running"):
+            await eng.configure({})
+        with pytest.raises(EngineUnavailable):
+            eng.submit(GenJob(0, prompt="x"))
+
+
+def test_sampling_merge_t1_defaults_then_request_fields():
+    t1 = {"sampling.temp": 0.3, "sampling.top_k": 5, "seed": 9}
+    assert merge_sampling(t1) == SamplerParams(temperature=0.3, top_k=5, seed=9)
+    p = merge_sampling(t1, {"temperature": 0.9, "temp": 0.1, "top_k": 2.0, "repeat_penalty": 1.2,
+                            "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_p": True, "top_p": "x"})
+    assert (p.temperature, p.top_k, p.penalty_repeat, p.penalty_freq, p.penalty_present) == (0.1, 2, 1.2, 0.5, -0.5)
+    assert p.min_p == 0.05 and p.top_p == 0.95  # wrong types are ignored
