@@ -362,6 +362,7 @@ async def stream_pin(req: Request, resp: ResponseWriter, engine: Engine, job: Ge
                     done = True
                     break
                 frames.append(P.encode_piece(more.piece))
+            resp.tokens_streamed += len(frames)
             await resp.write(b"".join(frames))
             if done:
                 break

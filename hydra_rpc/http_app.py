@@ -44,6 +44,7 @@ from .http_openai import (
     require_ready,
     timings_of,
 )
+from .logs import access_log_options
 from .metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("hydra_rpc.http")
@@ -94,7 +95,7 @@ async def start_http(app: Any, host: str, port: int) -> HttpSide:
     grace = getattr(cfg, "shutdown_timeout", 10.0)
     # handler_cancellation: a client that disconnects while its request waits (in a slot's
     # queue, or for a non-streamed result) gets its handler cancelled, which cancels its job.
-    runner = web.AppRunner(webapp, access_log=None, handle_signals=False, handler_cancellation=True,
+    runner = web.AppRunner(webapp, **access_log_options(), handle_signals=False, handler_cancellation=True,
                            shutdown_timeout=grace, logger=_OneLineErrors(log, {}))
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True, shutdown_timeout=grace)

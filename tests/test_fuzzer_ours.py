@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from codec.enums import Op, Status
 from codec.framing import encode_request_header
