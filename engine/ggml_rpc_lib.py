@@ -19,11 +19,13 @@ import argparse
 import ctypes
 import os
 import socket
-import struct
 import sys
 import threading
 import time
 from typing import Any
+
+from codec import ggml as G
+from codec.errors import CodecError
 
 __all__ = [
     "libggml",
@@ -34,6 +36,7 @@ __all__ = [
     "serve_forever_subprocess_main",
     "find_free_port",
     "probe_rpc_server",
+    "hello",
     "RpcServerError",
     "client_proto_version",
     "READY_PREFIX",
@@ -158,6 +161,20 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
+def hello(sock: socket.socket, legacy: bool = False) -> G.HelloResponse:
+    """HELLO on a fresh connection (zero conn_caps: TCP only); the server's reply.
+
+    Raises RpcServerError when the reply is not a HELLO reply (wrong size, or a close)."""
+    sock.sendall(G.encode_hello_request(legacy=legacy))
+    size = G.RESPONSE_HEADER_STRUCT.unpack(_recv_exact(sock, G.RESPONSE_HEADER_STRUCT.size))[0]
+    if size not in (3, 28):
+        raise RpcServerError(f"unexpected HELLO reply size {size}")
+    try:
+        return G.parse_hello_response(_recv_exact(sock, size))
+    except CodecError as e:
+        raise RpcServerError(str(e)) from None
+
+
 def probe_rpc_server(endpoint: str, timeout: float = 5.0) -> tuple[int, int, int]:
     """HELLO handshake with a ggml RPC server; returns its (major, minor, patch).
 
@@ -170,23 +187,11 @@ def probe_rpc_server(endpoint: str, timeout: float = 5.0) -> tuple[int, int, int
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
-            if mine[0] >= 4:  # 4.0+: 24 bytes of conn caps each way (zeros: TCP only)
-                s.sendall(b"\x0e" + struct.pack("<Q", 24) + bytes(24))
-                size = struct.unpack("<Q", _recv_exact(s, 8))[0]
-                if size != 28:
-                    raise RpcServerError(f"unexpected HELLO reply size {size}")
-                body = _recv_exact(s, 28)
-            else:  # pragma: no cover - older builds
-                s.sendall(b"\x0e" + struct.pack("<Q", 0))
-                size = struct.unpack("<Q", _recv_exact(s, 8))[0]
-                if size != 3:
-                    raise RpcServerError(f"unexpected HELLO reply size {size}")
-                body = _recv_exact(s, 3)
+            theirs = hello(s, legacy=mine[0] < 4).version  # 4.0+: 24 bytes of conn caps each way
     except RpcServerError as e:
         raise RpcServerError(f"ggml RPC server {endpoint} is not usable: {e}") from None
     except (OSError, ValueError) as e:  # refused, timeout (busy server), reset ...
         raise RpcServerError(f"ggml RPC server {endpoint} is unreachable or busy: {e}") from e
-    theirs = (body[0], body[1], body[2])
     if theirs[0] != mine[0] or theirs[1] > mine[1]:
         raise RpcServerError(
             f"ggml RPC server {endpoint} speaks protocol {'.'.join(map(str, theirs))}, "

@@ -14,14 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import struct
 
-import numpy as np
+from codec import ggml as G
+from codec.errors import CodecError
 
 from .config import ServerConfig
 
 log = logging.getLogger("hydra_rpc.passthrough")
 HIGH_WATER = 4 << 20  # bytes queued towards one side before the other side is paused
+CLIENT_VERSION = (7, 0, 0)  # the protocol of the llama.cpp the passthrough is tested with
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
@@ -78,37 +79,25 @@ class _Leg(asyncio.Protocol):
         self.peer.transport.resume_reading()
 
 
-GRAPH_COMPUTE = 0x0A
 GRAPH_BUFFER_CAP = 256 << 20  # a GRAPH_COMPUTE is node ids + tensor headers: megabytes, not more
-_HDR = struct.Struct("<BQ")
-_TENSOR_SIZE = 296  # rpc_tensor; its first u64 is the id
+_HDR = G.REQUEST_HEADER_STRUCT
 
 
 def graph_problem(payload: bytes | bytearray | memoryview) -> str | None:
-    """Why a GRAPH_COMPUTE (protocol ≥ 3.0: device, nodes, tensors) must not reach the server.
+    """Why a GRAPH_COMPUTE must not reach the server.
 
     llama.cpp's rpc-server in llama-cpp-python 0.3.36 segfaults on a node id that names no
     tensor (found by ``hydra-rpc fuzz --protocol ggml``: node id 0). With
     ``--ggml-rpc-embedded`` that server lives in our process, so the passthrough checks
     every graph's node ids against its tensor ids before forwarding it.
     """
-    n = len(payload)
-    if n < 8:
-        return "GRAPH_COMPUTE shorter than its counts"
-    n_nodes = struct.unpack_from("<I", payload, 4)[0]
-    off = 8 + 8 * n_nodes
-    if off + 4 > n:
-        return f"GRAPH_COMPUTE claims {n_nodes} nodes in {n} bytes"
-    n_tensors = struct.unpack_from("<I", payload, off)[0]
-    end = off + 4 + n_tensors * _TENSOR_SIZE
-    if end > n:
-        return f"GRAPH_COMPUTE claims {n_tensors} tensors in {n} bytes"
-    nodes = np.frombuffer(payload, dtype="<u8", count=n_nodes, offset=8)
-    ids = np.frombuffer(payload, dtype="<u8", count=n_tensors * 37, offset=off + 4).reshape(n_tensors, 37)[:, 0]
-    if (nodes == 0).any():
+    try:
+        graph = G.parse_graph_compute(payload, CLIENT_VERSION, allow_trailing=True)
+    except CodecError as e:
+        return f"GRAPH_COMPUTE: {e}"
+    if 0 in graph.nodes:
         return "GRAPH_COMPUTE with a null node id"
-    known = set(ids.tolist())  # graphs are small: a set beats np.isin's sort here
-    if not known.issuperset(nodes.tolist()):
+    if not {t.id for t in graph.tensors}.issuperset(graph.nodes):
         return "GRAPH_COMPUTE node id names no tensor of the graph"
     return None
 
@@ -140,7 +129,7 @@ class _GuardedLeg(_Leg):
                 if len(self._hdr) < 9:
                     break
                 cmd, size = _HDR.unpack(self._hdr)
-                if cmd == GRAPH_COMPUTE:
+                if cmd == G.Cmd.GRAPH_COMPUTE:
                     if size > GRAPH_BUFFER_CAP:
                         return self._refuse(f"GRAPH_COMPUTE of {size} bytes")
                     self._graph = bytearray(self._hdr)

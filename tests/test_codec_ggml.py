@@ -1,4 +1,4 @@
-"""ggml-RPC (ggml-rpc-facts §1–§6, §10): golden HELLO bytes, version table, layouts, decoders."""
+"""ggml-RPC (docs/ggml.md): golden HELLO bytes, version table, layouts, decoders."""
 from __future__ import annotations
 
 import struct
@@ -64,7 +64,7 @@ def outcome(fn, *args):
         return ("err", None)
 
 
-# ---- golden vectors (§5) ---------------------------------------------------------------------
+# ---- golden vectors ---------------------------------------------------------------------------
 
 
 def test_hello_request_golden() -> None:
@@ -91,7 +91,7 @@ def test_hello_response_golden() -> None:
         encode_hello_request(bytes(5))
 
 
-# ---- command table (§3, §4) ------------------------------------------------------------------
+# ---- command table ------------------------------------------------------------------------
 
 
 def answered(version, cmd, fork=None) -> bool | None:
@@ -155,7 +155,7 @@ def test_fork_tables() -> None:
         command_table((256,))
 
 
-# ---- rpc_tensor (§2) -------------------------------------------------------------------------
+# ---- rpc_tensor -------------------------------------------------------------------------------
 
 
 def test_rpc_tensor_offsets_match_the_reference_table() -> None:
@@ -184,7 +184,7 @@ def test_rpc_tensor_struct_equals_construct(data: bytes, offset: int) -> None:
     assert outcome(parse_rpc_tensor, data, offset) == outcome(parse_rpc_tensor_construct, data, offset)
 
 
-# ---- GRAPH_COMPUTE (§6) ----------------------------------------------------------------------
+# ---- GRAPH_COMPUTE ----------------------------------------------------------------------------
 
 
 @settings(max_examples=50)
@@ -232,7 +232,7 @@ def test_graph_compute_struct_equals_construct(payload: bytes, version) -> None:
     assert outcome(parse_graph_compute, payload, version) == outcome(parse_graph_compute_construct, payload, version)
 
 
-# ---- SET_TENSOR (§3, §7) ---------------------------------------------------------------------
+# ---- SET_TENSOR ---------------------------------------------------------------------------
 
 
 def test_set_tensor_header() -> None:
@@ -386,7 +386,7 @@ def test_hello_response_equals_construct(payload: bytes) -> None:
     assert outcome(parse_hello_response, payload) == outcome(via_construct, payload)
 
 
-# ---- first bytes (§10) -----------------------------------------------------------------------
+# ---- first bytes -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 
 from codec import ggml as G
+from engine.ggml_rpc_lib import hello
 
 from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread
 from .procs import GgmlRpcServer, HydraServer, run_worker
@@ -41,7 +41,7 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
 def _call(s: socket.socket, cmd: int, fields: dict, version) -> dict:
     """A fixed-layout command and its answer, laid out for the server's protocol version."""
     s.sendall(G.encode_request(cmd, G.request_layout(cmd, version).build(fields)))
-    size = struct.unpack("<Q", _recv_exact(s, 8))[0]
+    size = G.RESPONSE_HEADER_STRUCT.unpack(_recv_exact(s, G.RESPONSE_HEADER_STRUCT.size))[0]
     return G.response_layout(cmd, version).parse(_recv_exact(s, size))
 
 
@@ -50,9 +50,7 @@ def bulk_set_tensor(host: str, port: int, data: memoryview) -> float:
     n = len(data)
     with socket.create_connection((host, port), timeout=120) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(G.encode_hello_request())
-        size = struct.unpack("<Q", _recv_exact(s, 8))[0]
-        version = G.parse_hello_response(_recv_exact(s, size)).version
+        version = hello(s).version
         buf = _call(s, G.Cmd.ALLOC_BUFFER, {"device": 0, "size": n}, version)
         if not buf.remote_ptr:
             raise BenchError(f"ALLOC_BUFFER of {n} bytes refused")
@@ -61,11 +59,12 @@ def bulk_set_tensor(host: str, port: int, data: memoryview) -> float:
                              name=b"hydra-bench-bulk")  # f32 vector filling the buffer
         head = G.encode_set_tensor(tensor, 0, b"", version=version)
         t0 = now()
-        s.sendall(bytes([G.Cmd.SET_TENSOR]) + struct.pack("<Q", len(head) + n) + head)  # header only
+        s.sendall(G.encode_request_header(G.Cmd.SET_TENSOR, len(head) + n) + head)  # the data follows
         s.sendall(data)
         _call(s, G.Cmd.GET_ALIGNMENT, {"device": 0}, version)
         seconds = now() - t0
-        s.sendall(G.encode_request(G.Cmd.FREE_BUFFER, struct.pack("<Q", buf.remote_ptr)))
+        free = G.request_layout(G.Cmd.FREE_BUFFER, version).build({"remote_ptr": buf.remote_ptr})
+        s.sendall(G.encode_request(G.Cmd.FREE_BUFFER, free))
     return seconds
 
 
