@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from codec import ggml as G
+from tests.ggml_helpers import ggml_server
 from tests.helpers import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,26 +25,9 @@ def fuzz(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def upstream():
-    """llama.cpp's own ggml RPC server (from the wheel) in a subprocess."""
-    proc = subprocess.Popen([sys.executable, "-m", "engine.ggml_rpc_lib", "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    port = None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and port is None:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"HYDRA_GGML_RPC_READY 127\.0\.0\.1:(\d+)", line)
-        port = int(m.group(1)) if m else None
-    if port is None:
-        proc.kill()
-        proc.wait(5)
-        proc.stdout.close()
-        pytest.fail("the ggml rpc-server did not start")
-    yield port
-    proc.kill()
-    proc.wait(5)
-    proc.stdout.close()
+    """llama.cpp's own ggml RPC server (from the wheel) in a subprocess; its port."""
+    with ggml_server() as endpoint:
+        yield int(endpoint.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
@@ -123,36 +106,3 @@ def test_passthrough_delivers_replies_after_a_client_half_close(slow_upstream, t
     finally:
         sp.stop()
     assert len(data) == 8 + 28, data.hex()
-
-
-# The null-node graph of upstream's tools/rpc/test-rpc-invalid-graph-node.py: HELLO, then GRAPH_COMPUTE
-# with device 0, one node whose id is 0 (null) and no tensors. 62 bytes.
-NULL_NODE_GRAPH = (G.encode_hello_request() + bytes((G.Cmd.GRAPH_COMPUTE,)) + (20).to_bytes(8, "little")
-                   + (0).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(8) + (0).to_bytes(4, "little"))
-
-
-# Regression (fixed): found by `hydra-rpc fuzz --protocol ggml` (crash via ggml.after_hello) — the
-# vendored rpc-server segfaults on a null node id; the passthrough now checks graphs before forwarding.
-def test_embedded_ggml_server_survives_a_null_node_graph(tiny_model_path):
-    from codec.enums import Op
-    from codec.framing import encode_request
-
-    sp = start_server("--model", "tiny", "--no-http", "--log-level", "WARNING", "--ggml-rpc-embedded")
-    try:
-        with socket.create_connection((sp.host, sp.port), timeout=10) as s:
-            s.sendall(NULL_NODE_GRAPH)
-            s.shutdown(socket.SHUT_WR)
-            s.settimeout(10)
-            try:
-                while s.recv(4096):
-                    pass
-            except OSError:
-                pass
-        time.sleep(0.5)
-        assert sp.proc.poll() is None, f"the server died: exit {sp.proc.returncode}"
-        with socket.create_connection((sp.host, sp.port), timeout=10) as s:
-            s.sendall(encode_request(Op.INFO))
-            s.settimeout(10)
-            assert s.recv(12)[:1] == b"\x00"  # INFO still answered OK
-    finally:
-        sp.stop()

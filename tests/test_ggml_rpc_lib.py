@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import subprocess
 import sys
 import textwrap
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import ggml_rpc_lib as rpc
+from tests.ggml_helpers import ggml_server
 from engine.llama_backend import BatchItem, LoadedModel, SamplerParams, make_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,42 +86,8 @@ pathlib.Path({out!r}).write_text(json.dumps(result))
 @pytest.fixture
 def rpc_server() -> Iterator[str]:
     """llama.cpp's ggml RPC server (CPU) in a subprocess; yields "host:port"."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.ggml_rpc_lib", "--host", "127.0.0.1", "--port", "0", "--threads", "1"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    seen: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        endpoint = None
-        while endpoint is None:
-            try:
-                line = lines.get(timeout=30)
-            except queue.Empty:
-                pytest.fail(f"RPC server did not become ready; output so far: {seen!r}")
-            seen.append(line)
-            m = re.match(rf"{rpc.READY_PREFIX} (\d+\.\d+\.\d+\.\d+:\d+)$", line.strip())
-            if m:
-                endpoint = m.group(1)
+    with ggml_server() as endpoint:
         yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=5)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_list_devices_has_cpu() -> None:
@@ -188,32 +153,3 @@ def test_rpc_offload_end_to_end(rpc_server: str, tiny_model_path: str, tmp_path:
     assert f"{res['name']}[{rpc_server}] model buffer size" in r.stderr
     assert f"layer   0 assigned to device {res['name']}" in r.stderr
     assert res["tokens"] == local
-
-
-def test_embedded_server_port_in_use() -> None:
-    import socket
-
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen(1)
-        with pytest.raises(OSError, match="cannot start"):
-            rpc.start_embedded_rpc_server("127.0.0.1", busy.getsockname()[1])
-
-
-def test_embedded_server_in_the_same_process(tiny_model_path: str, tmp_path: Path) -> None:
-    """start_embedded_rpc_server in a thread and offload to it from the same process."""
-    out = tmp_path / "result.json"
-    code = f"""
-    import json, pathlib
-    from engine import ggml_rpc_lib as rpc
-    host, port = rpc.start_embedded_rpc_server("127.0.0.1", 0, n_threads=1)
-    name = rpc.register_rpc_server(f"{{host}}:{{port}}")
-    import sys; sys.path.insert(0, {str(ROOT / "tests")!r})
-    from test_ggml_rpc_lib import _greedy_local
-    pathlib.Path({str(out)!r}).write_text(
-        json.dumps({{"name": name, "tokens": _greedy_local({tiny_model_path!r}, n_gpu_layers=99)}}))
-    """
-    r = _run_py(code)
-    res = _result(r, out)
-    assert res["name"].startswith("RPC")
-    assert res["tokens"] == _greedy_local(tiny_model_path)

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 
 import pytest
 
+from tests.ggml_helpers import ggml_server as start_ggml_server
 from tests.helpers import start_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,21 +26,8 @@ def run_client(model: str, endpoint: str | None, n: int = 16) -> dict:
 @pytest.fixture(scope="module")
 def ggml_server():
     """llama.cpp's own ggml RPC server, started from the wheel's library in a subprocess."""
-    proc = subprocess.Popen([sys.executable, "-m", "engine.ggml_rpc_lib", "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    deadline = time.monotonic() + 30
-    endpoint = None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        m = re.search(r"HYDRA_GGML_RPC_READY (\S+)", line)
-        if m:
-            endpoint = m.group(1)
-            break
-    assert endpoint, "ggml rpc server did not start"
-    yield endpoint
-    proc.kill()
-    proc.wait()
-    proc.stdout.close()
+    with start_ggml_server() as endpoint:
+        yield endpoint
 
 
 def test_passthrough_to_upstream_matches_local(tiny_model_path, ggml_server):

@@ -167,10 +167,10 @@ class HydraServer(Process):
 
 
 class GgmlRpcServer(Process):
-    """llama.cpp's own ggml RPC server from the wheel (``python -m engine.ggml_rpc_lib``)."""
+    """llama.cpp's own ggml RPC server from the wheel (``python -m engine.ggml_rpc_child``)."""
 
     def __init__(self, threads: int, timeout: float = 60.0):
-        super().__init__([sys.executable, "-m", "engine.ggml_rpc_lib", "--host", "127.0.0.1", "--port", "0",
+        super().__init__([sys.executable, "-m", "engine.ggml_rpc_child", "--host", "127.0.0.1", "--port", "0",
                           "--threads", str(threads)], "ggml rpc server")
         m = self.wait_for(re.compile(r"HYDRA_GGML_RPC_READY ([\d.]+):(\d+)"), timeout)
         self.host, self.port = m.group(1), int(m.group(2))
