@@ -2,8 +2,10 @@
 
 ggml-RPC is many tiny round trips — per generated token a few SET_TENSORs, a GRAPH_RECOMPUTE
 and a GET_TENSOR whose reply the client waits for — so the relay's cost is latency per hop.
-Each direction is a thread blocked in ``recv`` (the GIL released while it waits): what arrives
-is checked by the session guard (codec/ggml/guard.py) and sent on at once with one
+Each direction is a thread blocked in ``recv`` (the GIL released while it waits) with
+``SO_RCVLOWAT`` set to what the session guard (codec/ggml/guard.py) needs before it can decide —
+llama.cpp sends a frame's command, size and payload as three segments, and waking for each
+would triple the relay's CPU per token. What arrives is checked and sent on at once with one
 ``sendmsg``, without an event-loop wakeup, a callback or a copy. An approved bulk payload
 (a weight upload, a large GET_TENSOR reply) is moved by ``os.splice`` through a pipe and never
 enters Python.
@@ -25,6 +27,7 @@ from codec.ggml.guard import Refused, SessionGuard
 
 log = logging.getLogger("hydra_rpc.passthrough")
 CHUNK = 1 << 20  # recv buffer per direction
+LOWAT_MAX = 64 << 10  # Linux caps SO_RCVLOWAT at half the receive buffer
 SPLICE_MIN = 256 << 10  # bodies at least this large go through the pipe
 PIPE_SIZE = 1 << 20
 F_SETPIPE_SZ = 1031
@@ -75,6 +78,7 @@ class Relay:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         pipe: tuple[int, int] | None = None
+        lowat = 1
         try:
             if up and self.prefix:
                 self._forward(up, filt.feed(self.prefix), dst)
@@ -87,6 +91,12 @@ class Relay:
                     if moved:
                         continue
                     break  # EOF inside the body
+                # llama.cpp writes a frame's command, size and payload with separate send()s: sleep
+                # until the guard can decide, not once per segment
+                want = min(filt.wanted, LOWAT_MAX)
+                if want != lowat:
+                    src.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
                 n = src.recv_into(buf)
                 if n == 0:
                     break

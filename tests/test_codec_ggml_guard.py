@@ -7,7 +7,6 @@ regressions for the same inputs are in tests/test_ggml_embedded.py.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import struct
 
 import pytest
@@ -24,7 +23,7 @@ GIB = 1 << 30
 
 
 def req(cmd: int, **fields) -> bytes:
-    fields = {k: dataclasses.asdict(v) if isinstance(v, G.RpcTensor) else v for k, v in fields.items()}
+    fields = {k: v._asdict() if isinstance(v, G.RpcTensor) else v for k, v in fields.items()}
     return G.encode_request(cmd, G.request_layout(cmd, V).build(fields))
 
 

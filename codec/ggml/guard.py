@@ -30,14 +30,15 @@ from dataclasses import dataclass
 
 from ..errors import CodecError, RemoteProtocolError
 from .commands import CONN_CAPS_SIZE, Cmd, at_least, command_table, normalize_version, request_layout
-from .fast import fast_layout
+from .fast import FastLayout, fast_layout
 from .framing import REQUEST_HEADER_STRUCT, RESPONSE_HEADER_STRUCT, Buffer, encode_hello_response
 from .payloads import parse_graph_compute, set_tensor_header_size
-from .tables import enums_for
+from .tables import TypeTraits, enums_for
 from .tensor import RPC_TENSOR_STRUCT, RpcTensor, tensor_from_flat
 
 MAX_GRAPH_BYTES = 16 << 20  # a graph is ids and tensor headers: 56k tensors, 10× a large model's
 MAX_GRAPH_DEPTH = 10_000  # the server rebuilds a graph recursively: a deep chain overflows its stack
+SMALL_REPLY = 64 << 10
 _INT64_MAX = (1 << 63) - 1
 _U64 = struct.Struct("<Q")
 
@@ -62,6 +63,10 @@ class SessionGuard:
         self.enums = enums_for(self.version)  # None: op numbers cannot be checked at this version
         self.max_alloc_bytes = max_alloc_bytes
         self.max_graph_bytes = max_graph_bytes
+        self.set_tensor_head = set_tensor_header_size(self.version)
+        self.hello_size = CONN_CAPS_SIZE if at_least(self.version, 4) else 0
+        self._types = (self.enums or _NEWEST).types
+        self._fast: dict[int, FastLayout] = {}
         self.buffers: dict[int, _RemoteBuffer] = {}  # added by responses, removed by requests
         self.pending: deque[tuple[int, int]] = deque()  # (cmd, arg) appended by requests, popped by responses
         self.requested = 0  # requests: ALLOC_BUFFER sizes asked for
@@ -86,18 +91,29 @@ class SessionGuard:
                           rule="ggml.guard.base")
         return buf
 
-    def check_tensor(self, t: RpcTensor, *, needs_buffer: bool = True) -> None:
-        """What ``deserialize_tensor`` asserts, plus: a tensor names this session's buffers only."""
-        types = (self.enums or _NEWEST).types
-        traits = types[t.type] if t.type < len(types) else None
+    def layout(self, cmd: int) -> FastLayout:
+        fast = self._fast.get(cmd)
+        if fast is None:
+            fast = self._fast[cmd] = fast_layout(request_layout(cmd, self.version))
+        return fast
+
+    def traits(self, t: RpcTensor) -> TypeTraits:
+        traits = self._types[t.type] if t.type < len(self._types) else None
         if traits is None:
             raise Refused(f"tensor {t.name_str!r}: type {t.type} is not a ggml type", rule="ggml.guard.type")
-        n = t.ne[0]
-        for d in t.ne[1:]:
-            if d > 1:
-                if _INT64_MAX // d <= n:
-                    raise Refused(f"tensor {t.name_str!r}: {t.ne} elements overflow int64", rule="ggml.guard.ne")
-                n *= d
+        return traits
+
+    def check_tensor(self, t: RpcTensor, *, needs_buffer: bool = True) -> None:
+        """What ``deserialize_tensor`` asserts, plus: a tensor names this session's buffers only."""
+        traits = self.traits(t)
+        ne = t.ne
+        if ne[1] > 1 or ne[2] > 1 or ne[3] > 1:  # as ggml_new_tensor_impl's GGML_ASSERT, for 4 dims
+            n = ne[0]
+            for d in ne[1:]:
+                if d > 1:
+                    if _INT64_MAX // d <= n:
+                        raise Refused(f"tensor {t.name_str!r}: {ne} elements overflow int64", rule="ggml.guard.ne")
+                    n *= d
         if t.buffer == 0:
             if needs_buffer or t.data:
                 raise Refused(f"tensor {t.name_str!r} has no buffer", rule="ggml.guard.buffer")
@@ -131,11 +147,13 @@ _NEWEST = enums_for((7, 0, 0))
 
 def nbytes(t: RpcTensor, block_size: int, type_size: int) -> int:
     """``ggml_nbytes`` in exact arithmetic (the server's wraps at 2^64; exact never passes a bound it fails)."""
-    if 0 in t.ne:
+    ne, nb = t.ne, t.nb
+    if 0 in ne:
         return 0
-    first = type_size if block_size == 1 else t.ne[0] * t.nb[0] // block_size
-    rest = range(1, 4) if block_size != 1 else range(4)
-    return first + sum((t.ne[i] - 1) * t.nb[i] for i in rest)
+    rest = (ne[1] - 1) * nb[1] + (ne[2] - 1) * nb[2] + (ne[3] - 1) * nb[3]
+    if block_size == 1:
+        return type_size + (ne[0] - 1) * nb[0] + rest
+    return ne[0] * nb[0] // block_size + rest
 
 
 class _Filter:
@@ -151,6 +169,16 @@ class _Filter:
         self._inspect: int | None = None  # decided for the frame being held
         self._size = 0
 
+    @property
+    def wanted(self) -> int:
+        """Bytes that must arrive before anything more can be decided or forwarded: the rest of
+        the header or of the checked head, else the payload left. A relay can sleep until then
+        (SO_RCVLOWAT) instead of waking for every segment of a frame."""
+        if self.body_left:
+            return self.body_left
+        hs = self._HEADER.size
+        return (hs if self._inspect is None else hs + self._inspect) - len(self._held)
+
     def consume_body(self, n: int) -> None:
         if not 0 <= n <= self.body_left:
             raise ValueError(f"consume_body({n}) with {self.body_left} left")
@@ -159,36 +187,35 @@ class _Filter:
     def feed(self, data: Buffer) -> list[Buffer]:
         mv = memoryview(data)
         out: list[Buffer] = []
-        span = [0, 0]  # approved bytes mv[span[0]:span[1]] not yet in out
-
-        def flush(at: int) -> None:
-            if span[1] > span[0]:
-                out.append(mv[span[0] : span[1]])
-            span[0] = span[1] = at
-
-        def keep(a: int, b: int) -> None:
-            if span[1] != a:
-                flush(a)
-            span[1] = b
-
-        pos, n, hs = 0, len(mv), self._HEADER.size
+        a = b = 0  # approved bytes mv[a:b] not yet in out (inlined: this runs per received chunk)
+        pos, n = 0, len(mv)
+        header = self._HEADER
+        hs = header.size
         while pos < n:
             if self.body_left:
                 take = min(self.body_left, n - pos)
-                keep(pos, pos + take)
+                if b != pos:
+                    if b > a:
+                        out.append(mv[a:b])
+                    a = pos
                 pos += take
+                b = pos
                 self.body_left -= take
                 continue
             if not self._held and n - pos >= hs:  # fast path: the header is here whole
-                fields = self._HEADER.unpack_from(mv, pos)
-                self._size = fields[-1]
+                fields = header.unpack_from(mv, pos)
+                size = self._size = fields[-1]
                 inspect = self._on_header(*fields)
                 end = pos + hs + inspect
                 if end <= n:
                     if self._on_head(mv[pos + hs : end]):
-                        keep(pos, end)
+                        if b != pos:
+                            if b > a:
+                                out.append(mv[a:b])
+                            a = pos
+                        b = end
                     pos = end
-                    self.body_left = self._size - inspect
+                    self.body_left = size - inspect
                     continue
                 self._inspect = inspect
             # slow path: a header or head split across feeds is gathered in _held
@@ -199,18 +226,21 @@ class _Filter:
             if self._inspect is None:
                 if len(self._held) < hs:
                     break
-                fields = self._HEADER.unpack_from(self._held)
+                fields = header.unpack_from(self._held)
                 self._size = fields[-1]
                 self._inspect = self._on_header(*fields)
             if len(self._held) < hs + self._inspect:
                 continue
             if self._on_head(memoryview(self._held)[hs:]):
-                flush(pos)
+                if b > a:
+                    out.append(mv[a:b])
+                a = b = pos
                 out.append(bytes(self._held))
             self.body_left = self._size - self._inspect
             self._held = bytearray()  # a new one: a held graph's memory is given back at once
             self._inspect = None
-        flush(n)
+        if b > a:
+            out.append(mv[a:b])
         return out
 
     def _on_header(self, *fields: int) -> int:
@@ -238,16 +268,15 @@ class RequestGuard(_Filter):
         g = self.g
         self._cmd = cmd
         if not self._hello_done:
-            want = CONN_CAPS_SIZE if at_least(g.version, 4) else 0
-            if cmd != Cmd.HELLO or size != want:
-                raise Refused(f"a session starts with a HELLO of {want} bytes, not command {cmd} of {size} bytes",
-                              rule="ggml.guard.hello")
+            if cmd != Cmd.HELLO or size != g.hello_size:
+                raise Refused(f"a session starts with a HELLO of {g.hello_size} bytes, not command {cmd} of "
+                              f"{size} bytes", rule="ggml.guard.hello")
             return size
         info = g.table.get(cmd)
         if info is None or cmd == Cmd.HELLO:
             raise Refused(f"command {cmd} is not allowed here at protocol {_v(g)}", rule="ggml.guard.cmd")
         if cmd == Cmd.SET_TENSOR:
-            head = set_tensor_header_size(g.version)
+            head = g.set_tensor_head
             if size < head:
                 raise Refused(f"SET_TENSOR of {size} bytes is shorter than its {head}-byte head",
                               rule="ggml.guard.size")
@@ -272,7 +301,7 @@ class RequestGuard(_Filter):
         elif cmd == Cmd.GRAPH_COMPUTE:
             arg = self._graph(head)
         else:
-            arg = self._fixed(cmd, fast_layout(request_layout(cmd, g.version)).unpack(head))
+            arg = self._fixed(cmd, g.layout(cmd).unpack(head))
         if g.table[cmd].has_response:
             g.pending.append((cmd, arg))
         return True
@@ -309,7 +338,7 @@ class RequestGuard(_Filter):
             src, dst = f["src"], f["dst"]
             g.check_tensor(src)
             g.check_tensor(dst)
-            traits = (g.enums or _NEWEST).types[src.type]
+            traits = g.traits(src)
             g.check_region(dst, 0, nbytes(src, traits.block_size, traits.type_size), "COPY_TENSOR")
         elif "tensor" in f:  # INIT_TENSOR, GET_ALLOC_SIZE, GET_DEVICE_SUPPORTS_OP: may be unallocated
             for t in (f["tensor"], *f.get("srcs", ())):
@@ -375,7 +404,8 @@ class ResponseGuard(_Filter):
         if size != want:
             raise Refused(f"the server's {g.table[self._cmd].name} reply is {size} bytes, not {want} "
                           "(the client would abort)", rule="ggml.guard.reply_size")
-        return size if self._cmd in self._WATCHED else 0
+        # small replies are checked whole, so a reply goes on in one piece (header with payload)
+        return size if self._cmd in self._WATCHED or size <= SMALL_REPLY else 0
 
     def _on_head(self, head: memoryview) -> bool:
         g = self.g

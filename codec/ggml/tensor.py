@@ -9,8 +9,7 @@ The construct ``RPC_TENSOR`` is the declarative source of truth; its ``struct`` 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from construct import Array, Bytes, ConstructError, Int32sl, Int32ul, Int64ul, Struct
 
@@ -44,8 +43,9 @@ RPC_TENSOR_SIZE = RPC_TENSOR_STRUCT.size
 assert RPC_TENSOR.sizeof() == RPC_TENSOR_SIZE == 296
 
 
-@dataclass(frozen=True, slots=True)
-class RpcTensor:
+class RpcTensor(NamedTuple):
+    """One decoded rpc_tensor (a NamedTuple: the guard builds several per generated token)."""
+
     id: int = 0
     type: int = 0
     buffer: int = 0
