@@ -151,11 +151,11 @@ def _splice(src: int, dst: int, n: int, pipe: tuple[int, int]) -> int:
     r, w = pipe
     moved = 0
     while moved < n:
-        got = os.splice(src, w, min(n - moved, PIPE_SIZE))
+        got = os.splice(src, w, min(n - moved, PIPE_SIZE), flags=os.SPLICE_F_MOVE | os.SPLICE_F_MORE)
         if got == 0:
             break
         left = got
         while left:
-            left -= os.splice(r, dst, left)
+            left -= os.splice(r, dst, left, flags=os.SPLICE_F_MOVE | os.SPLICE_F_MORE)
         moved += got
     return moved
