@@ -183,7 +183,10 @@ class GgmlChildPool:
         path = os.pathsep.join(p for p in (ENGINE_DIR, os.environ.get("PYTHONPATH")) if p)
         proc = await asyncio.create_subprocess_exec(
             *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=dict(os.environ, PYTHONPATH=path), cwd=ENGINE_DIR)
+            stderr=asyncio.subprocess.PIPE, cwd=ENGINE_DIR,
+            # no gdb backtrace on a GGML_ASSERT: it takes seconds and floods our log
+            env=dict(os.environ, PYTHONPATH=path, GGML_NO_BACKTRACE="1"),
+            start_new_session=True)  # a signal to our process group is ours to handle, not the children's
         stderr = asyncio.create_task(_pump_stderr(proc), name=f"ggml-child-{proc.pid}-stderr")
         sock = None
         try:

@@ -10,9 +10,11 @@ would triple the relay's CPU per token. What arrives is checked and sent on at o
 (a weight upload, a large GET_TENSOR reply) is moved by ``os.splice`` through a pipe and never
 enters Python.
 
-Closing: the client's half-close is passed on (the server still owes replies); the server's
-end, a refusal by the guard, an error or :meth:`stop` end the whole session — both sockets
-are shut down, which wakes both threads.
+Closing: the client's half-close is passed on (the server still owes replies), and so is a
+request the guard refuses — the frames before it are forwarded, then the server's side is
+half-closed, as if the server itself had closed at the refused frame. The server's end, a
+reply the guard refuses, an error or :meth:`stop` end the whole session: both sockets are
+shut down, which wakes both threads.
 """
 from __future__ import annotations
 
@@ -109,7 +111,10 @@ class Relay:
             self.refused = str(e)
             log.warning("closed ggml-RPC client %s: %s (%s; not forwarded)", self.peer, e,
                         "its request" if up else "the upstream's reply")
-            self.stop()
+            if up:  # as if the server closed at the refused frame: what came before is served
+                self._refuse_request(e, dst)
+            else:
+                self.stop()
         except OSError:
             self.stop()
         finally:
@@ -121,6 +126,14 @@ class Relay:
                 last = self._left == 0
             if last:
                 self.on_done()
+
+    def _refuse_request(self, e: Refused, dst: socket.socket) -> None:
+        try:
+            self._forward(True, list(e.approved), dst)
+            self.client.shutdown(socket.SHUT_RD)
+            dst.shutdown(socket.SHUT_WR)  # the server answers what it got, then closes: the down thread ends it all
+        except OSError:
+            self.stop()
 
     def _forward(self, up: bool, chunks: list, dst: socket.socket) -> None:
         if up and self.guard.requests.to_client:  # the HELLO reply: before anything is forwarded

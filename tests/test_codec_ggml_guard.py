@@ -74,7 +74,7 @@ def session_steps() -> list[tuple[str, bytes]]:
         ("responses", rsp(G.Cmd.BUFFER_GET_BASE, base_ptr=BASE)),
         ("requests", set_tensor(a, bytes(range(16))) + set_tensor(b, b"\1" * 16) + graph([a, b, c], [3])
          + req(G.Cmd.GRAPH_RECOMPUTE, device=0) + req(G.Cmd.GET_TENSOR, tensor=c, offset=0, size=16)
-         + set_tensor(a, bytes(1000))),
+         + set_tensor(f32(4, n=250, data=BASE + 64), bytes(1000))),
         ("responses", G.encode_response(bytes(16))),
     ]
 
@@ -211,6 +211,15 @@ def test_replies_are_held_to_what_the_client_checks(guard):
     guard.requests.feed(req(G.Cmd.GET_TENSOR, tensor=f32(1), offset=0, size=16))
     with pytest.raises(Refused, match="reply is 15 bytes, not 16"):
         guard.responses.feed(G.encode_response(bytes(15)))
+
+
+def test_reads_and_writes_stay_inside_their_tensor(guard):
+    """Inside the buffer but past the tensor: ggml_backend_tensor_set/get GGML_ASSERT (found by
+    ``hydra-rpc fuzz --protocol ggml``: a contained child crash)."""
+    with pytest.raises(Refused, match="past the end of tensor"):
+        guard.requests.feed(set_tensor(f32(1, n=4), bytes(17)))
+    with pytest.raises(Refused, match="past the end of tensor"):
+        guard.requests.feed(req(G.Cmd.GET_TENSOR, tensor=f32(1, n=4), offset=8, size=9))
 
 
 def test_get_and_copy_stay_inside_the_buffer(guard):

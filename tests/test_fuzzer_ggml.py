@@ -13,6 +13,7 @@ import pytest
 
 from codec import ggml as G
 from tests.ggml_helpers import ggml_server
+from tools.fuzzer.ggml_cases import SWEEP
 from tests.helpers import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,11 +52,25 @@ def test_remote_targets_need_allow_remote():
 def test_handshake_and_framing_cases_keep_proxy_and_upstream_alive(proxy, upstream, tmp_path):
     p = fuzz("--protocol", "ggml", "--i-know-upstream-may-crash", "--target", f"{proxy.host}:{proxy.port}",
              "--cases", "30", "--seed", "1", "--out", str(tmp_path), "--json", "--no-minimize")
-    assert p.returncode in (0, 1), p.stderr
+    assert p.returncode == 0, p.stdout + p.stderr
     results = json.loads(p.stdout)
-    assert results["cases"] == 30 and not results["stopped_early"]
-    # dropped replies are the known passthrough bug below; nothing may crash or stop answering
-    assert {f["class"] for f in results["findings"]} <= {"desync"}, results["findings"]
+    assert results["cases"] == 30 and not results["stopped_early"] and not results["findings"]
+
+
+def test_the_whole_sweep_against_the_embedded_server(tmp_path):
+    """Every case that has crashed llama.cpp's rpc-server, against --ggml-rpc-embedded: the Hydra
+    port keeps answering (the oracle), nothing else fails, and the guard stops each crash before
+    the child (no child died)."""
+    n = len(SWEEP)
+    spawn = f"{sys.executable} -m hydra_rpc.cli serve --model tiny --no-http --port {{port}} --ggml-rpc-embedded"
+    p = fuzz("--protocol", "ggml", "--i-know-upstream-may-crash", "--target", "127.0.0.1:0", "--spawn", spawn,
+             "--cases", str(n), "--seed", "1", "--out", str(tmp_path), "--json", "--no-minimize")
+    assert p.returncode == 0, p.stdout + p.stderr
+    results = json.loads(p.stdout)
+    assert results["cases"] == n and not results["findings"] and not results["restarts"]
+    assert results["notes"].get("ggml child died", 0) == 0, (tmp_path / "target.log").read_text()[-3000:]
+    log = (tmp_path / "target.log").read_text()
+    assert log.count("closed ggml-RPC client") >= len([c for c in SWEEP if c[0] == "buffer"]) - 1
 
 
 @pytest.fixture

@@ -48,6 +48,7 @@ class Refused(RemoteProtocolError):
     exists). Also raised for a reply from the server that the real client would abort on."""
 
     recoverable = False
+    approved: tuple | list = ()  # set by feed(): the chunks approved before the refused frame
 
 
 @dataclass(slots=True)
@@ -123,13 +124,20 @@ class SessionGuard:
             raise Refused(f"tensor {t.name_str!r} at 0x{t.data:x} lies outside its buffer "
                           f"[0x{buf.base:x}, +{buf.size})", rule="ggml.guard.bounds")
 
-    def check_region(self, t: RpcTensor, offset: int, size: int, what: str) -> None:
-        """``[data + offset, + size)`` inside the tensor's buffer (the server's own sanitize check)."""
+    def check_region(self, t: RpcTensor, offset: int, size: int, what: str, *, in_tensor: bool = True) -> None:
+        """``[data + offset, + size)`` inside the tensor's buffer (the server's own sanitize check)
+        and, for a read or write of the tensor, inside the tensor (ggml_backend_tensor_set/get
+        GGML_ASSERT it; the server does not check)."""
         buf = self.buffer_of(t)
         p, end = t.data + offset, buf.base + buf.size
         if not buf.base <= p < end or size > end - p:
             raise Refused(f"{what}: {size} bytes at 0x{p:x} outside buffer [0x{buf.base:x}, +{buf.size})",
                           rule="ggml.guard.region")
+        if in_tensor and size:
+            traits = self.traits(t)
+            if offset + size > nbytes(t, traits.block_size, traits.type_size):
+                raise Refused(f"{what}: {size} bytes at +{offset} past the end of tensor {t.name_str!r}",
+                              rule="ggml.guard.region")
 
     def check_op(self, t: RpcTensor) -> None:
         if self.enums is None:
@@ -185,60 +193,69 @@ class _Filter:
         self.body_left -= n
 
     def feed(self, data: Buffer) -> list[Buffer]:
+        """The chunks of ``data`` that may be forwarded now, in order. A refusal carries what was
+        approved before the refused frame (``Refused.approved``): an rpc-server reading the same
+        stream would have acted on those frames before it closed."""
         mv = memoryview(data)
         out: list[Buffer] = []
         a = b = 0  # approved bytes mv[a:b] not yet in out (inlined: this runs per received chunk)
         pos, n = 0, len(mv)
         header = self._HEADER
         hs = header.size
-        while pos < n:
-            if self.body_left:
-                take = min(self.body_left, n - pos)
-                if b != pos:
+        try:
+            while pos < n:
+                if self.body_left:
+                    take = min(self.body_left, n - pos)
+                    if b != pos:
+                        if b > a:
+                            out.append(mv[a:b])
+                        a = pos
+                    pos += take
+                    b = pos
+                    self.body_left -= take
+                    continue
+                if not self._held and n - pos >= hs:  # fast path: the header is here whole
+                    fields = header.unpack_from(mv, pos)
+                    size = self._size = fields[-1]
+                    inspect = self._on_header(*fields)
+                    end = pos + hs + inspect
+                    if end <= n:
+                        if self._on_head(mv[pos + hs : end]):
+                            if b != pos:
+                                if b > a:
+                                    out.append(mv[a:b])
+                                a = pos
+                            b = end
+                        pos = end
+                        self.body_left = size - inspect
+                        continue
+                    self._inspect = inspect
+                # slow path: a header or head split across feeds is gathered in _held
+                want = hs if self._inspect is None else hs + self._inspect
+                take = min(want - len(self._held), n - pos)
+                self._held += mv[pos : pos + take]
+                pos += take
+                if self._inspect is None:
+                    if len(self._held) < hs:
+                        break
+                    fields = header.unpack_from(self._held)
+                    self._size = fields[-1]
+                    self._inspect = self._on_header(*fields)
+                if len(self._held) < hs + self._inspect:
+                    continue
+                if self._on_head(memoryview(self._held)[hs:]):
                     if b > a:
                         out.append(mv[a:b])
-                    a = pos
-                pos += take
-                b = pos
-                self.body_left -= take
-                continue
-            if not self._held and n - pos >= hs:  # fast path: the header is here whole
-                fields = header.unpack_from(mv, pos)
-                size = self._size = fields[-1]
-                inspect = self._on_header(*fields)
-                end = pos + hs + inspect
-                if end <= n:
-                    if self._on_head(mv[pos + hs : end]):
-                        if b != pos:
-                            if b > a:
-                                out.append(mv[a:b])
-                            a = pos
-                        b = end
-                    pos = end
-                    self.body_left = size - inspect
-                    continue
-                self._inspect = inspect
-            # slow path: a header or head split across feeds is gathered in _held
-            want = hs if self._inspect is None else hs + self._inspect
-            take = min(want - len(self._held), n - pos)
-            self._held += mv[pos : pos + take]
-            pos += take
-            if self._inspect is None:
-                if len(self._held) < hs:
-                    break
-                fields = header.unpack_from(self._held)
-                self._size = fields[-1]
-                self._inspect = self._on_header(*fields)
-            if len(self._held) < hs + self._inspect:
-                continue
-            if self._on_head(memoryview(self._held)[hs:]):
-                if b > a:
-                    out.append(mv[a:b])
-                a = b = pos
-                out.append(bytes(self._held))
-            self.body_left = self._size - self._inspect
-            self._held = bytearray()  # a new one: a held graph's memory is given back at once
-            self._inspect = None
+                    a = b = pos
+                    out.append(bytes(self._held))
+                self.body_left = self._size - self._inspect
+                self._held = bytearray()  # a new one: a held graph's memory is given back at once
+                self._inspect = None
+        except Refused as e:
+            if b > a:
+                out.append(mv[a:b])
+            e.approved = out
+            raise
         if b > a:
             out.append(mv[a:b])
         return out
@@ -339,7 +356,8 @@ class RequestGuard(_Filter):
             g.check_tensor(src)
             g.check_tensor(dst)
             traits = g.traits(src)
-            g.check_region(dst, 0, nbytes(src, traits.block_size, traits.type_size), "COPY_TENSOR")
+            size = nbytes(src, traits.block_size, traits.type_size)
+            g.check_region(dst, 0, size, "COPY_TENSOR", in_tensor=False)  # the server copies nbytes(src)
         elif "tensor" in f:  # INIT_TENSOR, GET_ALLOC_SIZE, GET_DEVICE_SUPPORTS_OP: may be unallocated
             for t in (f["tensor"], *f.get("srcs", ())):
                 if t is f["tensor"] or t.id:

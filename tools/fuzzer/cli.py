@@ -103,7 +103,7 @@ async def _main(args: argparse.Namespace) -> int:
     protocol = "codec" if args.codec else args.protocol
     if protocol == "ggml" and not args.i_know_upstream_may_crash:
         print("hydra-rpc fuzz: --protocol ggml sends malformed ggml-RPC through the passthrough to the upstream "
-              "rpc-server, which is known to crash on bad input (ggml-rpc-facts §12). Add "
+              "rpc-server, which is known to crash on bad input (docs/ggml.md). Add "
               "--i-know-upstream-may-crash to go ahead.", file=sys.stderr)
         return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
