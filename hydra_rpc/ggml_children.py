@@ -127,14 +127,15 @@ class GgmlChildPool:
         self._closed = True
         if self._filler is not None:
             self._filler.cancel()
+            await asyncio.wait([self._filler])  # a child it was starting is reaped on the way out
         children = [*self._idle, *self._busy]
         self._idle.clear()
         self._busy.clear()
         for child in children:
             child.released = True
             _kill(child)
-        if children:
-            await asyncio.wait([asyncio.create_task(c.proc.wait()) for c in children], timeout=5.0)
+        for child in children:
+            await _reap(child.proc, *child.tasks)
         self._notify()
 
     # ------------------------------------------------------------------ internals
@@ -201,12 +202,14 @@ class GgmlChildPool:
                 log.warning("ggml child %d: %d connections reached its private port, not only ours; discarded",
                             proc.pid, accepted)
                 raise ChildStartError("its private port was reached by another process")
-        except (OSError, TimeoutError, ValueError, ChildStartError) as e:
-            self.stats["failed_starts"] += 1
+        except BaseException as e:  # also a cancellation (close() during a start): never leave the child
             if sock is not None:
                 sock.close()
             _terminate(proc)
-            await asyncio.wait([stderr], timeout=1.0)
+            await asyncio.shield(_reap(proc, stderr))
+            if not isinstance(e, (OSError, TimeoutError, ValueError, ChildStartError)):
+                raise
+            self.stats["failed_starts"] += 1
             raise ChildStartError(str(e) or type(e).__name__) from None
         self.stats["started"] += 1
         self.start_ms = [*self.start_ms[-99:], (loop.time() - t0) * 1e3]
@@ -231,6 +234,11 @@ async def _pump_stderr(proc: asyncio.subprocess.Process) -> None:
         line = line.rstrip()
         if line and not line.startswith(_EXPECTED_STDERR):
             log.info("ggml child %d: %r", proc.pid, line.decode("utf-8", "replace"))  # repr: no forged lines
+
+
+async def _reap(proc: asyncio.subprocess.Process, *tasks: asyncio.Task) -> None:
+    """Wait (bounded) for a killed child and its pumps, so no transport outlives the pool."""
+    await asyncio.wait([asyncio.ensure_future(proc.wait()), *tasks], timeout=5.0)
 
 
 def _kill(child: GgmlChild) -> None:
