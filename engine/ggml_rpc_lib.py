@@ -4,44 +4,41 @@
   libllama uses, so a later model load with ``n_gpu_layers > 0`` offloads layers to it.
   Registration is process-global and cannot be undone (no unregister API).
 * :func:`list_devices` lists the registry's devices (CPU, RPC0, ...).
-* :func:`start_embedded_rpc_server` runs llama.cpp's own RPC server (the code behind
-  ``ggml-rpc-server``) in a daemon thread of this process;
-  ``python -m engine.ggml_rpc_lib --host H --port P`` runs it as a process.
+* :func:`start_server_blocking` runs llama.cpp's own RPC server (the code behind
+  ``ggml-rpc-server``) on the calling thread; engine/ggml_rpc_child.py runs it as a process of
+  its own, which is the only way this project runs it (its crashes must not be ours).
 
 Pitfall: the wheel ships ``libggml.so``, ``libggml.so.0`` and ``libggml.so.0.x`` as separate
 file *copies*. libllama links ``libggml.so.0``; opening ``libggml.so`` (what
 ``llama_cpp._ggml`` does) maps a second libggml with its own, separate registry. We
-therefore always open ``llama_cpp/lib/libggml.so.0``.
+therefore always open ``llama_cpp/lib/libggml.so.0`` — found without importing llama_cpp, so a
+child process that only serves ggml RPC starts in tens of milliseconds.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
+import importlib.util
 import os
 import socket
-import struct
-import sys
 import threading
-import time
 from typing import Any
+
+from codec import ggml as G
+from codec.errors import CodecError
 
 __all__ = [
     "libggml",
     "register_rpc_server",
     "registered_servers",
     "list_devices",
-    "start_embedded_rpc_server",
-    "serve_forever_subprocess_main",
+    "start_server_blocking",
     "find_free_port",
     "probe_rpc_server",
+    "hello",
+    "open_session",
     "RpcServerError",
     "client_proto_version",
-    "READY_PREFIX",
-    "main",
 ]
-
-#: printed (and flushed) by :func:`serve_forever_subprocess_main` once the port accepts connections
-READY_PREFIX = "HYDRA_GGML_RPC_READY"
 
 _FALLBACK_PROTO = (7, 0, 0)  # llama-cpp-python 0.3.36
 _DEV_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
@@ -57,15 +54,21 @@ _START_SERVER_T = ctypes.CFUNCTYPE(
 )
 
 
+def _package_dir() -> str:
+    """llama_cpp's directory, without importing it (numpy and libllama are not needed here)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llama-cpp-python is not installed")
+    return spec.submodule_search_locations[0]
+
+
 def libggml() -> ctypes.CDLL:
     """The libggml that libllama itself uses (``llama_cpp/lib/libggml.so.0``)."""
     global _lib
     with _lock:
         if _lib is not None:
             return _lib
-        import llama_cpp  # loads libllama (and with it libggml.so.0) first
-
-        path = os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml.so.0")
+        path = os.path.join(_package_dir(), "lib", "libggml.so.0")
         if not os.path.exists(path):
             raise RuntimeError(f"llama-cpp-python has no {path}; unexpected wheel layout")
         g = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -94,12 +97,10 @@ def libggml() -> ctypes.CDLL:
 
 def _rpc_proc(name: str) -> int:
     g = libggml()
-    from engine.llama_backend import check_rpc_support
-
-    check_rpc_support()
     reg = g.ggml_backend_reg_by_name(b"RPC")
     if not reg:
-        raise RuntimeError("the ggml backend registry has no 'RPC' backend (llama-cpp-python built without GGML_RPC?)")
+        raise RuntimeError("the ggml backend registry has no 'RPC' backend: llama-cpp-python was built without "
+                           "-DGGML_RPC=ON (see scripts/install_llama_cpp.sh)")
     addr = g.ggml_backend_reg_get_proc_address(reg, name.encode())
     if not addr:
         raise RuntimeError(f"the RPC backend does not export {name}")
@@ -124,9 +125,7 @@ def client_proto_version() -> tuple[int, int, int]:
     """The ggml RPC protocol version this llama-cpp-python build speaks (from its ggml-rpc.h)."""
     import re
 
-    import llama_cpp
-
-    site = os.path.dirname(os.path.dirname(llama_cpp.__file__))
+    site = os.path.dirname(_package_dir())
     try:
         with open(os.path.join(site, "include", "ggml-rpc.h"), encoding="utf-8") as f:
             text = f.read()
@@ -158,6 +157,36 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
+def hello(sock: socket.socket, legacy: bool = False) -> G.HelloResponse:
+    """HELLO on a fresh connection (zero conn_caps: TCP only); the server's reply.
+
+    Raises RpcServerError when the reply is not a HELLO reply (wrong size, or a close)."""
+    sock.sendall(G.encode_hello_request(legacy=legacy))
+    size = G.RESPONSE_HEADER_STRUCT.unpack(_recv_exact(sock, G.RESPONSE_HEADER_STRUCT.size))[0]
+    if size not in (3, 28):
+        raise RpcServerError(f"unexpected HELLO reply size {size}")
+    try:
+        return G.parse_hello_response(_recv_exact(sock, size))
+    except CodecError as e:
+        raise RpcServerError(str(e)) from None
+
+
+def open_session(host: str, port: int, timeout: float) -> tuple[socket.socket, G.HelloResponse]:
+    """A blocking, TCP_NODELAY connection to a ggml RPC server with its HELLO done.
+
+    ``timeout`` bounds the connect and the HELLO (a server busy with another client does not
+    answer); the returned socket has no timeout."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reply = hello(sock, legacy=client_proto_version()[0] < 4)
+        sock.settimeout(None)
+        return sock, reply
+    except BaseException:
+        sock.close()
+        raise
+
+
 def probe_rpc_server(endpoint: str, timeout: float = 5.0) -> tuple[int, int, int]:
     """HELLO handshake with a ggml RPC server; returns its (major, minor, patch).
 
@@ -168,25 +197,13 @@ def probe_rpc_server(endpoint: str, timeout: float = 5.0) -> tuple[int, int, int
     host, port = _split_endpoint(endpoint)
     mine = client_proto_version()
     try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            s.settimeout(timeout)
-            if mine[0] >= 4:  # 4.0+: 24 bytes of conn caps each way (zeros: TCP only)
-                s.sendall(b"\x0e" + struct.pack("<Q", 24) + bytes(24))
-                size = struct.unpack("<Q", _recv_exact(s, 8))[0]
-                if size != 28:
-                    raise RpcServerError(f"unexpected HELLO reply size {size}")
-                body = _recv_exact(s, 28)
-            else:  # pragma: no cover - older builds
-                s.sendall(b"\x0e" + struct.pack("<Q", 0))
-                size = struct.unpack("<Q", _recv_exact(s, 8))[0]
-                if size != 3:
-                    raise RpcServerError(f"unexpected HELLO reply size {size}")
-                body = _recv_exact(s, 3)
+        sock, reply = open_session(host, port, timeout)
+        sock.close()
+        theirs = reply.version
     except RpcServerError as e:
         raise RpcServerError(f"ggml RPC server {endpoint} is not usable: {e}") from None
     except (OSError, ValueError) as e:  # refused, timeout (busy server), reset ...
         raise RpcServerError(f"ggml RPC server {endpoint} is unreachable or busy: {e}") from e
-    theirs = (body[0], body[1], body[2])
     if theirs[0] != mine[0] or theirs[1] > mine[1]:
         raise RpcServerError(
             f"ggml RPC server {endpoint} speaks protocol {'.'.join(map(str, theirs))}, "
@@ -242,34 +259,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise OSError(e.errno, f"cannot start the ggml RPC server on {host}:{port}: {e.strerror}") from e
-
-
-def _wait_port(host: str, port: int, deadline: float, thread: threading.Thread | None) -> None:
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                pass
-            if thread is not None:
-                thread.join(0.05)  # a server that failed to bind returns at once
-                if not thread.is_alive():
-                    raise RuntimeError(f"the embedded ggml RPC server on {host}:{port} exited (port in use?)")
-            return
-        except OSError:
-            pass
-        if thread is not None and not thread.is_alive():
-            raise RuntimeError(f"the embedded ggml RPC server on {host}:{port} exited (port in use?)")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the embedded ggml RPC server on {host}:{port} did not start listening")
-        time.sleep(0.01)
-
-
 def _cpu_device() -> int:
     g = libggml()
     dev = g.ggml_backend_dev_by_name(b"CPU")
@@ -282,55 +271,12 @@ def _cpu_device() -> int:
     return dev
 
 
-def _start_server_blocking(host: str, port: int, n_threads: int) -> None:
+def start_server_blocking(host: str, port: int, n_threads: int) -> None:
+    """Run llama.cpp's ggml RPC server (CPU device) on this thread until its accept fails.
+
+    It serves one client at a time, prints its banner to the C stdout, cannot be stopped from
+    outside and aborts the process on several malformed inputs: run it in a process of its own
+    (engine/ggml_rpc_child.py). Returns at once if it cannot listen (e.g. the port is taken)."""
     start = _START_SERVER_T(_rpc_proc("ggml_backend_rpc_start_server"))
     devices = (ctypes.c_void_p * 1)(_cpu_device())
-    start(f"{host}:{port}".encode(), None, int(n_threads), 1, devices)  # blocks forever
-
-
-def start_embedded_rpc_server(host: str = "127.0.0.1", port: int = 0, n_threads: int = 1,
-                              timeout: float = 10.0) -> tuple[str, int]:
-    """Start llama.cpp's ggml RPC server (CPU device) in a daemon thread; return (host, port).
-
-    ``port=0`` picks a free port. Returns once the port accepts connections. The server
-    cannot be stopped (it lives until the process exits), serves one client at a time and
-    prints its banner to the C stdout. Only dotted IPv4 hosts are accepted by llama.cpp.
-    """
-    if port == 0:
-        port = find_free_port(host)
-    else:
-        _check_port_free(host, port)
-    t = threading.Thread(
-        target=_start_server_blocking, args=(host, port, n_threads), name=f"ggml-rpc-server-{port}", daemon=True
-    )
-    t.start()
-    _wait_port(host, port, time.monotonic() + timeout, t)
-    return host, port
-
-
-def serve_forever_subprocess_main(host: str = "127.0.0.1", port: int = 0, threads: int = 1) -> None:
-    """Run the embedded server and block forever; prints ``HYDRA_GGML_RPC_READY host:port``."""
-    host, port = start_embedded_rpc_server(host, port, threads)
-    sys.stdout.flush()
-    # one write(2), on a line of its own: llama.cpp's server printf()s to the same fd 1
-    os.write(sys.stdout.fileno(), f"\n{READY_PREFIX} {host}:{port}\n".encode())
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.ggml_rpc_lib",
-                                 description="Run llama.cpp's ggml RPC server (CPU) from the llama-cpp-python wheel.")
-    ap.add_argument("--host", default="127.0.0.1", help="dotted IPv4 address (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed on stdout)")
-    ap.add_argument("--threads", "-t", type=int, default=1)
-    args = ap.parse_args(argv)
-    serve_forever_subprocess_main(args.host, args.port, args.threads)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    start(f"{host}:{port}".encode(), None, int(n_threads), 1, devices)

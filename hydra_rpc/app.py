@@ -47,7 +47,7 @@ class App:
         self.server = HydraServer(self.server_cfg, handlers.table(),
                                   on_request=metrics.observe_request if metrics else None)
         if self.server_cfg.ggml_rpc_embedded:
-            self.server.passthrough.start_embedded()
+            await self.server.passthrough.start_embedded()
         await self.server.start()
 
     @property
@@ -58,6 +58,7 @@ class App:
         """Stop accepting, finish in-flight requests (bounded), stop HTTP, stop the engine."""
         if self.server is not None:
             await self.server.shutdown(force=force)
+            await self.server.passthrough.close()
         if self.http is not None:
             await self.http.cleanup()
         if self.engine is not None:

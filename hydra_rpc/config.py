@@ -45,6 +45,7 @@ class ServerConfig:
     ggml_rpc_upstream: tuple[str, int] | None = None
     ggml_rpc_embedded: bool = False
     ggml_rpc_embedded_threads: int = 1
+    ggml_rpc_sessions: int = 4  # embedded: concurrent ggml sessions (a child process each)
     ggml_connect_timeout: float = 5.0
     # Logging
     log_format: str = "text"  # text | json

@@ -89,7 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--ggml-rpc-upstream", type=hostport_arg, default=None, metavar="HOST:PORT",
                    help="pass ggml-RPC connections (first byte 0x0E) through to this rpc-server (default: off)")
     n.add_argument("--ggml-rpc-embedded", action="store_true",
-                   help="start llama.cpp's ggml RPC server in-process and pass ggml-RPC connections to it")
+                   help="run llama.cpp's ggml RPC server in a child process per ggml-RPC connection, behind a guard")
+    n.add_argument("--ggml-rpc-sessions", type=int, default=4, metavar="N",
+                   help="--ggml-rpc-embedded: ggml-RPC sessions served at once (default 4)")
     h = p.add_argument_group("http")
     h.add_argument("--http-port", type=int, default=8080, help="HTTP side (0: pick a free one)")
     h.add_argument("--no-http", action="store_true", help="do not serve the HTTP side")
@@ -129,7 +131,8 @@ def build_app(args: argparse.Namespace):
                         stall_timeout=args.stall_timeout, min_rate=args.min_rate,
                         min_rate_window=args.min_rate_window, shutdown_timeout=args.shutdown_timeout,
                         limits=Limits(max_drain=args.max_drain), ggml_rpc_upstream=args.ggml_rpc_upstream,
-                        ggml_rpc_embedded=args.ggml_rpc_embedded, log_format=args.log_format,
+                        ggml_rpc_embedded=args.ggml_rpc_embedded, ggml_rpc_sessions=args.ggml_rpc_sessions,
+                        log_format=args.log_format,
                         log_level=args.log_level)
     http_port = None if args.no_http else args.http_port
     return App(scfg, ecfg, http_host=args.host, http_port=http_port)

@@ -1,4 +1,4 @@
-"""ggml-RPC (docs/protocol.md §14): golden HELLO bytes, version table, layouts, decoders."""
+"""ggml-RPC (docs/ggml.md): golden HELLO bytes, version table, layouts, decoders."""
 from __future__ import annotations
 
 import struct
@@ -85,7 +85,7 @@ def test_hello_response_golden() -> None:
         encode_hello_request(bytes(5))
 
 
-# ---- command table ---------------------------------------------------------------------------
+# ---- command table ------------------------------------------------------------------------
 
 
 def answered(version, cmd, fork=None) -> bool | None:
@@ -149,7 +149,7 @@ def test_fork_tables() -> None:
         command_table((256,))
 
 
-# ---- rpc_tensor ------------------------------------------------------------------------------
+# ---- rpc_tensor -------------------------------------------------------------------------------
 
 
 def test_rpc_tensor_offsets_match_the_reference_table() -> None:
@@ -178,7 +178,7 @@ def test_rpc_tensor_struct_equals_construct(data: bytes, offset: int) -> None:
     assert outcome(parse_rpc_tensor, data, offset) == outcome(parse_rpc_tensor_construct, data, offset)
 
 
-# ---- GRAPH_COMPUTE ---------------------------------------------------------------------------
+# ---- GRAPH_COMPUTE ----------------------------------------------------------------------------
 
 
 @settings(max_examples=50)
@@ -226,7 +226,7 @@ def test_graph_compute_struct_equals_construct(payload: bytes, version) -> None:
     assert outcome(parse_graph_compute, payload, version) == outcome(parse_graph_compute_construct, payload, version)
 
 
-# ---- SET_TENSOR ------------------------------------------------------------------------------
+# ---- SET_TENSOR ---------------------------------------------------------------------------
 
 
 def test_set_tensor_header() -> None:
@@ -380,7 +380,7 @@ def test_hello_response_equals_construct(payload: bytes) -> None:
     assert outcome(parse_hello_response, payload) == outcome(via_construct, payload)
 
 
-# ---- first bytes (docs/protocol.md §1) -------------------------------------------------------
+# ---- first bytes -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

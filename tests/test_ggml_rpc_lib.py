@@ -147,32 +147,3 @@ def test_rpc_offload_end_to_end(rpc_server: str, tiny_model_path: str, tmp_path:
     assert f"{res['name']}[{rpc_server}] model buffer size" in r.stderr
     assert f"layer   0 assigned to device {res['name']}" in r.stderr
     assert res["tokens"] == local
-
-
-def test_embedded_server_port_in_use() -> None:
-    import socket
-
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen(1)
-        with pytest.raises(OSError, match="cannot start"):
-            rpc.start_embedded_rpc_server("127.0.0.1", busy.getsockname()[1])
-
-
-def test_embedded_server_in_the_same_process(tiny_model_path: str, tmp_path: Path) -> None:
-    """start_embedded_rpc_server in a thread and offload to it from the same process."""
-    out = tmp_path / "result.json"
-    code = f"""
-    import json, pathlib
-    from engine import ggml_rpc_lib as rpc
-    host, port = rpc.start_embedded_rpc_server("127.0.0.1", 0, n_threads=1)
-    name = rpc.register_rpc_server(f"{{host}}:{{port}}")
-    import sys; sys.path.insert(0, {str(ROOT / "tests")!r})
-    from test_ggml_rpc_lib import _greedy_local
-    pathlib.Path({str(out)!r}).write_text(
-        json.dumps({{"name": name, "tokens": _greedy_local({tiny_model_path!r}, n_gpu_layers=99)}}))
-    """
-    r = _run_py(code)
-    res = _result(r, out)
-    assert res["name"].startswith("RPC")
-    assert res["tokens"] == _greedy_local(tiny_model_path)

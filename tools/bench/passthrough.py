@@ -1,6 +1,6 @@
 """passthrough: a real ggml-RPC client through our port vs straight to the ggml RPC server.
 
-Upstream: llama.cpp's own RPC server from the wheel (``python -m engine.ggml_rpc_lib``).
+Upstream: llama.cpp's own RPC server from the wheel (``python -m engine.ggml_rpc_child``).
 Candidate: our server with ``--ggml-rpc-upstream`` pointing at it, so the client's
 connections (first byte 0x0E) are spliced through. The client is llama.cpp itself
 (``workers ggml-client``: register the endpoint, load with every layer offloaded, decode
@@ -9,14 +9,19 @@ greedily), once against our port and once against the upstream directly, interle
 Bulk: one large SET_TENSOR (what a weight upload is) into a freshly allocated remote
 buffer, timed until a later answered command (GET_ALIGNMENT) returns — the server handles
 a connection's commands in order, so that answer means every byte was received and stored.
+
+Embedded: the same client through ``--ggml-rpc-embedded`` (a guarded child process per
+session, one compute thread like the upstream), and what opening a session costs there —
+connect until the HELLO is answered, with the warm spare in place — against a HELLO on the
+standalone server.
 """
 from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 
 from codec import ggml as G
+from engine.ggml_rpc_lib import hello
 
 from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread
 from .procs import GgmlRpcServer, HydraServer, run_worker
@@ -41,7 +46,7 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
 def _call(s: socket.socket, cmd: int, fields: dict, version) -> dict:
     """A fixed-layout command and its answer, laid out for the server's protocol version."""
     s.sendall(G.encode_request(cmd, G.request_layout(cmd, version).build(fields)))
-    size = struct.unpack("<Q", _recv_exact(s, 8))[0]
+    size = G.RESPONSE_HEADER_STRUCT.unpack(_recv_exact(s, G.RESPONSE_HEADER_STRUCT.size))[0]
     return G.response_layout(cmd, version).parse(_recv_exact(s, size))
 
 
@@ -50,9 +55,7 @@ def bulk_set_tensor(host: str, port: int, data: memoryview) -> float:
     n = len(data)
     with socket.create_connection((host, port), timeout=120) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(G.encode_hello_request())
-        size = struct.unpack("<Q", _recv_exact(s, 8))[0]
-        version = G.parse_hello_response(_recv_exact(s, size)).version
+        version = hello(s).version
         buf = _call(s, G.Cmd.ALLOC_BUFFER, {"device": 0, "size": n}, version)
         if not buf.remote_ptr:
             raise BenchError(f"ALLOC_BUFFER of {n} bytes refused")
@@ -61,12 +64,21 @@ def bulk_set_tensor(host: str, port: int, data: memoryview) -> float:
                              name=b"hydra-bench-bulk")  # f32 vector filling the buffer
         head = G.encode_set_tensor(tensor, 0, b"", version=version)
         t0 = now()
-        s.sendall(bytes([G.Cmd.SET_TENSOR]) + struct.pack("<Q", len(head) + n) + head)  # header only
+        s.sendall(G.encode_request_header(G.Cmd.SET_TENSOR, len(head) + n) + head)  # the data follows
         s.sendall(data)
         _call(s, G.Cmd.GET_ALIGNMENT, {"device": 0}, version)
         seconds = now() - t0
-        s.sendall(G.encode_request(G.Cmd.FREE_BUFFER, struct.pack("<Q", buf.remote_ptr)))
+        free = G.request_layout(G.Cmd.FREE_BUFFER, version).build({"remote_ptr": buf.remote_ptr})
+        s.sendall(G.encode_request(G.Cmd.FREE_BUFFER, free))
     return seconds
+
+
+def session_setup_ms(host: str, port: int) -> float:
+    """Connect until the HELLO reply is in (a blocking client; run in a thread)."""
+    t0 = now()
+    with socket.create_connection((host, port), timeout=30) as s:
+        hello(s)
+    return (now() - t0) * 1e3
 
 
 async def run(ctx: BenchContext) -> Result:
@@ -76,7 +88,7 @@ async def run(ctx: BenchContext) -> Result:
     bulk = ctx.pick(256, 32) * MiB
     res.config = {"model": ctx.models.main, "n_predict": n_predict, "bulk_bytes": bulk, "reps": ctx.reps,
                   "upstream_threads": UPSTREAM_THREADS}
-    decodes, bulks = [], []
+    decodes, bulks, setups = [], [], []
     data = memoryview(bytes(bulk))
     # one compute thread, rpc-server's default: with two OpenMP threads on a 2-core host that
     # also runs the client and our server, barrier spin-waits make every run a lottery
@@ -98,13 +110,23 @@ async def run(ctx: BenchContext) -> Result:
             for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
                 sec = await asyncio.to_thread(bulk_set_tensor, *ends[way], data)
                 bulks.append({"way": way, "rep": rep, "seconds": sec, "mb_s": bulk / sec / 1e6})
+        with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024", "--ggml-rpc-embedded"]) as srv:
+            ends["embedded"] = (srv.host, srv.port)
+            for rep, way in interleaved(ctx.reps, ["direct", "embedded"]):
+                out = await run_worker("ggml-client", {**params, "endpoint": "%s:%d" % ends[way]})
+                decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
+                                "load_ms": out["load_ms"], "register_ms": out["register_ms"]})
+            for rep, way in interleaved(ctx.pick(10, 3), ["direct", "embedded"]):
+                await asyncio.sleep(0.3)  # a session arriving after the pool has its spare ready
+                setups.append({"way": way, "rep": rep, "ms": await asyncio.to_thread(session_setup_ms, *ends[way])})
     finally:
         upstream.stop()
-    res.samples = {"decodes": decodes, "bulk": bulks}
-    tok = {w: spread(d["decode_rate"] for d in decodes if d["way"] == w) for w in ("direct", "proxy")}
+    res.samples = {"decodes": decodes, "bulk": bulks, "session_setup": setups}
+    tok = {w: spread(d["decode_rate"] for d in decodes if d["way"] == w) for w in ("direct", "proxy", "embedded")}
     mbs = {w: spread(b["mb_s"] for b in bulks if b["way"] == w) for w in ("direct", "proxy")}
-    load = {w: spread(d["load_ms"] for d in decodes if d["way"] == w) for w in ("direct", "proxy")}
-    res.summary = {"decode_tok_s": tok, "bulk_mb_s": mbs, "model_load_ms": load}
+    load = {w: spread(d["load_ms"] for d in decodes if d["way"] == w) for w in ("direct", "proxy", "embedded")}
+    setup = {w: spread(x["ms"] for x in setups if x["way"] == w) for w in ("direct", "embedded")}
+    res.summary = {"decode_tok_s": tok, "bulk_mb_s": mbs, "model_load_ms": load, "session_setup_ms": setup}
     q = ratio(tok["proxy"]["median"], tok["direct"]["median"])
     res.rows.append(Row("llama.cpp ggml-RPC client tok/s through our port", tok["proxy"]["median"], "tok/s",
                         tok["direct"]["median"], "direct to the ggml server", "≥ 90 % of direct",
@@ -113,4 +135,9 @@ async def run(ctx: BenchContext) -> Result:
     q = ratio(mbs["proxy"]["median"], mbs["direct"]["median"])
     res.rows.append(Row(f"bulk SET_TENSOR of {bulk // MiB} MiB through our port", mbs["proxy"]["median"], "MB/s",
                         mbs["direct"]["median"], "direct", "≥ 80 % of direct", None if q is None else q >= 0.8))
+    res.rows.append(Row("llama.cpp ggml-RPC client tok/s, --ggml-rpc-embedded (a child per session)",
+                        tok["embedded"]["median"], "tok/s", tok["direct"]["median"], "direct to a ggml server"))
+    res.rows.append(Row("ggml session setup (connect → HELLO answered), --ggml-rpc-embedded",
+                        setup["embedded"]["median"], "ms", setup["direct"]["median"], "a standalone ggml server",
+                        note=f"max {setup['embedded']['max']} ms"))
     return res

@@ -47,7 +47,7 @@ class HydraServer(HydraServerProcess):
 
 
 class GgmlRpcServer(GgmlRpcServerProcess):
-    """llama.cpp's own ggml RPC server from the wheel (``python -m engine.ggml_rpc_lib``)."""
+    """llama.cpp's own ggml RPC server from the wheel (``python -m engine.ggml_rpc_child``)."""
 
     def __init__(self, threads: int, timeout: float = 60.0):
         try:

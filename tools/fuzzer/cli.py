@@ -109,7 +109,7 @@ async def _main(args: argparse.Namespace) -> int:
     protocol = "codec" if args.codec else args.protocol
     if protocol == "ggml" and not args.i_know_upstream_may_crash:
         raise UsageError("--protocol ggml sends malformed ggml-RPC through the passthrough to the upstream "
-                         "rpc-server, which is known to crash on bad input (docs/protocol.md §14). Add "
+                         "rpc-server, which is known to crash on bad input (docs/ggml.md). Add "
                          "--i-know-upstream-may-crash to go ahead.")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     seconds = args.seconds if args.seconds is not None or args.cases is not None or args.index else 60.0

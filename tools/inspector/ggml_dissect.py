@@ -1,4 +1,4 @@
-"""ggml-RPC over one TCP stream (docs/protocol.md §14).
+"""ggml-RPC over one TCP stream (docs/ggml.md has the protocol; this follows its inspector recipe).
 
 Client → server ``[u8 cmd][u64 size][payload]``; server → client ``[u64 size][payload]`` with
 no command and no id. Responses match requests FIFO, skipping the commands that get no reply
@@ -22,19 +22,13 @@ from .model import ERROR, NOTE, WARN, Field, Message
 from .pdu import DirectionReader, Pdu
 from .util import Named, capped, human
 
-_REQ = struct.Struct("<BQ")
-_RESP = struct.Struct("<Q")
+_REQ = G.REQUEST_HEADER_STRUCT
+_RESP = G.RESPONSE_HEADER_STRUCT
 MAX_TENSORS_LISTED = 512
-
-GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
-              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS",
-              18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16",
-              26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
-
 
 def _show(name: str, v: Any) -> str | None:
     if name.endswith(".type") and isinstance(v, int):
-        return f"{GGML_TYPES.get(v, '?')} ({v})"
+        return f"{G.type_name(v)} ({v})"
     if name.endswith((".id", ".buffer", ".data", ".remote_ptr", ".base_ptr", ".view_src")) and isinstance(v, int):
         return f"0x{v:x}"
     if isinstance(v, int) and name.endswith(("size", "_mem")) and v >= 1024:
@@ -54,7 +48,7 @@ def _fix_names(fields: list[Field]) -> None:
 
 
 def tensor_summary(t: G.RpcTensor) -> dict[str, Any]:
-    return {"id": t.id, "name": t.name_str, "type": GGML_TYPES.get(t.type, t.type), "op": t.op,
+    return {"id": t.id, "name": t.name_str, "type": G.type_name(t.type), "op": G.op_name(t.op),
             "ne": list(t.ne), "buffer": t.buffer, "data": t.data}
 
 
