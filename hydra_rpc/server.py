@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import socket
-from typing import Callable
+from typing import Awaitable, Callable
 
 from codec.enums import Status
 from codec.framing import MAGIC_BYTES
@@ -158,9 +158,10 @@ class HydraServer:
             return
         acc.task.add_done_callback(lambda t: self._finished(acc, t))
 
-    async def _passthrough(self, transport: asyncio.Transport, head: bytes, peer: str) -> None:
-        """Hand the connection to the ggml-RPC passthrough as a stream (the bytes after the
-        first one are already in the reader)."""
+    def _passthrough(self, transport: asyncio.Transport, head: bytes, peer: str) -> Awaitable[None]:
+        """Hand the connection to the ggml-RPC passthrough as a stream. The protocol is switched
+        *now*, not when the coroutine first runs: bytes (or an EOF) that arrive in between must
+        land in the stream, not in the dispatcher's small head buffer."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=2**20, loop=loop)
         proto = asyncio.StreamReaderProtocol(reader, loop=loop)
@@ -168,7 +169,7 @@ class HydraServer:
         proto.connection_made(transport)
         reader.feed_data(head[1:])
         writer = asyncio.StreamWriter(transport, proto, reader, loop)
-        await self.passthrough.handle(reader, writer, head[:1], peer)
+        return self.passthrough.handle(reader, writer, head[:1], peer)
 
     def _finished(self, acc: _Accepted, task: asyncio.Task) -> None:
         self.connections.pop(acc.conn_id, None)

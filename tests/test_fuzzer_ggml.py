@@ -26,7 +26,7 @@ def fuzz(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def upstream():
     """llama.cpp's own ggml RPC server (from the wheel) in a subprocess."""
-    with GgmlRpcServerProcess() as up:
+    with GgmlRpcServerProcess(1) as up:
         yield up.port
 
 
