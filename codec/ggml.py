@@ -1,4 +1,4 @@
-"""ggml-RPC wire format (ggml-rpc-facts §1–§6, §10), sans-IO, for the passthrough and inspector.
+"""ggml-RPC wire format (docs/protocol.md §14), sans-IO, for the passthrough and inspector.
 
 Framing (little-endian, packed, no status, no request id; responses match requests FIFO)::
 
@@ -46,7 +46,7 @@ Version = tuple[int, int, int]
 
 
 class Cmd(enum.IntEnum):
-    """Upstream command bytes at the current numbering (§3)."""
+    """Upstream command bytes at the current numbering."""
 
     ALLOC_BUFFER = 0
     GET_ALIGNMENT = 1
@@ -70,17 +70,17 @@ class Cmd(enum.IntEnum):
     GET_DEVICE_SUPPORTS_OP = 19  # 7.0.1
 
 
-# Forks reuse values ≥ 15 (§3). Request/response layouts known only for the Hydra fork.
+# Forks reuse values ≥ 15. Request/response layouts known only for the Hydra fork.
 FORKS = ("ddvnguyen", "llama-box")
 _FORK_ALIASES = {None: None, "upstream": None, "ddvnguyen": "ddvnguyen", "hydra": "ddvnguyen",
                  "llama-box": "llama-box", "gpustack": "llama-box"}
 RESOLVE_TENSOR = 17  # ddvnguyen fork 4.1.0 (collides with MEMSET_TENSOR)
 SUPPORT_OP = 15  # gpustack llama-box (collides with DEVICE_COUNT)
-# Before 2025-03-28 SET_TENSOR_HASH did not exist and 7.. were numbered one lower (§4).
+# Before 2025-03-28 SET_TENSOR_HASH did not exist and 7.. were numbered one lower.
 V0_PRE_HASH_NAMES = {7: "GET_TENSOR", 8: "COPY_TENSOR", 9: "GRAPH_COMPUTE", 10: "GET_DEVICE_MEMORY",
                      11: "INIT_TENSOR", 12: "GET_ALLOC_SIZE"}
 
-# ---- rpc_tensor (296 bytes, §2) --------------------------------------------------------------
+# ---- rpc_tensor (296 bytes) ------------------------------------------------------------------
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS_I32 = 16
@@ -164,7 +164,7 @@ def encode_rpc_tensor(t: RpcTensor) -> bytes:
         raise LocalProtocolError(f"rpc_tensor field out of range: {e}", rule="ggml.tensor") from None
 
 
-# ---- versions and the command table (§3, §4) -------------------------------------------------
+# ---- versions and the command table ---------------------------------------------------------
 
 
 def normalize_version(version: Iterable[int] | None) -> Version | None:
@@ -308,7 +308,7 @@ def _table(v: Version | None, fork: str | None) -> Mapping[int, CommandInfo]:
     table: dict[int, CommandInfo] = {}
     for cmd in Cmd:
         if _present(cmd, v):
-            has = _answered(cmd, v) or fork == "llama-box"  # llama-box answers everything (§13)
+            has = _answered(cmd, v) or fork == "llama-box"  # llama-box answers everything
             resp = _size(response_layout(cmd, v, fork)) if has else None
             table[cmd] = CommandInfo(int(cmd), cmd.name, has, _size(request_layout(cmd, v, fork)), resp)
     if fork == "ddvnguyen":
@@ -322,7 +322,7 @@ def _table(v: Version | None, fork: str | None) -> Mapping[int, CommandInfo]:
 def command_table(version: Iterable[int] | None = None, fork: str | None = None) -> Mapping[int, CommandInfo]:
     """Commands that exist at ``version`` (None = pre-HELLO v0) for ``fork`` (None = upstream,
     "ddvnguyen"/"hydra", "llama-box"/"gpustack"), with whether each gets a response and the
-    fixed payload sizes. Follows §3/§4: SET_TENSOR unanswered since 2.0.0, GRAPH_COMPUTE since
+    fixed payload sizes. By version: SET_TENSOR unanswered since 2.0.0, GRAPH_COMPUTE since
     3.5.0, FREE_BUFFER/BUFFER_CLEAR/INIT_TENSOR/MEMSET_TENSOR since 6.0.0.
     """
     return _table(normalize_version(version), _fork(fork))
@@ -559,7 +559,7 @@ class GgmlResponseDecoder(_FrameDecoder):
         return ResponseComplete(self._cmd, self._size, payload)
 
 
-# ---- HELLO (§5) ------------------------------------------------------------------------------
+# ---- HELLO -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -660,7 +660,7 @@ def parse_response_payload(cmd: int, payload: Buffer, version: Iterable[int] | N
     return _parse_fixed(layout, payload, command_name(cmd, version, fork), "ggml.response_size")
 
 
-# ---- GRAPH_COMPUTE (§6) ----------------------------------------------------------------------
+# ---- GRAPH_COMPUTE ---------------------------------------------------------------------------
 
 GRAPH_COMPUTE = Struct(
     "device" / Int32ul, "n_nodes" / Int32ul, "nodes" / Array(this.n_nodes, Int64ul),
@@ -739,7 +739,7 @@ def encode_graph_compute(nodes: Iterable[int], tensors: Iterable[RpcTensor], *, 
                      *map(encode_rpc_tensor, tensors)))
 
 
-# ---- SET_TENSOR header (§3, §7) --------------------------------------------------------------
+# ---- SET_TENSOR header ----------------------------------------------------------------------
 
 SET_TENSOR_HEAD = Struct("tensor" / RPC_TENSOR, "offset" / Int64ul)
 SET_TENSOR_HEAD_V7 = Struct("tensor" / RPC_TENSOR, "cache_flag" / Int8ul, "offset" / Int64ul)
@@ -797,7 +797,7 @@ def encode_set_tensor(tensor: RpcTensor, offset: int, data: Buffer, *, version: 
     return encode_rpc_tensor(tensor) + flag + _U64.pack(offset) + bytes(data)
 
 
-# ---- first bytes of a connection (§10) -------------------------------------------------------
+# ---- first bytes of a connection ------------------------------------------------------------
 
 FirstBytesKind = Literal["hydra", "ggml", "ggml_legacy", "unknown", "incomplete"]
 
