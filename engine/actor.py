@@ -270,7 +270,10 @@ class Engine:
         if path is None and hydra_config is None:
             return ModelChoice(name, fallback, 0.0, None)
         staged = dict(hydra_config or {})
-        if path is not None and resolve_path(self.cfg.resolve_model, path) != self.params.model_path:
+        if path is not None:
+            # Always staged: whether it is already live is the actor's to decide, atomically with
+            # the other messages — judged here, a reload landing in between would pin the
+            # request to the wrong model.
             staged["model_path"] = path
         out = await self.configure(staged)
         if out.reload_ticket is None:

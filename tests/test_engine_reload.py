@@ -5,6 +5,7 @@ the drain timeout fires when the test says. (Over TCP with real models: test_rel
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -224,6 +225,27 @@ async def test_select_model_waits_for_its_reload_and_pins_the_request():
         with pytest.raises(ModelChanged, match="replaced before it ran"):
             await pinned.result()
         assert eng.identity.model_name == "model-c"
+
+@pytest.mark.asyncio
+async def test_select_model_is_judged_by_the_actor_not_before_a_swap_it_races():
+    """The alias's model is compared with the live one inside the actor: judged beforehand, an
+    in-place swap landing between the check and the Configure pinned a request naming ``a`` to
+    model-b. Whatever the interleaving, the request is pinned to the model it names."""
+    async with scripted_engine(reload_mode="inplace") as env:
+        eng, f = env.engine, env.factory
+        f.build_gate.close()
+        await eng.configure({"model_path": "model-b"})
+        await until(lambda: f.build_gate.waiting > 0, "the in-place build of model-b")
+        n = len(f.built)
+        f.build_gate.open()
+        while len(f.built) == n:  # block the loop on purpose until the build returned (no poll)
+            threading.Event().wait(0.001)
+        threading.Event().wait(0.05)  # the loader thread completes its future; BuildDone not yet posted
+        await asyncio.sleep(0)  # the future's callbacks run: BuildDone is posted, not yet handled
+        choice = await eng.select_model("a")
+        assert choice.params.model_path == "model-a"
+        assert eng.params.model_path == "model-a"
+
 
 @pytest.mark.asyncio
 async def test_t1_during_a_pending_reload_gets_its_own_generation():
