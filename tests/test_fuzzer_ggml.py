@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -74,11 +75,12 @@ def test_the_whole_sweep_against_the_embedded_server(tmp_path):
 
 @pytest.fixture
 def slow_upstream():
-    """A stand-in rpc-server that answers HELLO only once the client's half-close has reached it:
-    the order that lost the reply, made certain (the real rpc-server loses that race too, just
-    less often)."""
+    """A stand-in rpc-server that answers a command only once the client's half-close has reached
+    it: the order that lost the reply, made certain (the real rpc-server loses that race too, just
+    less often). The session's own HELLO (the passthrough's) is answered at once."""
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
+    hello_len = len(G.encode_hello_request())
 
     def serve() -> None:
         with lsock:
@@ -88,13 +90,14 @@ def slow_upstream():
                 except OSError:
                     return
                 with conn:
-                    hello = b""
-                    while len(hello) < 33 and (chunk := conn.recv(33 - len(hello))):
-                        hello += chunk
                     try:
-                        while conn.recv(4096):  # until the forwarded half-close
-                            pass
+                        hello = b""
+                        while len(hello) < hello_len and (chunk := conn.recv(hello_len - len(hello))):
+                            hello += chunk
                         conn.sendall(G.encode_hello_response((7, 0, 0)))
+                        while conn.recv(4096):  # the GET_ALIGNMENT, then the forwarded half-close
+                            pass
+                        conn.sendall(G.encode_response(struct.pack("<Q", 32)))
                     except OSError:
                         pass
 
@@ -111,11 +114,12 @@ def test_passthrough_delivers_replies_after_a_client_half_close(slow_upstream, t
                       "--ggml-rpc-upstream", f"127.0.0.1:{slow_upstream}")
     try:
         with socket.create_connection((sp.host, sp.port), timeout=10) as s:
-            s.sendall(G.encode_hello_request())
-            s.shutdown(socket.SHUT_WR)  # "that was my last request"; the reply is still owed
+            s.sendall(G.encode_hello_request() + G.encode_request(G.Cmd.GET_ALIGNMENT, struct.pack("<I", 0)))
+            s.shutdown(socket.SHUT_WR)  # "that was my last request"; the replies are still owed
             data = b""
             while chunk := s.recv(4096):
                 data += chunk
     finally:
         sp.stop()
-    assert len(data) == 8 + 28, data.hex()
+    assert len(data) == (8 + 28) + (8 + 8), data.hex()  # our HELLO reply, then the upstream's alignment
+    assert data[-8:] == struct.pack("<Q", 32)
