@@ -34,6 +34,7 @@ from .executors import make_inference_executor, make_loader_executor
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
+from .rates import RateWindow, rate
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
 from .sampling import SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving
@@ -87,6 +88,7 @@ class Engine:
         self.snapshots: tuple[SlotSnapshot, ...] = ()
         self.identity = ModelIdentity()
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
+        self._step_rate, self._token_rate = RateWindow(), RateWindow()
         self.loader: concurrent.futures.ThreadPoolExecutor | None = None
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
@@ -189,13 +191,17 @@ class Engine:
         return self.snapshots[slot]
 
     def info(self) -> EngineInfo:
+        now = time.monotonic()
         return EngineInfo(
             startup_stage=self.startup_stage, expert_mode=self.expert_mode, config_generation=self.generation,
             reload=self.reload, reload_policy=self.cfg.reload_policy, reload_mode=self.cfg.reload_mode,
             slots_total=self.n_slots,
             slots_busy=sum(1 for s in self.snapshots if s.is_processing or s.is_transferring),
             n_ctx_slot=self.n_ctx_slot, rpc_servers=self.params.rpc_servers,
-            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity)
+            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity,
+            slot_states=tuple(s.state for s in self.snapshots),
+            steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
+            tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now))
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -227,6 +233,7 @@ class Engine:
             raise EngineBusy("reloading", retry_after_ms=self._retry_after_ms())
         self._require_actor()
         job.done = asyncio.get_running_loop().create_future()
+        job.wake = self._wake
         self.post(Submit(job))
         return job
 
@@ -284,6 +291,9 @@ class Engine:
     def post(self, message: object) -> None:
         self._mailbox.put_nowait((message, None))
 
+    def _wake(self) -> None:
+        self.post(Wake())
+
     async def _call(self, message: object) -> Any:
         self._require_actor()
         fut = asyncio.get_running_loop().create_future()
@@ -318,6 +328,9 @@ class Engine:
                     r.error = r.error or e
             self.stats["steps"] += 1
             self.scheduler.after_step(running, self._serving())
+            now = time.monotonic()
+            self._step_rate.record(self.stats["steps"], now)
+            self._token_rate.record(self.stats["tokens_generated"], now)
             self._publish()
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
 
@@ -359,7 +372,9 @@ class Engine:
                  time_slice=self.cfg.time_slice)
 
     def _publish(self) -> None:
-        self.snapshots = tuple(s.snapshot(self.generation, self.identity) for s in self.slots)
+        holds = self.reloader.pending and (self.reloader.blocks_admission or self.model is None
+                                           or self.cfg.reload_policy == "reject")
+        self.snapshots = tuple(s.snapshot(self.generation, self.identity, holds) for s in self.slots)
 
     def _serving(self) -> Serving:
         return Serving(open=self.model is not None and not self.reloader.blocks_admission, params=self.params,

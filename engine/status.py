@@ -96,6 +96,9 @@ class EngineInfo:
     devices: tuple[str, ...]
     aliases: tuple[str, ...]
     identity: ModelIdentity
+    slot_states: tuple[str, ...]  # per slot: idle | prefill | decode | transfer
+    steps_per_s: float  # engine-wide, over the last seconds (engine.rates)
+    tokens_per_s: float
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,15 @@ def identity_meta(ident: ModelIdentity) -> dict[str, Any]:
     return {k: getattr(ident, k) for k in _WIRE_IDENTITY if _present(getattr(ident, k))}
 
 
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
 def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, Any]:
-    """STATE_META: the C++ keys, then the progress fields and config_generation."""
+    """STATE_META: the C++ keys, then the progress fields, config_generation and what tells a
+    stuck slot from a slow one (docs/protocol.md §6.2). Times are taken now, not at publication."""
+    now = time.monotonic()
+    rate = snap.tokens_per_s(now)
     out: dict[str, Any] = {
         "slot_id": snap.slot_id if requested_id is None else requested_id,
         "n_past": snap.n_past,
@@ -44,8 +51,14 @@ def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, 
         "tokens_processed": snap.tokens_processed,
         "tokens_total": snap.tokens_total,
         "progress": round(snap.progress, 6),
-        "elapsed_ms": round(snap.elapsed_ms, 3),
+        "elapsed_ms": round(snap.elapsed_ms(now), 3),
         "config_generation": snap.config_generation,
+        "ms_since_progress": _ms(snap.ms_since_progress(now)),
+        "tokens_per_s": round(rate, 3),
+        "prefill_tokens_per_s": round(rate, 3) if snap.operation == "prefill" else None,
+        "eta_ms": _ms(snap.eta_ms(now)),
+        "waiting_on": snap.waiting_on,
+        "queue_position": snap.queue_position,
     })
     return out
 
@@ -79,6 +92,9 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "slots_total": info.slots_total,
         "slots_busy": info.slots_busy,
         "n_ctx_slot": info.n_ctx_slot,
+        "slot_states": list(info.slot_states),
+        "steps_per_s": round(info.steps_per_s, 3),
+        "tokens_per_s": round(info.tokens_per_s, 3),
         "startup_stage": info.startup_stage,
         "rpc_servers": list(info.rpc_servers),
         "devices": list(info.devices),

@@ -356,4 +356,7 @@ class Routes:
         if snap is not None and snap.job_id == entry.job.id:
             out.update(operation=snap.operation, n_past=snap.n_past, tokens_processed=snap.tokens_processed,
                        tokens_total=snap.tokens_total, progress=round(snap.progress, 6))
+        elif snap is not None and entry.job.id in snap.queued_jobs:
+            out.update(waiting_on=snap.waiting_on if snap.waiting_on in ("transfer", "reload") else "queue",
+                       queue_position=snap.queued_jobs.index(entry.job.id) + 1)
         return out

@@ -26,6 +26,8 @@ from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResu
 from engine.status import ModelChoice
 from engine.tiers import ConfigError
 
+from .wire import client_behind, limit_send_buffer
+
 # engine stop_reason → OpenAI finish_reason ("none" is a zero-token request; cancelled has none)
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "ctx_full": "length", "none": "length",
                  "cancelled": None}
@@ -431,6 +433,8 @@ class OpenAIRoutes:
         created = int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+        if request.transport is not None:
+            limit_send_buffer(request.transport)
         await resp.prepare(request)
 
         def chunk(**kw: Any) -> dict[str, Any]:
@@ -443,7 +447,17 @@ class OpenAIRoutes:
             if out:
                 data = b"".join(out)
                 out.clear()
-                await resp.write(data)
+                # a write into a transport that flow control paused waits on the client: the job
+                # pauses meanwhile and its slot says waiting_on "client"
+                transport = request.transport
+                blocked = transport is not None and client_behind(transport)
+                if blocked:
+                    job.set_client_blocked(True)
+                try:
+                    await resp.write(data)
+                finally:
+                    if blocked:
+                        job.set_client_blocked(False)
 
         def event(obj: dict[str, Any]) -> None:
             out.append(b"data: " + dumps(obj) + b"\n\n")
