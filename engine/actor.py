@@ -14,7 +14,8 @@ reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``id
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
            ``aliases``, ``model_aliases()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
-           (cancel with ``job.cancel()``), ``state_get(slot)``, ``state_put(slot, tokens,
+           (cancel with ``job.cancel()``; a stream writer reports a client that is not reading
+           with ``job.set_client_blocked()``), ``state_get(slot)``, ``state_put(slot, tokens,
            state)``, ``erase(slot)``, ``configure(cfg)``, ``swap_model(alias)``,
            ``wait_reload(ticket)``, ``set_expert_mode(mode)``
 """

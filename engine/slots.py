@@ -42,10 +42,11 @@ class SlotSnapshot:
     job_id: int | None  # the generation job running here
     # why work on this slot waits: client | transfer | reload | queue | None (see docs/protocol.md §6.2)
     waiting_on: str | None
-    n_predict: int  # of the running (else the last) job
-    n_decoded: int  # tokens that job generated so far
+    # the running job's (else the last one's) request and how far it got
+    n_predict: int
+    n_decoded: int
     has_new_line: bool  # its last token's text held a newline
-    sampling: SamplerParams | None  # of the running job
+    sampling: SamplerParams | None  # None: no job ran here yet
     stop: tuple[str, ...]
 
     @property
@@ -107,6 +108,7 @@ class Slot:
     operation: str = "idle"
     transferring: bool = False
     job: Any = None  # the generation job running here
+    last_job: Any = None  # the one that ran here before (its parameters stay visible in /slots)
     queue: deque = field(default_factory=deque)  # generation jobs waiting for this slot
     tokens_processed: int = 0
     tokens_total: int = 0
@@ -147,11 +149,12 @@ class Slot:
 
     def finish(self) -> None:
         self.operation = "idle"
-        self.job = None
+        self.last_job, self.job = self.job, None
 
     def snapshot(self, generation: int, identity: ModelIdentity, reload_holds: bool = False) -> SlotSnapshot:
         """``reload_holds``: a pending reload keeps this slot from starting new work now."""
         job = self.job
+        shown = job if job is not None else self.last_job
         return SlotSnapshot(
             slot_id=self.id,
             n_past=self.n_past,
@@ -169,11 +172,11 @@ class Slot:
             identity=identity,
             job_id=job.id if job is not None else None,
             waiting_on=self._waiting_on(reload_holds),
-            n_predict=job.n_predict if job is not None else 0,
+            n_predict=shown.n_predict if shown is not None else 0,
             n_decoded=self.n_decoded,
             has_new_line=self.has_new_line,
-            sampling=job.sampling if job is not None else None,
-            stop=tuple(job.stop) if job is not None else (),
+            sampling=shown.sampling if shown is not None else None,
+            stop=tuple(shown.stop) if shown is not None else (),
         )
 
     def _waiting_on(self, reload_holds: bool) -> str | None:

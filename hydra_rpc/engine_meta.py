@@ -63,6 +63,32 @@ def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, 
     return out
 
 
+def slot_entry(snap: SlotSnapshot, n_ctx: int) -> dict[str, Any]:
+    """A ``GET /slots`` entry: llama-server's slot object, with ``n_past``, ``n_remain`` and
+    ``n_decoded`` also at the top level (where Hydra Core reads them), then ``queued`` and the
+    STATE_META fields (docs/http.md)."""
+    next_token = {"has_next_token": snap.is_processing, "has_new_line": snap.has_new_line,
+                  "n_remain": snap.n_remain, "n_decoded": snap.n_decoded}
+    entry: dict[str, Any] = {
+        "id": snap.slot_id, "id_task": snap.job_id if snap.job_id is not None else -1, "n_ctx": n_ctx,
+        "speculative": False, "is_processing": snap.is_processing, "n_past": snap.n_past,
+        "n_remain": snap.n_remain, "n_decoded": snap.n_decoded, "params": _params(snap),
+        "next_token": [next_token], "queued": snap.queued,
+    }
+    entry.update(slot_meta(snap))
+    return entry
+
+
+def _params(snap: SlotSnapshot) -> dict[str, Any]:
+    p = snap.sampling
+    if p is None:
+        return {}
+    return {"n_predict": snap.n_predict, "max_tokens": snap.n_predict, "seed": -1 if p.seed is None else p.seed,
+            "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "repeat_last_n": p.penalty_last_n, "repeat_penalty": p.penalty_repeat,
+            "presence_penalty": p.penalty_present, "frequency_penalty": p.penalty_freq, "stop": list(snap.stop)}
+
+
 def reload_meta(r: ReloadStatus) -> dict[str, Any]:
     return {"state": r.state.value, "generation": r.generation, "target": r.target, "tier": r.tier,
             "error": r.error, "started_at": r.started_at, "load_ms": round(r.load_ms, 3),

@@ -32,7 +32,7 @@ from aiohttp import web
 from codec.limits import HYDRA_MAX_PROMPT_BYTES
 from engine.jobs import EngineBusy
 
-from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_meta
+from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
 from .http_openai import (
     FINISH_REASON,
     ApiError,
@@ -263,12 +263,7 @@ class Routes:
         eng = self.engine
         if eng is None:
             return json_response([])
-        out = []
-        for s in eng.snapshots:
-            entry = {"id": s.slot_id, "n_ctx": eng.n_ctx_slot, "queued": s.queued}
-            entry.update(slot_meta(s))
-            out.append(entry)
-        return json_response(out)
+        return json_response([slot_entry(s, eng.n_ctx_slot) for s in eng.snapshots])
 
     async def slot_meta(self, request: web.Request) -> web.Response:
         slot = _slot_of(request, self.engine)
