@@ -15,10 +15,12 @@ from engine.status import ConfigureOutcome, EngineInfo, ModelIdentity, ReloadSta
 ENGINE_NAME = "llama-server-hydra"
 ENGINE_VERSION = "E1"
 CAPABILITIES = ("prefill", "decode", "state_transfer", "expert_mode", "quant_swap", "preset", "tokenizer",
-                "model_name", "model_quant", "model_capabilities", "merged_decode")
+                "model_name", "model_quant", "model_capabilities", "merged_decode", "model_hash")
 
-# the identity keys the C++ puts into STATE_*/PREFILL meta (when non-empty), in its order
-_WIRE_IDENTITY = ("model_alias", "model_path", "tokenizer", "model_name", "model_quant", "model_capabilities")
+# the identity keys the C++ puts into STATE_*/PREFILL meta (when non-empty), in its order, plus
+# model_hash where the spec (and PIN's coordinator) put it
+_WIRE_IDENTITY = ("model_alias", "model_hash", "model_path", "tokenizer", "model_name", "model_quant",
+                  "model_capabilities")
 
 
 def _present(v: Any) -> bool:

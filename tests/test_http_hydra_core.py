@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 
 import aiohttp
 import pytest
+
+from codec.enums import Op, Status
 
 HELLO = [{"role": "user", "content": "hello"}]
 LONG = {"messages": HELLO, "max_tokens": 4000, "temperature": 0}  # greedy: runs its full length
@@ -82,3 +86,29 @@ async def test_a_long_generation_shows_a_falling_non_zero_n_remain(http):
     assert second["n_decoded"] > first["n_decoded"]
     done = await slot_entry(http, 0)
     assert not done["is_processing"] and done["n_remain"] == 0 and done["id_task"] == -1
+
+
+# ---------------------------------------------------------------- model_hash
+async def model_hashes(http: aiohttp.ClientSession, client, slot: int) -> dict[str, str]:
+    """model_hash as every reply that carries it reports it (PREFILL fills ``slot``)."""
+    prefill = await client.request(Op.PREFILL, str(slot), json.dumps({"messages": HELLO}).encode())
+    state_get = await client.request(Op.STATE_GET, str(slot))
+    assert prefill.status == Status.OK and state_get.status == Status.OK
+    models = await get_json(http, "/v1/models")
+    return {
+        "prefill": prefill.meta["model_hash"],
+        "state_get": state_get.meta["model_hash"],
+        "state_meta": (await client.request(Op.STATE_META, str(slot))).meta["model_hash"],
+        "http_state_meta": (await get_json(http, f"/slots/{slot}/state/meta"))["model_hash"],
+        "slots": (await slot_entry(http, slot))["model_hash"],
+        "info": (await client.request(Op.INFO, b"")).meta["model_hash"],
+        "v1_models": models["data"][0]["meta"]["model_hash"],
+    }
+
+
+@pytest.mark.asyncio
+async def test_model_hash_is_the_same_everywhere_and_is_the_files_sha256(http, client, tiny_model_path):
+    hashes = await model_hashes(http, client, 2)
+    with open(tiny_model_path, "rb") as f:
+        want = hashlib.sha256(f.read()).hexdigest()
+    assert set(hashes.values()) == {want}, hashes
