@@ -12,7 +12,7 @@ lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
            ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
-           ``aliases``, ``model_aliases()``
+           ``aliases``, ``model_states()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
            (cancel with ``job.cancel()``; a stream writer reports a client that is not reading
            with ``job.set_client_blocked()``), ``state_get(slot)``, ``state_put(slot, tokens,
@@ -209,10 +209,21 @@ class Engine:
         """The model aliases clients may name (PREFILL ``model``, SWAP_QUANT), sorted."""
         return tuple(sorted(self.cfg.aliases))
 
-    def model_aliases(self) -> dict[str, bool]:
-        """Configured model aliases (sorted) → whether each names the resident model."""
-        return {alias: resolve_path(self.cfg.resolve_model, path) == self.params.model_path
-                for alias, path in sorted(self.cfg.aliases.items())}
+    def model_states(self) -> dict[str, str]:
+        """Configured model aliases (sorted) → ``loaded`` (the resident file), ``loading`` (the
+        pending reload's target), ``failed`` (the latest reload's target, which failed) or
+        ``unloaded``."""
+        r = self.reload
+        out = {}
+        for alias, spec in sorted(self.cfg.aliases.items()):
+            path = resolve_path(self.cfg.resolve_model, spec)
+            if path == self.params.model_path:
+                out[alias] = "loaded"
+            elif path == r.target and r.state.value in ("loading", "draining", "failed"):
+                out[alias] = "failed" if r.state.value == "failed" else "loading"
+            else:
+                out[alias] = "unloaded"
+        return out
 
     # ------------------------------------------------------------------ requests
     def sampling_for(self, fields: Mapping[str, Any] | None = None) -> SamplerParams:

@@ -3,7 +3,8 @@
 Routes (the contract is written down in ``docs/http.md``)::
 
     GET  /health                       200 ready, 503 while the first model loads (or failed)
-    GET  /version, /v1/models, /models
+    GET  /version
+    GET  /v1/models, /models; POST /models/load, /models/unload   see http_models
     GET  /slots                        one entry per slot, from the actor's snapshots
     GET  /slots/{id}/state/meta        the STATE_META fields
     POST /slots/{id}?action=erase      409 while the slot works
@@ -20,7 +21,6 @@ Every failure is a JSON error object with a real status; a bug in a handler beco
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -44,6 +44,7 @@ from .http_openai import (
     require_ready,
     timings_of,
 )
+from .http_models import ModelRoutes
 from .logs import access_log_options
 from .metrics import CONTENT_TYPE, Metrics
 
@@ -125,8 +126,6 @@ def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     r = webapp.router
     r.add_get("/health", routes.health)
     r.add_get("/version", routes.version)
-    r.add_get("/v1/models", routes.models)
-    r.add_get("/models", routes.models)
     r.add_get("/slots", routes.slots)
     r.add_get("/slots/{slot_id}/state/meta", routes.slot_meta)
     r.add_post("/slots/{slot_id}", routes.slot_action)
@@ -134,6 +133,7 @@ def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     r.add_delete("/v1/decode/{decode_request_id}", routes.decode_cancel)
     r.add_get("/metrics", routes.prometheus)
     OpenAIRoutes(app, max_body, metrics).add_to(r)
+    ModelRoutes(app, max_body).add_to(r)
     return webapp
 
 
@@ -240,20 +240,6 @@ class Routes:
         return json_response({"version": ENGINE_VERSION, "engine": ENGINE_NAME, "implementation": "hydra-rpc",
                               "implementation_version": IMPL_VERSION,
                               "config_generation": eng.generation if eng is not None else 0})
-
-    async def models(self, request: web.Request) -> web.Response:
-        eng = self.engine
-        require_ready(eng)
-        resident = eng.identity.display_name
-        meta = {k: v for k, v in dataclasses.asdict(eng.identity).items() if k != "model_path"}
-        data = [{"id": resident, "object": "model", "created": 0, "owned_by": "hydra-rpc", "resident": True,
-                 "meta": {**meta, "n_ctx_slot": eng.n_ctx_slot, "n_slots": eng.n_slots,
-                          "config_generation": eng.generation}}]
-        for alias, here in eng.model_aliases().items():
-            if alias != resident:
-                data.append({"id": alias, "object": "model", "created": 0, "owned_by": "hydra-rpc",
-                             "resident": here})
-        return json_response({"object": "list", "data": data})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -13,6 +13,8 @@ import aiohttp
 import pytest
 
 from codec.enums import Op, Status
+from hydra_rpc.client import HydraClient
+from tests.helpers import serving
 
 HELLO = [{"role": "user", "content": "hello"}]
 LONG = {"messages": HELLO, "max_tokens": 4000, "temperature": 0}  # greedy: runs its full length
@@ -112,3 +114,57 @@ async def test_model_hash_is_the_same_everywhere_and_is_the_files_sha256(http, c
     with open(tiny_model_path, "rb") as f:
         want = hashlib.sha256(f.read()).hexdigest()
     assert set(hashes.values()) == {want}, hashes
+
+
+# ---------------------------------------------------------------- /models/load
+async def post_json(http: aiohttp.ClientSession, path: str, body: dict) -> tuple[int, dict]:
+    async with http.post(path, json=body) as r:
+        return r.status, await r.json()
+
+
+async def model_status(http: aiohttp.ClientSession) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in (await get_json(http, "/models"))["data"]}
+
+
+@pytest.mark.asyncio
+async def test_models_load_swaps_to_an_alias_while_another_slot_keeps_generating(tiny_model_path,
+                                                                                  tiny_model_b_path):
+    def sha(path: str) -> str:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    with serving("--model", "tiny", "--model-alias", "b=tiny-b", "--slots", "2", "--threads", "1",
+                 "--no-low-priority", "--log-level", "WARNING") as sp:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
+            client = await HydraClient.connect(sp.host, sp.port)
+            try:
+                assert await model_status(http) == {"hydra-tiny-a": "loaded", "b": "unloaded"}
+                before = await model_hashes(http, client, 1)
+                assert set(before.values()) == {sha(tiny_model_path)}
+                status, body = await post_json(http, "/models/load", {"model": "nope"})
+                assert status == 404 and body["error"]["message"] == "model is not found"
+                async with generating(http, 0):  # the reload drains while slot 0 generates
+                    status, body = await post_json(http, "/models/load", {"model": "b"})
+                    assert status == 200 and body["success"] is True and body["status"] == "loading"
+                    at_load = await slot_entry(http, 0)
+                    assert (await model_status(http))["b"] == "loading"
+                    # unload takes back a load that has not happened yet; load again
+                    status, body = await post_json(http, "/models/unload", {"model": "b"})
+                    assert status == 200 and body["success"] is True
+                    assert (await model_status(http))["b"] == "unloaded"
+                    status, body = await post_json(http, "/models/load", {"model": "b"})
+                    assert status == 200 and body["success"] is True
+                    # service did not stop: slot 0 keeps generating on the old model meanwhile
+                    later = await poll_slots(http, 0, lambda s: s["n_decoded"] > at_load["n_decoded"])
+                    assert later["is_processing"] and later["model_name"] == "hydra-tiny-a"
+                async with asyncio.timeout(60):
+                    while (await model_status(http))["b"] != "loaded":
+                        await asyncio.sleep(0.01)
+                after = await model_hashes(http, client, 1)
+                assert set(after.values()) == {sha(tiny_model_b_path)} != set(before.values()), after
+                status, body = await post_json(http, "/models/load", {"model": "b"})  # already loaded
+                assert status == 200 and body["success"] is True and body["status"] == "loaded"
+                status, body = await post_json(http, "/models/unload", {"model": "b"})
+                assert status == 409 and "resident" in body["error"]["message"]
+            finally:
+                await client.close()
