@@ -7,6 +7,7 @@ Routes (the contract is written down in ``docs/http.md``)::
     GET  /v1/models, /models; POST /models/load, /models/unload   see http_models
     GET  /slots                        one entry per slot, from the actor's snapshots
     GET  /slots/{id}/state/meta        the STATE_META fields
+    GET, PUT /slots/{id}/state         KV state transfer, see http_state
     POST /slots/{id}?action=erase      409 while the slot works
     GET  /v1/decode/{decode_request_id}  merged DECODE v3 result: 202 running, 200 done, 404 gone
     DELETE /v1/decode/{decode_request_id}  (extension) cancel a running merged DECODE
@@ -45,6 +46,9 @@ from .http_openai import (
     timings_of,
 )
 from .http_models import ModelRoutes
+from .http_state import StateRoutes
+from .http_state import path_number as _number
+from .http_state import slot_of as _slot_of
 from .logs import access_log_options
 from .metrics import CONTENT_TYPE, Metrics
 
@@ -134,6 +138,7 @@ def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     r.add_get("/metrics", routes.prometheus)
     OpenAIRoutes(app, max_body, metrics).add_to(r)
     ModelRoutes(app, max_body).add_to(r)
+    StateRoutes(app).add_to(r)
     return webapp
 
 
@@ -187,22 +192,6 @@ def _http_error_message(request: web.Request, e: web.HTTPException) -> str:
     if e.status == 413:  # aiohttp's text names the limit and the size seen
         return f"request body too large: {e.text}"
     return e.text or e.reason
-
-
-def _number(raw: str) -> int | None:
-    """A path id: ASCII digits only (``str.isdigit`` also accepts "²"), and short."""
-    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
-
-
-def _slot_of(request: web.Request, engine: Any) -> int:
-    raw = request.match_info["slot_id"]
-    slot = _number(raw)
-    if slot is None:
-        raise ApiError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}")
-    n = engine.n_slots if engine is not None else 0
-    if slot >= n:
-        raise ApiError(404, f"unknown slot {slot} (this engine has slots 0..{n - 1})")
-    return slot
 
 
 class Routes:

@@ -168,3 +168,137 @@ async def test_models_load_swaps_to_an_alias_while_another_slot_keeps_generating
                 assert status == 409 and "resident" in body["error"]["message"]
             finally:
                 await client.close()
+
+
+# ---------------------------------------------------------------- HTTP state transfer
+async def complete(http: aiohttp.ClientSession, slot: int, prompt: str, n: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "id_slot": slot}
+    async with http.post("/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+@pytest.mark.asyncio
+async def test_get_state_then_put_state_into_another_slot_continues_identically(http, client):
+    prompt = "the quick brown fox"
+    pre = await complete(http, 0, prompt, 0)  # n_predict 0: prefill only
+    n_prompt = pre["usage"]["prompt_tokens"]
+    async with http.get("/slots/0/state") as r:
+        assert r.status == 200 and r.content_type == "application/octet-stream"
+        blob = await r.read()
+        assert int(r.headers["Content-Length"]) == int(r.headers["X-Hydra-State-Size"]) == len(blob)
+        assert int(r.headers["X-Hydra-N-Past"]) == n_prompt
+    binary = await client.request(Op.STATE_GET, b"0")
+    assert blob[0] == 3 and blob == binary.payload  # the very blob STATE_GET sends
+    async with http.put("/slots/1/state", params={"erase_existing": "true"}, data=blob,
+                        headers={"Content-Type": "application/octet-stream"}) as r:
+        put = await r.json()
+        assert r.status == 200, put
+    assert list(put)[:3] == ["restored", "n_past", "bytes"]
+    assert put["restored"] is True and put["n_past"] == n_prompt and 0 < put["bytes"] < len(blob)
+    meta = await get_json(http, "/slots/1/state/meta")
+    assert meta["n_past"] == n_prompt and meta["state_size"] > 0
+    restored = await complete(http, 1, prompt, 16)
+    async with http.post("/slots/2", params={"action": "erase"}) as r:
+        assert r.status == 200
+    fresh = await complete(http, 2, prompt, 16)
+    assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt - 1  # the KV was used
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert restored["choices"][0]["text"] == fresh["choices"][0]["text"] != ""
+    # a v2 blob (v2 and v3 share their layout) restores too
+    v2 = bytes([2]) + blob[1:]
+    async with http.put("/slots/3/state", data=v2) as r:
+        assert r.status == 200 and (await r.json())["blob_version"] == 2
+
+
+@pytest.mark.asyncio
+async def test_state_transfer_failures(http, server):
+    async with generating(http, 0):
+        async with http.get("/slots/0/state") as r:
+            assert r.status == 503
+        async with http.put("/slots/0/state", data=b"\x03" + bytes(64)) as r:
+            assert r.status == 503 and (await r.json())["restored"] is False
+    for path, status in (("/slots/9/state", 404), ("/slots/x/state", 400)):
+        async with http.get(path) as r:
+            assert r.status == status
+    async with http.put("/slots/1/state", data=b"\x03\x05\x00") as r:  # a header claiming more than exists
+        body = await r.json()
+        assert r.status == 400 and body["restored"] is False, body
+    async with http.put("/slots/1/state", data=b"\x03" + bytes(8) + b"\x00" + b"not a llama state") as r:
+        assert r.status == 503 and (await r.json())["restored"] is False
+    async with http.put("/slots/1/state", data=b"\x03" + bytes(9), headers={"X-Hydra-Model-Hash": "0" * 64}) as r:
+        body = await r.json()
+        assert r.status == 409 and body["model_match"] is False and body["model_hash"] != "0" * 64
+
+    async def chunks():
+        yield b"\x03"
+
+    async with http.put("/slots/1/state", data=chunks()) as r:  # no Content-Length
+        assert r.status == 411
+    # a declared size over the cap is refused before a byte of it is read
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    try:
+        writer.write(b"PUT /slots/1/state HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n")
+        assert b" 413 " in await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    assert (await get_json(http, "/health"))["status"] == "ok"
+
+
+# ---------------------------------------------------------------- chat completions as Hydra Core sends them
+def is_int(v) -> bool:
+    return type(v) is int
+
+
+async def sse_events(http: aiohttp.ClientSession, body: dict) -> list[dict]:
+    """The ``data:`` events of a streamed chat, as Hydra Core reads them (``[DONE]`` left out)."""
+    async with http.post("/v1/chat/completions", json=body) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        lines = [line.decode().strip() async for line in r.content]
+    data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.asyncio
+async def test_chat_honours_id_slot_and_answers_integer_usage_and_timings(http):
+    body = {"messages": HELLO, "max_tokens": 5, "temperature": 0, "id_slot": 3, "model": "not-a-model-here"}
+    async with http.post("/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        res = await r.json()
+    assert res["id_slot"] == 3 and (await slot_entry(http, 3))["n_past"] > 0
+    usage, timings = res["usage"], res["timings"]
+    assert all(is_int(usage[k]) for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+    assert usage["completion_tokens"] == 5 and usage["total_tokens"] == usage["prompt_tokens"] + 5
+    assert is_int(timings["prompt_n"]) and timings["predicted_n"] == 5 and timings["predicted_ms"] >= 0
+
+
+@pytest.mark.asyncio
+async def test_streamed_chat_with_include_usage_ends_with_usage_and_otherwise_with_timings(http):
+    body = {"messages": HELLO, "max_tokens": 6, "temperature": 0, "id_slot": 2, "stream": True}
+    events = await sse_events(http, {**body, "stream_options": {"include_usage": True}})
+    usage = events[-1]["usage"]  # the last data chunk supplies usage
+    assert events[-1]["choices"] == [] and usage["completion_tokens"] == 6
+    assert all(is_int(usage[k]) for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+    events = await sse_events(http, body)
+    last = events[-1]  # without usage, Hydra Core falls back to timings.prompt_n / predicted_n
+    assert "usage" not in last and last["choices"][0]["finish_reason"] == "length" and last["id_slot"] == 2
+    assert is_int(last["timings"]["prompt_n"]) and last["timings"]["predicted_n"] == 6
+
+
+@pytest.mark.asyncio
+async def test_n_predict_0_prefills_without_generating(http):
+    # Hydra Core's HTTP prefill fallback: the client body plus stream false, n_predict 0, id_slot, model
+    body = {"messages": HELLO + [{"role": "user", "content": "and more"}], "max_tokens": 50, "stream": False,
+            "n_predict": 0, "id_slot": 1, "model": "hydra-tiny-a"}
+    async with http.post("/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        res = await r.json()
+    usage = res["usage"]
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"]  # Hydra Core's session n_past
+    assert res["choices"][0]["message"]["content"] == "" and res["timings"]["predicted_n"] == 0
+    entry = await slot_entry(http, 1)
+    assert entry["n_past"] == usage["prompt_tokens"] and entry["n_decoded"] == 0 and not entry["is_processing"]
