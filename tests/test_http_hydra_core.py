@@ -14,11 +14,9 @@ import pytest
 
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
-from tests.helpers import serving
+from tests.helpers import LONG_CHAT, long_chat, poll_until, serving
 
-HELLO = [{"role": "user", "content": "hello"}]
-LONG = {"messages": HELLO, "max_tokens": 4000, "temperature": 0}  # greedy: runs its full length
-
+HELLO = LONG_CHAT["messages"]
 SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
 
 
@@ -34,33 +32,8 @@ async def slot_entry(http: aiohttp.ClientSession, slot: int) -> dict:
     return next(s for s in slots if s["id"] == slot)
 
 
-async def poll_slots(http: aiohttp.ClientSession, slot: int, pred, timeout: float = 60.0) -> dict:
-    async with asyncio.timeout(timeout):
-        while True:
-            s = await slot_entry(http, slot)
-            if pred(s):
-                return s
-            await asyncio.sleep(0.01)
-
-
-@contextlib.asynccontextmanager
-async def generating(http: aiohttp.ClientSession, slot: int, body: dict | None = None):
-    """A long streamed chat on ``slot`` (read by a background task) until the block ends."""
-    async def consume() -> None:
-        async with http.post("/v1/chat/completions", json={**(body or LONG), "slot": slot, "stream": True}) as r:
-            assert r.status == 200
-            async for _ in r.content:
-                pass
-
-    task = asyncio.create_task(consume())
-    try:
-        await poll_slots(http, slot, lambda s: s["is_processing"] and s["n_decoded"] > 0)
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await poll_slots(http, slot, lambda s: not s["is_processing"])
+async def poll_slots(http: aiohttp.ClientSession, slot: int, pred) -> dict:
+    return await poll_until(lambda: slot_entry(http, slot), pred)
 
 
 # ---------------------------------------------------------------- /slots
@@ -78,7 +51,7 @@ async def test_slots_entries_carry_llama_server_keys_and_top_level_counters(http
 
 @pytest.mark.asyncio
 async def test_a_long_generation_shows_a_falling_non_zero_n_remain(http):
-    async with generating(http, 0):
+    async with long_chat(http, 0):
         first = await slot_entry(http, 0)
         second = await poll_slots(http, 0, lambda s: s["n_remain"] < first["n_remain"])
     for s in (first, second):
@@ -143,7 +116,7 @@ async def test_models_load_swaps_to_an_alias_while_another_slot_keeps_generating
                 assert set(before.values()) == {sha(tiny_model_path)}
                 status, body = await post_json(http, "/models/load", {"model": "nope"})
                 assert status == 404 and body["error"]["message"] == "model is not found"
-                async with generating(http, 0):  # the reload drains while slot 0 generates
+                async with long_chat(http, 0):  # the reload drains while slot 0 generates
                     status, body = await post_json(http, "/models/load", {"model": "b"})
                     assert status == 200 and body["success"] is True and body["status"] == "loading"
                     at_load = await slot_entry(http, 0)
@@ -213,7 +186,7 @@ async def test_get_state_then_put_state_into_another_slot_continues_identically(
 
 @pytest.mark.asyncio
 async def test_state_transfer_failures(http, server):
-    async with generating(http, 0):
+    async with long_chat(http, 0):
         async with http.get("/slots/0/state") as r:
             assert r.status == 503
         async with http.put("/slots/0/state", data=b"\x03" + bytes(64)) as r:

@@ -4,7 +4,6 @@ decode, behind a client that stopped reading, behind another job, and during a r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 
@@ -13,54 +12,21 @@ import pytest
 
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
-from tests.helpers import serving
+from tests.helpers import LONG_CHAT, long_chat, poll_until, serving, slot_meta_http
 
-HELLO = [{"role": "user", "content": "hello"}]
-# greedy: the tiny model never samples EOS this way, so the generation runs its full length
-LONG = {"messages": HELLO, "max_tokens": 4000, "temperature": 0}
+HELLO = LONG_CHAT["messages"]
 SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
 
 
-async def meta(http: aiohttp.ClientSession, slot: int) -> dict:
-    async with http.get(f"/slots/{slot}/state/meta") as r:
-        assert r.status == 200
-        return await r.json()
-
-
-async def poll(http: aiohttp.ClientSession, slot: int, pred, what: str, timeout: float = 60.0) -> dict:
-    async with asyncio.timeout(timeout):
-        while True:
-            m = await meta(http, slot)
-            if pred(m):
-                return m
-            await asyncio.sleep(0.01)
-    raise AssertionError(what)  # not reached: the timeout raises
-
-
-@contextlib.asynccontextmanager
-async def streaming(http: aiohttp.ClientSession, slot: int):
-    """A long streamed chat on ``slot``, read by a background task; cancelled on exit."""
-    async def consume() -> None:
-        async with http.post("/v1/chat/completions", json={**LONG, "slot": slot, "stream": True}) as r:
-            async for _ in r.content:
-                pass
-
-    task = asyncio.create_task(consume())
-    try:
-        await poll(http, slot, lambda m: m["operation"] == "decode", f"slot {slot} decoding")
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await poll(http, slot, lambda m: not m["is_processing"], f"slot {slot} idle again")
+async def poll(http: aiohttp.ClientSession, slot: int, pred) -> dict:
+    return await poll_until(lambda: slot_meta_http(http, slot), pred)
 
 
 @pytest.mark.asyncio
 async def test_a_decoding_slot_shows_rate_eta_and_recent_progress(http, client):
-    async with streaming(http, 0):
-        first = await poll(http, 0, lambda m: m["tokens_processed"] > 0 and m["tokens_per_s"] > 0, "a rate")
-        second = await poll(http, 0, lambda m: m["tokens_processed"] > first["tokens_processed"], "more tokens")
+    async with long_chat(http, 0):
+        first = await poll(http, 0, lambda m: m["tokens_processed"] > 0 and m["tokens_per_s"] > 0)
+        second = await poll(http, 0, lambda m: m["tokens_processed"] > first["tokens_processed"])
         binary = (await client.request(Op.STATE_META, b"0")).meta
         info = (await client.request(Op.INFO, b"")).meta
     for m in (first, second, binary):
@@ -69,7 +35,7 @@ async def test_a_decoding_slot_shows_rate_eta_and_recent_progress(http, client):
         # it progressed after it started (no threshold: the clock is not asserted on)
         assert 0 <= m["ms_since_progress"] <= m["elapsed_ms"]
     assert info["slot_states"][0] == "decode" and info["steps_per_s"] > 0 and info["tokens_per_s"] > 0
-    idle = await meta(http, 3)
+    idle = await slot_meta_http(http, 3)
     assert idle["ms_since_progress"] is None and idle["tokens_per_s"] == 0 and idle["eta_ms"] is None
 
 
@@ -79,7 +45,7 @@ async def open_unread_stream(port: int, slot: int) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.setblocking(False)
     await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", port))
-    body = json.dumps({**LONG, "slot": slot, "stream": True}).encode()
+    body = json.dumps({**LONG_CHAT, "slot": slot, "stream": True}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     await asyncio.get_running_loop().sock_sendall(s, head + body)
@@ -90,8 +56,8 @@ async def open_unread_stream(port: int, slot: int) -> socket.socket:
 async def test_a_client_that_stopped_reading_shows_client_and_growing_silence(server, http, client):
     s = await open_unread_stream(server.http_port, 1)
     try:
-        stuck = await poll(http, 1, lambda m: m["waiting_on"] == "client", "waiting_on client")
-        later = await poll(http, 1, lambda m: m["ms_since_progress"] > stuck["ms_since_progress"], "silence grows")
+        stuck = await poll(http, 1, lambda m: m["waiting_on"] == "client")
+        later = await poll(http, 1, lambda m: m["ms_since_progress"] > stuck["ms_since_progress"])
         assert later["is_processing"] and later["waiting_on"] == "client"
         assert later["tokens_processed"] == stuck["tokens_processed"] < later["tokens_total"]  # paused, not done
         binary = (await client.request(Op.STATE_META, b"1")).meta
@@ -99,7 +65,7 @@ async def test_a_client_that_stopped_reading_shows_client_and_growing_silence(se
     finally:
         s.close()
     # the client is gone: its job is cancelled and the slot frees
-    await poll(http, 1, lambda m: not m["is_processing"], "slot 1 freed")
+    await poll(http, 1, lambda m: not m["is_processing"])
 
 
 @pytest.mark.asyncio
@@ -108,12 +74,12 @@ async def test_jobs_queued_behind_another_show_queue_and_position(http):
         async with http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, "slot": 2}) as r:
             return r.status
 
-    async with streaming(http, 2):
+    async with long_chat(http, 2):
         one = asyncio.create_task(short_chat())
-        m = await poll(http, 2, lambda m: m["queue_position"] == 1, "one job queued")
+        m = await poll(http, 2, lambda m: m["queue_position"] == 1)
         assert m["waiting_on"] == "queue" and m["operation"] == "decode"
         two = asyncio.create_task(short_chat())
-        await poll(http, 2, lambda m: m["queue_position"] == 2, "two jobs queued")
+        await poll(http, 2, lambda m: m["queue_position"] == 2)
     assert await one == 200 and await two == 200
 
 
@@ -133,21 +99,21 @@ async def test_slots_held_by_a_pending_reload_say_reload(small_and_b, policy):
         async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
             c = await HydraClient.connect(sp.host, sp.port)
             try:
-                async with streaming(http, 0) as gen:  # keeps the reload draining
+                async with long_chat(http, 0) as gen:  # keeps the reload draining
                     r = await c.request(Op.CONFIGURE, b"", json.dumps({"model_path": model_b}).encode())
                     assert r.status == Status.OK and r.meta["reload"] in ("loading", "draining")
                     held = None
                     if policy == "serve-old":  # new work waits for the swap
                         held = asyncio.create_task(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1,
                                                                                       "slot": 1}))
-                    await poll(http, 1, lambda m: m["waiting_on"] == "reload", "slot 1 says reload")
-                    assert (await meta(http, 0))["waiting_on"] is None  # the draining job itself advances
+                    await poll(http, 1, lambda m: m["waiting_on"] == "reload")
+                    assert (await slot_meta_http(http, 0))["waiting_on"] is None  # the draining job itself advances
                     gen.cancel()
                     if held is not None:
                         async with await held as resp:
                             assert resp.status == 200
-                await poll(http, 1, lambda m: m["waiting_on"] is None and m.get("model_name") == "hydra-tiny-b",
-                           "swapped, nothing held")
+                # swapped, nothing held
+                await poll(http, 1, lambda m: m["waiting_on"] is None and m.get("model_name") == "hydra-tiny-b")
             finally:
                 await c.close()
 
