@@ -131,3 +131,21 @@ async def test_a_state_transfer_says_transfer():
         finally:
             gate.open()
         (await task).release()
+
+
+@pytest.mark.asyncio
+async def test_model_states_follow_the_reloads():
+    from tests.scripted_backend import ScriptedFactory
+
+    async with scripted_engine(backend=ScriptedFactory(fail={"model-c"})) as env:
+        eng = env.engine
+        assert eng.model_states() == {"a": "loaded", "b": "unloaded", "c": "unloaded"}
+        await eng.swap_model("c")
+        await until(lambda: eng.reload.state.value == "failed", "the build of c failed")
+        assert eng.model_states()["c"] == "failed"
+        env.factory.build_gate.close()
+        await eng.swap_model("b")
+        assert eng.model_states() == {"a": "loaded", "b": "loading", "c": "unloaded"}
+        env.factory.build_gate.open()
+        await until(lambda: eng.model_states()["b"] == "loaded", "b swapped in")
+        assert eng.model_states()["a"] == "unloaded"
