@@ -40,7 +40,7 @@ from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTick
 from .sampling import SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving
 from .slots import Slot, SlotSnapshot
-from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadStatus
+from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadState, ReloadStatus
 from .stepper import Running, run_step
 
 log = logging.getLogger("engine.actor")
@@ -219,8 +219,8 @@ class Engine:
             path = resolve_path(self.cfg.resolve_model, spec)
             if path == self.params.model_path:
                 out[alias] = "loaded"
-            elif path == r.target and r.state.value in ("loading", "draining", "failed"):
-                out[alias] = "failed" if r.state.value == "failed" else "loading"
+            elif path == r.target and (r.pending or r.state is ReloadState.FAILED):
+                out[alias] = "loading" if r.pending else "failed"
             else:
                 out[alias] = "unloaded"
         return out
