@@ -12,9 +12,10 @@ lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
            ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
-           ``aliases``, ``model_aliases()``
+           ``aliases``, ``model_states()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
-           (cancel with ``job.cancel()``), ``state_get(slot)``, ``state_put(slot, tokens,
+           (cancel with ``job.cancel()``; a stream writer reports a client that is not reading
+           with ``job.set_client_blocked()``), ``state_get(slot)``, ``state_put(slot, tokens,
            state)``, ``erase(slot)``, ``configure(cfg)``, ``swap_model(alias)``,
            ``wait_reload(ticket)``, ``set_expert_mode(mode)``
 """
@@ -34,11 +35,12 @@ from .executors import make_inference_executor, make_loader_executor
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
+from .rates import RateWindow, rate
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
 from .sampling import SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving
 from .slots import Slot, SlotSnapshot
-from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadStatus
+from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadState, ReloadStatus
 from .stepper import Running, run_step
 
 log = logging.getLogger("engine.actor")
@@ -87,6 +89,7 @@ class Engine:
         self.snapshots: tuple[SlotSnapshot, ...] = ()
         self.identity = ModelIdentity()
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
+        self._step_rate, self._token_rate = RateWindow(), RateWindow()
         self.loader: concurrent.futures.ThreadPoolExecutor | None = None
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
@@ -189,23 +192,38 @@ class Engine:
         return self.snapshots[slot]
 
     def info(self) -> EngineInfo:
+        now = time.monotonic()
         return EngineInfo(
             startup_stage=self.startup_stage, expert_mode=self.expert_mode, config_generation=self.generation,
             reload=self.reload, reload_policy=self.cfg.reload_policy, reload_mode=self.cfg.reload_mode,
             slots_total=self.n_slots,
             slots_busy=sum(1 for s in self.snapshots if s.is_processing or s.is_transferring),
             n_ctx_slot=self.n_ctx_slot, rpc_servers=self.params.rpc_servers,
-            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity)
+            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity,
+            slot_states=tuple(s.state for s in self.snapshots),
+            steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
+            tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now))
 
     @property
     def aliases(self) -> tuple[str, ...]:
         """The model aliases clients may name (PREFILL ``model``, SWAP_QUANT), sorted."""
         return tuple(sorted(self.cfg.aliases))
 
-    def model_aliases(self) -> dict[str, bool]:
-        """Configured model aliases (sorted) → whether each names the resident model."""
-        return {alias: resolve_path(self.cfg.resolve_model, path) == self.params.model_path
-                for alias, path in sorted(self.cfg.aliases.items())}
+    def model_states(self) -> dict[str, str]:
+        """Configured model aliases (sorted) → ``loaded`` (the resident file), ``loading`` (the
+        pending reload's target), ``failed`` (the latest reload's target, which failed) or
+        ``unloaded``."""
+        r = self.reload
+        out = {}
+        for alias, spec in sorted(self.cfg.aliases.items()):
+            path = resolve_path(self.cfg.resolve_model, spec)
+            if path == self.params.model_path:
+                out[alias] = "loaded"
+            elif path == r.target and (r.pending or r.state is ReloadState.FAILED):
+                out[alias] = "loading" if r.pending else "failed"
+            else:
+                out[alias] = "unloaded"
+        return out
 
     # ------------------------------------------------------------------ requests
     def sampling_for(self, fields: Mapping[str, Any] | None = None) -> SamplerParams:
@@ -227,6 +245,7 @@ class Engine:
             raise EngineBusy("reloading", retry_after_ms=self._retry_after_ms())
         self._require_actor()
         job.done = asyncio.get_running_loop().create_future()
+        job.wake = self._wake
         self.post(Submit(job))
         return job
 
@@ -287,6 +306,9 @@ class Engine:
     def post(self, message: object) -> None:
         self._mailbox.put_nowait((message, None))
 
+    def _wake(self) -> None:
+        self.post(Wake())
+
     async def _call(self, message: object) -> Any:
         self._require_actor()
         fut = asyncio.get_running_loop().create_future()
@@ -321,6 +343,9 @@ class Engine:
                     r.error = r.error or e
             self.stats["steps"] += 1
             self.scheduler.after_step(running, self._serving())
+            now = time.monotonic()
+            self._step_rate.record(self.stats["steps"], now)
+            self._token_rate.record(self.stats["tokens_generated"], now)
             self._publish()
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
 
@@ -362,7 +387,9 @@ class Engine:
                  time_slice=self.cfg.time_slice)
 
     def _publish(self) -> None:
-        self.snapshots = tuple(s.snapshot(self.generation, self.identity) for s in self.slots)
+        holds = self.reloader.pending and (self.reloader.blocks_admission or self.model is None
+                                           or self.cfg.reload_policy == "reject")
+        self.snapshots = tuple(s.snapshot(self.generation, self.identity, holds) for s in self.slots)
 
     def _serving(self) -> Serving:
         return Serving(open=self.model is not None and not self.reloader.blocks_admission, params=self.params,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from .sampling import SamplerParams
 
@@ -94,9 +94,23 @@ class GenJob:
     cancelled: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: asyncio.Future | None = None
+    client_blocked: bool = False  # see set_client_blocked
+    wake: Callable[[], None] | None = field(default=None, repr=False)  # set by the engine on submit
 
     def cancel(self) -> None:
         self.cancelled = True
+        if self.client_blocked and self.wake is not None:  # a paused job is not stepped: have it reaped now
+            self.wake()
+
+    def set_client_blocked(self, blocked: bool) -> None:
+        """Called by the wire layer: its write of this job's tokens waits on a client that is not
+        reading (the transport's flow control paused it), or no longer does. While blocked, the
+        engine does not step the job — tokens nobody can send would only pile up in memory — and
+        the slot reports ``waiting_on: client``."""
+        if blocked != self.client_blocked:
+            self.client_blocked = blocked
+            if self.wake is not None:
+                self.wake()
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """Tokens as they are generated; ends when the job ends."""

@@ -40,4 +40,5 @@ class Configure:
 
 @dataclass(frozen=True)
 class Wake:
-    """Nothing to do but look at the state again (the engine is stopping)."""
+    """Nothing to do but look at the state again (the engine is stopping, a paused job's client
+    caught up or went away)."""

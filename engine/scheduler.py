@@ -44,7 +44,8 @@ class Scheduler:
         return sorted(self.running)
 
     def active(self) -> list[Running]:
-        return [r for r in self.running.values() if not r.finished]
+        """The running jobs to step now: not finished, and not paused on a client that is not reading."""
+        return [r for r in self.running.values() if not r.finished and not r.job.client_blocked]
 
     def offer(self, job: GenJob, serving: Serving) -> None:
         """A submitted job: admit it, queue it, or refuse it (queue full)."""

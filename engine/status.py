@@ -22,6 +22,7 @@ class ModelIdentity:
     model_quant: str = ""
     model_capabilities: int = 0
     model_alias: str = ""
+    model_hash: str = ""  # SHA-256 of the model file (engine.model_hash); "" when unknown
     n_vocab: int = 0
 
     @classmethod
@@ -30,7 +31,8 @@ class ModelIdentity:
         return cls(model_path=str(ident.get("model_path", "")), model_name=str(ident.get("model_name", "")),
                    tokenizer=str(ident.get("tokenizer", "")), model_quant=str(ident.get("model_quant", "")),
                    model_capabilities=int(ident.get("model_capabilities", 0)),
-                   model_alias=str(ident.get("model_name", "")), n_vocab=n_vocab)
+                   model_alias=str(ident.get("model_name", "")), model_hash=str(ident.get("model_hash") or ""),
+                   n_vocab=n_vocab)
 
     @property
     def display_name(self) -> str:
@@ -96,6 +98,9 @@ class EngineInfo:
     devices: tuple[str, ...]
     aliases: tuple[str, ...]
     identity: ModelIdentity
+    slot_states: tuple[str, ...]  # per slot: idle | prefill | decode | transfer
+    steps_per_s: float  # engine-wide, over the last seconds (engine.rates)
+    tokens_per_s: float
 
 
 @dataclass(frozen=True)

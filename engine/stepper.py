@@ -108,7 +108,8 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
         if job.capture_state:
             r.logits = model.logits(slot.id).tobytes()
             r.state = model.state_seq_get(slot.id)
-        slot.operation = "decode" if job.n_predict > 0 else slot.operation
+        if job.n_predict > 0:
+            slot.enter("decode", time.monotonic())
     if r.n_generated >= job.n_predict:
         r.stop_reason = r.stop_reason or ("none" if job.n_predict == 0 else "length")
         return
@@ -117,11 +118,13 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
     else:
         tok, lp = model.sample(slot.id, r.sampler), 0.0
     r.n_generated += 1
-    slot.tokens_processed += 1
+    slot.n_decoded += 1
+    slot.advance(1, time.monotonic())
     if model.is_eog(tok):
         r.stop_reason = "eos"
         return
     piece = model.token_to_piece(tok)
+    slot.has_new_line = b"\n" in piece
     r.generated.append(tok)
     r.events.append(TokenEvent(tok, piece, lp))
     r.text += piece
@@ -190,7 +193,7 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
             r.slot.tokens.extend(chunk)
             if r.pending:
                 del r.pending[:len(chunk)]
-                r.slot.tokens_processed += len(chunk)
+                r.slot.advance(len(chunk), time.monotonic())
             r.last = None
             if want:
                 _after_logits(model, r, n_ctx_slot)

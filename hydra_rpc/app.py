@@ -43,6 +43,7 @@ class App:
         await self.engine.start()
         dv3 = DecodeV3(self.engine)
         handlers = Handlers(self.engine, decode_v3=dv3.handle)
+        self.extras["put_buffer"] = handlers.put_buffer  # HTTP PUT /slots/{id}/state shares it
         self.extras["decode_results"] = dv3.results
         self.server = HydraServer(self.server_cfg, handlers.table(),
                                   on_request=metrics.observe_request if metrics else None)

@@ -31,7 +31,9 @@ CAP_NAMES = ["MTP", "VISION", "REASONING", "TOOL_USE", "CODE"]
 
 def gate_a(kv_md: dict[str, Any], ident: dict[str, Any]) -> tuple[dict[str, Any], bool, str]:
     """Compare the KV's identity with the resident model. Empty fields are not compared
-    (a client that does not know them sends "")."""
+    (a client that does not know them sends ""). ``model_hash_match`` is reported but does not
+    decide ``valid``: a KV from another quantisation of the same model is a fleet's deliberate
+    cross-quant restore, and the C++ Gate A accepts it."""
 
     def same(key: str) -> bool:
         a, b = kv_md.get(key), ident.get(key)
@@ -43,7 +45,8 @@ def gate_a(kv_md: dict[str, Any], ident: dict[str, Any]) -> tuple[dict[str, Any]
     name_ok = same("model_name") or (bool(kv_md.get("model_alias")) and kv_md.get("model_alias") == ident.get("model_alias"))
     match = {"tokenizer_match": same("tokenizer"), "model_name_match": name_ok, "capabilities_xor": xor,
              "capabilities_diff_bits": [n for i, n in enumerate(CAP_NAMES) if xor >> i & 1],
-             "model_quant_match": same("model_quant"), "model_alias_match": True}
+             "model_quant_match": same("model_quant"), "model_alias_match": True,
+             "model_hash_match": same("model_hash")}
     valid = match["tokenizer_match"] and name_ok and not (xor & 0b11)
     reason = "" if valid else ("tokenizer mismatch" if not match["tokenizer_match"] else
                                "model name mismatch" if not name_ok else "MTP/VISION capability mismatch")

@@ -15,10 +15,12 @@ from engine.status import ConfigureOutcome, EngineInfo, ModelIdentity, ReloadSta
 ENGINE_NAME = "llama-server-hydra"
 ENGINE_VERSION = "E1"
 CAPABILITIES = ("prefill", "decode", "state_transfer", "expert_mode", "quant_swap", "preset", "tokenizer",
-                "model_name", "model_quant", "model_capabilities", "merged_decode")
+                "model_name", "model_quant", "model_capabilities", "merged_decode", "model_hash")
 
-# the identity keys the C++ puts into STATE_*/PREFILL meta (when non-empty), in its order
-_WIRE_IDENTITY = ("model_alias", "model_path", "tokenizer", "model_name", "model_quant", "model_capabilities")
+# the identity keys the C++ puts into STATE_*/PREFILL meta (when non-empty), in its order, plus
+# model_hash where the spec (and PIN's coordinator) put it
+_WIRE_IDENTITY = ("model_alias", "model_hash", "model_path", "tokenizer", "model_name", "model_quant",
+                  "model_capabilities")
 
 
 def _present(v: Any) -> bool:
@@ -29,8 +31,15 @@ def identity_meta(ident: ModelIdentity) -> dict[str, Any]:
     return {k: getattr(ident, k) for k in _WIRE_IDENTITY if _present(getattr(ident, k))}
 
 
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
 def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, Any]:
-    """STATE_META: the C++ keys, then the progress fields and config_generation."""
+    """STATE_META: the C++ keys, then the progress fields, config_generation and what tells a
+    stuck slot from a slow one (docs/protocol.md §6.2). Times are taken now, not at publication."""
+    now = time.monotonic()
+    rate = snap.tokens_per_s(now)
     out: dict[str, Any] = {
         "slot_id": snap.slot_id if requested_id is None else requested_id,
         "n_past": snap.n_past,
@@ -44,10 +53,42 @@ def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, 
         "tokens_processed": snap.tokens_processed,
         "tokens_total": snap.tokens_total,
         "progress": round(snap.progress, 6),
-        "elapsed_ms": round(snap.elapsed_ms, 3),
+        "elapsed_ms": round(snap.elapsed_ms(now), 3),
         "config_generation": snap.config_generation,
+        "ms_since_progress": _ms(snap.ms_since_progress(now)),
+        "tokens_per_s": round(rate, 3),
+        "prefill_tokens_per_s": round(rate, 3) if snap.operation == "prefill" else None,
+        "eta_ms": _ms(snap.eta_ms(now)),
+        "waiting_on": snap.waiting_on,
+        "queue_position": snap.queue_position,
     })
     return out
+
+
+def slot_entry(snap: SlotSnapshot, n_ctx: int) -> dict[str, Any]:
+    """A ``GET /slots`` entry: llama-server's slot object, with ``n_past``, ``n_remain`` and
+    ``n_decoded`` also at the top level (where Hydra Core reads them), then ``queued`` and the
+    STATE_META fields (docs/http.md)."""
+    next_token = {"has_next_token": snap.is_processing, "has_new_line": snap.has_new_line,
+                  "n_remain": snap.n_remain, "n_decoded": snap.n_decoded}
+    entry: dict[str, Any] = {
+        "id": snap.slot_id, "id_task": snap.job_id if snap.job_id is not None else -1, "n_ctx": n_ctx,
+        "speculative": False, "is_processing": snap.is_processing, "n_past": snap.n_past,
+        "n_remain": snap.n_remain, "n_decoded": snap.n_decoded, "params": _params(snap),
+        "next_token": [next_token], "queued": snap.queued,
+    }
+    entry.update(slot_meta(snap))
+    return entry
+
+
+def _params(snap: SlotSnapshot) -> dict[str, Any]:
+    p = snap.sampling
+    if p is None:
+        return {}
+    return {"n_predict": snap.n_predict, "max_tokens": snap.n_predict, "seed": -1 if p.seed is None else p.seed,
+            "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "repeat_last_n": p.penalty_last_n, "repeat_penalty": p.penalty_repeat,
+            "presence_penalty": p.penalty_present, "frequency_penalty": p.penalty_freq, "stop": list(snap.stop)}
 
 
 def reload_meta(r: ReloadStatus) -> dict[str, Any]:
@@ -79,6 +120,9 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "slots_total": info.slots_total,
         "slots_busy": info.slots_busy,
         "n_ctx_slot": info.n_ctx_slot,
+        "slot_states": list(info.slot_states),
+        "steps_per_s": round(info.steps_per_s, 3),
+        "tokens_per_s": round(info.tokens_per_s, 3),
         "startup_stage": info.startup_stage,
         "rpc_servers": list(info.rpc_servers),
         "devices": list(info.devices),

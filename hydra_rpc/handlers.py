@@ -348,7 +348,7 @@ async def stream_pin(req: Request, resp: ResponseWriter, engine: Engine, job: Ge
     whole inside it, and small models do not pay a syscall per token.
     """
     engine.submit(job)
-    await resp.start_eof_stream(Status.OK, None)
+    await resp.start_eof_stream(Status.OK, None, client_wait=job.set_client_blocked)
     try:
         while True:
             ev = await job.events.get()

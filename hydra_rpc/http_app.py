@@ -3,9 +3,11 @@
 Routes (the contract is written down in ``docs/http.md``)::
 
     GET  /health                       200 ready, 503 while the first model loads (or failed)
-    GET  /version, /v1/models, /models
+    GET  /version
+    GET  /v1/models, /models; POST /models/load, /models/unload   see http_models
     GET  /slots                        one entry per slot, from the actor's snapshots
     GET  /slots/{id}/state/meta        the STATE_META fields
+    GET, PUT /slots/{id}/state         KV state transfer, see http_state
     POST /slots/{id}?action=erase      409 while the slot works
     GET  /v1/decode/{decode_request_id}  merged DECODE v3 result: 202 running, 200 done, 404 gone
     DELETE /v1/decode/{decode_request_id}  (extension) cancel a running merged DECODE
@@ -20,7 +22,6 @@ Every failure is a JSON error object with a real status; a bug in a handler beco
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -32,7 +33,7 @@ from aiohttp import web
 from codec.limits import HYDRA_MAX_PROMPT_BYTES
 from engine.jobs import EngineBusy
 
-from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_meta
+from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
 from .http_openai import (
     FINISH_REASON,
     ApiError,
@@ -44,6 +45,10 @@ from .http_openai import (
     require_ready,
     timings_of,
 )
+from .http_models import ModelRoutes
+from .http_state import StateRoutes
+from .http_state import path_number as _number
+from .http_state import slot_of as _slot_of
 from .logs import access_log_options
 from .metrics import CONTENT_TYPE, Metrics
 
@@ -125,8 +130,6 @@ def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     r = webapp.router
     r.add_get("/health", routes.health)
     r.add_get("/version", routes.version)
-    r.add_get("/v1/models", routes.models)
-    r.add_get("/models", routes.models)
     r.add_get("/slots", routes.slots)
     r.add_get("/slots/{slot_id}/state/meta", routes.slot_meta)
     r.add_post("/slots/{slot_id}", routes.slot_action)
@@ -134,6 +137,8 @@ def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     r.add_delete("/v1/decode/{decode_request_id}", routes.decode_cancel)
     r.add_get("/metrics", routes.prometheus)
     OpenAIRoutes(app, max_body, metrics).add_to(r)
+    ModelRoutes(app, max_body).add_to(r)
+    StateRoutes(app).add_to(r)
     return webapp
 
 
@@ -189,22 +194,6 @@ def _http_error_message(request: web.Request, e: web.HTTPException) -> str:
     return e.text or e.reason
 
 
-def _number(raw: str) -> int | None:
-    """A path id: ASCII digits only (``str.isdigit`` also accepts "²"), and short."""
-    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
-
-
-def _slot_of(request: web.Request, engine: Any) -> int:
-    raw = request.match_info["slot_id"]
-    slot = _number(raw)
-    if slot is None:
-        raise ApiError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}")
-    n = engine.n_slots if engine is not None else 0
-    if slot >= n:
-        raise ApiError(404, f"unknown slot {slot} (this engine has slots 0..{n - 1})")
-    return slot
-
-
 class Routes:
     def __init__(self, app: Any, metrics: Metrics):
         self.app = app
@@ -241,20 +230,6 @@ class Routes:
                               "implementation_version": IMPL_VERSION,
                               "config_generation": eng.generation if eng is not None else 0})
 
-    async def models(self, request: web.Request) -> web.Response:
-        eng = self.engine
-        require_ready(eng)
-        resident = eng.identity.display_name
-        meta = {k: v for k, v in dataclasses.asdict(eng.identity).items() if k != "model_path"}
-        data = [{"id": resident, "object": "model", "created": 0, "owned_by": "hydra-rpc", "resident": True,
-                 "meta": {**meta, "n_ctx_slot": eng.n_ctx_slot, "n_slots": eng.n_slots,
-                          "config_generation": eng.generation}}]
-        for alias, here in eng.model_aliases().items():
-            if alias != resident:
-                data.append({"id": alias, "object": "model", "created": 0, "owned_by": "hydra-rpc",
-                             "resident": here})
-        return json_response({"object": "list", "data": data})
-
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -263,12 +238,7 @@ class Routes:
         eng = self.engine
         if eng is None:
             return json_response([])
-        out = []
-        for s in eng.snapshots:
-            entry = {"id": s.slot_id, "n_ctx": eng.n_ctx_slot, "queued": s.queued}
-            entry.update(slot_meta(s))
-            out.append(entry)
-        return json_response(out)
+        return json_response([slot_entry(s, eng.n_ctx_slot) for s in eng.snapshots])
 
     async def slot_meta(self, request: web.Request) -> web.Response:
         slot = _slot_of(request, self.engine)
@@ -356,4 +326,7 @@ class Routes:
         if snap is not None and snap.job_id == entry.job.id:
             out.update(operation=snap.operation, n_past=snap.n_past, tokens_processed=snap.tokens_processed,
                        tokens_total=snap.tokens_total, progress=round(snap.progress, 6))
+        elif snap is not None and entry.job.id in snap.queued_jobs:
+            out.update(waiting_on=snap.waiting_on if snap.waiting_on in ("transfer", "reload") else "queue",
+                       queue_position=snap.queued_jobs.index(entry.job.id) + 1)
         return out

@@ -26,6 +26,8 @@ from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResu
 from engine.status import ModelChoice
 from engine.tiers import ConfigError
 
+from .wire import client_behind, limit_send_buffer
+
 # engine stop_reason → OpenAI finish_reason ("none" is a zero-token request; cancelled has none)
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "ctx_full": "length", "none": "length",
                  "cancelled": None}
@@ -210,7 +212,9 @@ def parse_completion_request(body: dict[str, Any], kind: str, engine: Any) -> Co
 
 
 def _max_tokens(body: dict[str, Any], engine: Any) -> int:
-    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+    # n_predict first, as llama-server reads it: Hydra Core's prefill fallback adds n_predict 0
+    # to a client body that may carry its own max_tokens
+    for key in ("n_predict", "max_completion_tokens", "max_tokens"):
         v = body.get(key)
         if v is None:
             continue
@@ -336,7 +340,15 @@ class TextEvent:
 
 
 def timings_of(res: GenResult) -> dict[str, Any]:
-    return {"prefill_ms": round(res.prefill_ms, 3), "decode_ms": round(res.decode_ms, 3),
+    """llama-server's ``timings`` (integer counts, float ms and rates), then ours."""
+    def per_second(n: int, ms: float) -> float:
+        return round(n / ms * 1000, 3) if ms > 0 else 0.0
+
+    prompt_n, predicted_n = res.prompt_tokens - res.cached_tokens, res.tokens_generated
+    return {"cache_n": res.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(res.prefill_ms, 3),
+            "prompt_per_second": per_second(prompt_n, res.prefill_ms), "predicted_n": predicted_n,
+            "predicted_ms": round(res.decode_ms, 3), "predicted_per_second": per_second(predicted_n, res.decode_ms),
+            "prefill_ms": round(res.prefill_ms, 3), "decode_ms": round(res.decode_ms, 3),
             "cached_tokens": res.cached_tokens}
 
 
@@ -408,7 +420,7 @@ class OpenAIRoutes:
         text, hit = cut_at_stop(res.text.decode("utf-8", "replace"), creq.stop)
         finish = "stop" if hit else FINISH_REASON.get(res.stop_reason)
         obj = completion_object(creq.kind, cid, int(time.time()), model, text, finish, res, res.config_generation)
-        obj.update(slot=res.slot, config_generation=res.config_generation, timings=timings_of(res))
+        obj.update(slot=res.slot, id_slot=res.slot, config_generation=res.config_generation, timings=timings_of(res))
         return json_response(obj), ("stop" if hit else res.stop_reason)
 
     async def _stream(self, request: web.Request, creq: CompletionRequest, job: GenJob, cid: str,
@@ -431,6 +443,8 @@ class OpenAIRoutes:
         created = int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+        if request.transport is not None:
+            limit_send_buffer(request.transport)
         await resp.prepare(request)
 
         def chunk(**kw: Any) -> dict[str, Any]:
@@ -443,7 +457,17 @@ class OpenAIRoutes:
             if out:
                 data = b"".join(out)
                 out.clear()
-                await resp.write(data)
+                # a write into a transport that flow control paused waits on the client: the job
+                # pauses meanwhile and its slot says waiting_on "client"
+                transport = request.transport
+                blocked = transport is not None and client_behind(transport)
+                if blocked:
+                    job.set_client_blocked(True)
+                try:
+                    await resp.write(data)
+                finally:
+                    if blocked:
+                        job.set_client_blocked(False)
 
         def event(obj: dict[str, Any]) -> None:
             out.append(b"data: " + dumps(obj) + b"\n\n")
@@ -476,7 +500,10 @@ class OpenAIRoutes:
                 await flush()
                 return resp, "error"
             reason = "stop" if stops.hit else (res.stop_reason if res else "cancelled")
-            event(chunk(finish=FINISH_REASON.get(reason, "stop")))
+            last = chunk(finish=FINISH_REASON.get(reason, "stop"))
+            if res is not None:  # as llama-server: a client without the usage chunk reads these
+                last.update(id_slot=res.slot, timings=timings_of(res))
+            event(last)
             if creq.include_usage:
                 event({**chunk(), "choices": [], "usage": usage_of(res)})
             out.append(b"data: [DONE]\n\n")

@@ -4,14 +4,34 @@ a response writer that guarantees exactly one well-formed response.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from codec.enums import Status
 from codec.framing import RequestHeader, encode_response_header
 from codec.payloads import encode_meta
 
 BIG_RESPONSE = 4 << 20  # responses from this size get a larger write buffer (fewer drain round trips)
+# Kernel send buffer of a token stream: a client that stops reading is noticed (and its job
+# paused, see ``GenJob.set_client_blocked``) after about this much, not after the megabytes an
+# autotuned loopback/LAN send buffer takes on. Token streams need no more.
+STREAM_SNDBUF = 64 << 10
+
+
+def client_behind(transport: asyncio.WriteTransport) -> bool:
+    """The transport holds more than its high-water mark: flow control paused it, the peer is
+    not taking our bytes (a drain now waits for the client)."""
+    return transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
+
+
+def limit_send_buffer(transport: asyncio.BaseTransport) -> None:
+    """Give a token stream's socket the small send buffer ``STREAM_SNDBUF``."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
 
 
 class PeerGone(ConnectionError):
@@ -127,6 +147,8 @@ class ResponseWriter:
         self.streaming_eof = False  # payload_len 0 followed by frames until close
         self.error_rule: str | None = None  # why a non-OK reply was sent, for the request log line
         self.tokens_streamed: int | None = None  # pieces sent by a PIN stream, for the request log line
+        # told True while a write waits on a client that is not reading, then False
+        self.client_wait: Callable[[bool], None] | None = None
 
     @property
     def started(self) -> bool:
@@ -165,7 +187,14 @@ class ResponseWriter:
         if self._w.transport.is_closing():  # the client reset mid-response
             raise PeerGone("client went away during the response")
         self._w.write(data)
-        await self._w.drain()
+        if self.client_wait is None or not client_behind(self._w.transport):
+            await self._w.drain()
+            return
+        self.client_wait(True)
+        try:
+            await self._w.drain()
+        finally:
+            self.client_wait(False)
 
     async def drain_all(self) -> None:
         """Wait until everything written has left our buffers (not just below the high-water mark)."""
@@ -176,8 +205,12 @@ class ResponseWriter:
         finally:
             transport.set_write_buffer_limits()
 
-    async def start_eof_stream(self, status: int = Status.OK, meta: dict | None = None) -> None:
-        """PIN-style stream: header with payload_len 0, frames follow, then close."""
+    async def start_eof_stream(self, status: int = Status.OK, meta: dict | None = None,
+                               client_wait: Callable[[bool], None] | None = None) -> None:
+        """PIN-style stream: header with payload_len 0, frames follow, then close. ``client_wait``
+        is told when a write waits on a client that is not reading (see ``STREAM_SNDBUF``)."""
+        limit_send_buffer(self._w.transport)
+        self.client_wait = client_wait
         await self.start(status, meta, 0)
         self.streaming_eof = True
         self.close_after = True

@@ -1,6 +1,7 @@
 """Test helpers: a real server process on 127.0.0.1 and small client utilities."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from codec.errors import CodecError
@@ -31,3 +32,46 @@ def outcome(fn, *args, **kwargs):
         return ("ok", fn(*args, **kwargs))
     except CodecError:
         return ("err", None)
+
+
+async def poll_until(fetch, pred, timeout: float = 60.0):
+    """``await fetch()`` until ``pred`` holds for what it returns, which is returned (the
+    deadline only turns a hang into a failure)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            value = await fetch()
+            if pred(value):
+                return value
+            await asyncio.sleep(0.01)
+
+
+async def slot_meta_http(http, slot: int) -> dict:
+    async with http.get(f"/slots/{slot}/state/meta") as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+# greedy: the tiny model never samples EOS this way, so the generation runs its full length
+LONG_CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4000, "temperature": 0}
+
+
+@contextlib.asynccontextmanager
+async def long_chat(http, slot: int, body: dict | None = None):
+    """A long streamed chat on ``slot`` over HTTP (``http``: an aiohttp session), read by a
+    background task, from its first decode step until the block ends; the slot is idle after."""
+
+    async def consume() -> None:
+        async with http.post("/v1/chat/completions", json={**(body or LONG_CHAT), "slot": slot, "stream": True}) as r:
+            assert r.status == 200
+            async for _ in r.content:
+                pass
+
+    task = asyncio.create_task(consume())
+    try:
+        await poll_until(lambda: slot_meta_http(http, slot), lambda m: m["operation"] == "decode")
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await poll_until(lambda: slot_meta_http(http, slot), lambda m: not m["is_processing"])

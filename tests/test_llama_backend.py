@@ -1,6 +1,7 @@
 """engine/llama_backend on the generated tiny model (no RPC here)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -72,7 +73,8 @@ def test_identity(m: LoadedModel, tiny_model_path: str) -> None:
     assert ident["model_capabilities"] == 0
     assert ident["size_bytes"] == os.path.getsize(tiny_model_path)
     assert ident["n_params"] > 100_000
-    assert isinstance(ident["model_sha256_prefix"], str) and len(ident["model_sha256_prefix"]) == 16
+    with open(tiny_model_path, "rb") as f:
+        assert ident["model_hash"] == hashlib.sha256(f.read()).hexdigest()
     assert m.n_vocab == 512 and m.n_seq_max == 4 and m.n_ctx >= 2048
     assert (m.bos, m.eos) == (1, 2)
     assert m.is_eog(m.eos) and not m.is_eog(m.bos)

@@ -3,11 +3,12 @@ read from the GGUF metadata and the llama.cpp model."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import llama_cpp.llama_cpp as L
+
+from ..model_hash import model_hash
 
 # model_capabilities bits
 CAP_MTP = 1 << 0
@@ -15,8 +16,6 @@ CAP_VISION = 1 << 1
 CAP_REASONING = 1 << 2
 CAP_TOOL_USE = 1 << 3
 CAP_CODE = 1 << 4
-
-SHA256_MAX_FILE = 64 << 20  # larger files are not hashed at load (seconds of reading)
 
 # LLAMA_FTYPE_* value -> short name ("F32", "Q8_0", "Q4_K_M", ...)
 _FTYPE_NAMES: dict[int, str] = {}
@@ -45,14 +44,6 @@ def meta_value(model: Any, key: str) -> str | None:
         size = n + 1
 
 
-def sha256_prefix(path: Path, n_hex: int = 16) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:n_hex]
-
-
 def chat_template_source(model: Any) -> str | None:
     raw = L.llama_model_chat_template(model, None)
     return raw.decode("utf-8", "replace") if raw else None
@@ -72,9 +63,9 @@ def capabilities(model: Any, vocab: Any, template: str) -> int:
 
 
 def read_identity(model: Any, vocab: Any, path: Path, n_vocab: int) -> dict[str, Any]:
-    """model_path, model_name, tokenizer, model_quant, model_capabilities,
-    model_sha256_prefix (None for files over 64 MiB), n_params, size_bytes (file size),
-    plus architecture/n_ctx_train/n_layer/n_embd/tensor_bytes."""
+    """model_path, model_name, tokenizer, model_quant, model_capabilities, model_hash
+    (engine.model_hash: cached, else read here on the loader thread), n_params, size_bytes
+    (file size), plus architecture/n_ctx_train/n_layer/n_embd/tensor_bytes."""
     tok_model = meta_value(model, "tokenizer.ggml.model") or "unknown"
     ft = meta_value(model, "general.file_type")
     quant = ftype_name(int(ft)) if ft is not None and ft.lstrip("-").isdigit() else ftype_name(
@@ -86,7 +77,7 @@ def read_identity(model: Any, vocab: Any, path: Path, n_vocab: int) -> dict[str,
         "tokenizer": f"{tok_model}/{n_vocab}",
         "model_quant": quant,
         "model_capabilities": capabilities(model, vocab, chat_template_source(model) or ""),
-        "model_sha256_prefix": sha256_prefix(path) if size <= SHA256_MAX_FILE else None,
+        "model_hash": model_hash(path),
         "n_params": int(L.llama_model_n_params(model)),
         "size_bytes": size,
         "tensor_bytes": int(L.llama_model_size(model)),

@@ -1,0 +1,156 @@
+"""KV state over HTTP, as the fork's llama-server serves it (docs/http.md, "State transfer").
+
+    GET /slots/{id}/state    200 application/octet-stream: the v3 KV blob of STATE_GET (no logits)
+    PUT /slots/{id}/state    a v1/v2/v3 blob (optionally + logits) → {"restored", "n_past", "bytes"}
+
+Both are the binary port's transfers behind another door: GET copies the state with the same
+engine call and sends the same blob as STATE_GET; PUT receives into the same resident buffer
+as STATE_PUT, under the same size cap, and restores with the same function
+(``handlers.restore_kv_blob``). The body is streamed in both directions, never read whole by
+aiohttp. Also here: the slot id of a ``/slots/{id}…`` path, shared with ``http_app``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from codec.enums import Op
+from codec.errors import CodecError
+from codec.kvblob import encode_kv_blob_header, split_logits_tail
+from codec.limits import Limits
+from engine.buffers import LeasedBuffer
+from engine.jobs import EngineBusy
+
+from .engine_meta import identity_meta
+from .handlers import KV_VERSION, BlobRejected, restore_kv_blob
+from .http_openai import ApiError, json_response, require_ready
+
+OCTETS = "application/octet-stream"
+
+
+def path_number(raw: str) -> int | None:
+    """A path id: ASCII digits only (``str.isdigit`` also accepts "²"), and short."""
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
+
+
+def slot_of(request: web.Request, engine: Any) -> int:
+    raw = request.match_info["slot_id"]
+    slot = path_number(raw)
+    if slot is None:
+        raise ApiError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}")
+    n = engine.n_slots if engine is not None else 0
+    if slot >= n:
+        raise ApiError(404, f"unknown slot {slot} (this engine has slots 0..{n - 1})")
+    return slot
+
+
+class StateRoutes:
+    def __init__(self, app: Any):
+        self.app = app
+        self._own_buffer = LeasedBuffer()  # until the binary port's handlers exist
+
+    def add_to(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/slots/{slot_id}/state", self.get_state)
+        router.add_put("/slots/{slot_id}/state", self.put_state)
+
+    @property
+    def engine(self) -> Any:
+        return self.app.engine
+
+    def _require_idle(self, slot: int) -> None:
+        snap = self.engine.snapshot(slot)
+        if snap.is_processing or snap.is_transferring or snap.queued:
+            raise ApiError(503, f"slot {slot} is busy ({snap.operation})", extra={"restored": False})
+
+    async def get_state(self, request: web.Request) -> web.StreamResponse:
+        eng = self.engine
+        slot = slot_of(request, eng)
+        require_ready(eng)
+        self._require_idle(slot)
+        try:
+            out = await eng.state_get(slot)
+        except EngineBusy as e:  # became busy between the snapshot and the actor
+            raise ApiError(503, str(e)) from None
+        try:
+            head = encode_kv_blob_header(KV_VERSION, out.n_past, out.tokens)
+            size = len(head) + len(out.state)
+            resp = web.StreamResponse(headers={
+                "Content-Type": OCTETS, "X-Hydra-N-Past": str(out.n_past), "X-Hydra-State-Size": str(size),
+                "X-Hydra-Model-Hash": out.identity.model_hash,
+                "X-Hydra-Config-Generation": str(out.config_generation)})
+            resp.content_length = size
+            await resp.prepare(request)
+            await resp.write(head)
+            chunk = eng.state_chunk_size
+            for off in range(0, len(out.state), chunk):
+                # a copy per chunk: a transport may keep what it is given until sent, and the
+                # state's buffer is reused by the next transfer once released
+                await resp.write(bytes(out.state[off:off + chunk]))
+            await resp.write_eof()
+            return resp
+        finally:
+            out.release()
+
+    async def put_state(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        slot = slot_of(request, eng)
+        require_ready(eng)
+        model_hash = request.headers.get("X-Hydra-Model-Hash", "")
+        if model_hash and eng.identity.model_hash and model_hash != eng.identity.model_hash:
+            raise ApiError(409, f"the blob is from model {model_hash[:16]}…, this slot serves "
+                                f"{eng.identity.model_hash[:16]}…",
+                           extra={"restored": False, "model_match": False, **identity_meta(eng.identity)})
+        length = request.content_length
+        cap = self._limits().payload_cap(Op.STATE_PUT)
+        if length is None:
+            raise ApiError(411, "PUT /slots/{id}/state needs a Content-Length")
+        if length > cap:
+            raise ApiError(413, f"a state of {length} bytes exceeds the limit of {cap}")
+        if length == 0:
+            raise ApiError(400, "PUT /slots/{id}/state needs a KV blob")
+        self._require_idle(slot)  # before reading what could be gigabytes
+        buf, release = self._buffer().lease(length)  # memory follows what arrives (engine.buffers)
+        try:
+            await _receive(request, buf)
+            t0 = time.perf_counter()
+            try:
+                layout, consumed = await restore_kv_blob(eng, slot, buf)
+            except CodecError as e:
+                raise ApiError(400, f"malformed KV blob: {e}", extra={"restored": False}) from None
+            except EngineBusy as e:
+                raise ApiError(503, str(e), extra={"restored": False}) from None
+            except BlobRejected as e:
+                raise ApiError(503, str(e), extra={"restored": False, "model_match": False,
+                                                   **identity_meta(eng.identity)}) from None
+        finally:
+            release()
+        layout = split_logits_tail(layout, consumed, eng.n_vocab)
+        snap = eng.snapshot(slot)
+        return json_response({
+            "restored": True, "n_past": snap.n_past, "bytes": consumed, "model_match": True,
+            "blob_version": layout.header.version, "logits_tail": layout.logits_offset is not None,
+            "restore_ms": round((time.perf_counter() - t0) * 1000, 3), "config_generation": snap.config_generation,
+            **identity_meta(eng.identity)})
+
+    def _limits(self) -> Limits:
+        cfg = getattr(self.app, "server_cfg", None)
+        return cfg.limits if cfg is not None else Limits()
+
+    def _buffer(self) -> LeasedBuffer:
+        """STATE_PUT's resident buffer (``App`` shares it), so both ports keep one between them."""
+        return self.app.extras.get("put_buffer") or self._own_buffer
+
+
+async def _receive(request: web.Request, buf: memoryview) -> None:
+    """Fill ``buf`` with exactly the body (its Content-Length), as it arrives."""
+    pos = 0
+    async for chunk in request.content.iter_any():
+        end = pos + len(chunk)
+        if end > len(buf):  # aiohttp frames the body by Content-Length: not reached
+            raise ApiError(400, "the body is longer than its Content-Length")
+        buf[pos:end] = chunk
+        pos = end
+    if pos != len(buf):
+        raise ApiError(400, f"the body ended after {pos} of {len(buf)} bytes")
