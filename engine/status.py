@@ -96,6 +96,8 @@ class EngineInfo:
     devices: tuple[str, ...]
     aliases: tuple[str, ...]
     identity: ModelIdentity
+    params: ModelParams | None = None  # the live model's
+    kv_cache: Any = None  # the live model's KvCacheInfo
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ class App:
     server: HydraServer | None = None
     http: object | None = None
     extras: dict = field(default_factory=dict)
+    info_extra: dict = field(default_factory=dict)  # INFO keys of the process (ignored_args)
+    ggml_rpc: object | None = None  # the --ggml-rpc-port server
 
     async def start(self) -> None:
         """HTTP first (so ``/health`` says 503 while the first model loads), then the
@@ -40,9 +42,15 @@ class App:
             from .http_app import start_http
 
             self.http = await start_http(self, self.http_host or self.server_cfg.host, self.http_port)
+        if self.server_cfg.ggml_rpc_port is not None:
+            from .ggml_rpc_port import GgmlRpcPort
+
+            self.ggml_rpc = await GgmlRpcPort.start(self.http_host or self.server_cfg.host,
+                                                    self.server_cfg.ggml_rpc_port,
+                                                    self.server_cfg.ggml_rpc_embedded_threads)
         await self.engine.start()
         dv3 = DecodeV3(self.engine)
-        handlers = Handlers(self.engine, decode_v3=dv3.handle)
+        handlers = Handlers(self.engine, decode_v3=dv3.handle, info_extra=self.info_extra)
         self.extras["decode_results"] = dv3.results
         self.server = HydraServer(self.server_cfg, handlers.table(),
                                   on_request=metrics.observe_request if metrics else None)
@@ -62,3 +70,5 @@ class App:
             await self.http.cleanup()
         if self.engine is not None:
             await self.engine.stop(timeout=2.0 if force else 10.0)
+        if self.ggml_rpc is not None:
+            await self.ggml_rpc.stop()

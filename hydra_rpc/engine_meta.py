@@ -29,8 +29,9 @@ def identity_meta(ident: ModelIdentity) -> dict[str, Any]:
     return {k: getattr(ident, k) for k in _WIRE_IDENTITY if _present(getattr(ident, k))}
 
 
-def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, Any]:
-    """STATE_META: the C++ keys, then the progress fields and config_generation."""
+def slot_meta(snap: SlotSnapshot, requested_id: int | None = None, kv_cache: Any = None) -> dict[str, Any]:
+    """STATE_META: the C++ keys, then the progress fields, config_generation and ``kv_cache``
+    (the live model's KvCacheInfo: what a restore into this slot must match)."""
     out: dict[str, Any] = {
         "slot_id": snap.slot_id if requested_id is None else requested_id,
         "n_past": snap.n_past,
@@ -46,6 +47,7 @@ def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, 
         "progress": round(snap.progress, 6),
         "elapsed_ms": round(snap.elapsed_ms, 3),
         "config_generation": snap.config_generation,
+        "kv_cache": kv_cache_meta(kv_cache),
     })
     return out
 
@@ -57,11 +59,18 @@ def reload_meta(r: ReloadStatus) -> dict[str, Any]:
             "pending_for_ms": round((time.time() - r.started_at) * 1000, 1) if r.pending else 0}
 
 
+def kv_cache_meta(kv: Any) -> dict[str, Any] | None:
+    """``kv_cache`` of INFO / STATE_META: what a coordinator compares before moving KV state."""
+    return kv.as_dict if kv is not None else None
+
+
 def info_meta(info: EngineInfo) -> dict[str, Any]:
+    # quant_swap only when a SWAP_QUANT could name something: a configured model alias
+    caps = [c for c in CAPABILITIES if c != "quant_swap" or info.aliases]
     return {
         "engine": ENGINE_NAME,
         "version": ENGINE_VERSION,
-        "capabilities": list(CAPABILITIES),
+        "capabilities": caps,
         "preset_aliases": list(info.aliases),
         "solo_active": info.expert_mode == "solo",
         "rpc_backend_active": bool(info.rpc_servers),
@@ -83,6 +92,8 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "rpc_servers": list(info.rpc_servers),
         "devices": list(info.devices),
         **dataclasses.asdict(info.identity),
+        "kv_cache": kv_cache_meta(info.kv_cache),
+        "params": info.params.as_dict() if info.params is not None else None,
     }
 
 
