@@ -151,6 +151,20 @@ async def test_configure_tiers_and_reply_shape(client):
 
 
 @pytest.mark.asyncio
+async def test_values_llama_cpp_asserts_on_are_rejected_and_the_server_lives(server, client):
+    """Issue 13 items 1 and 13, against `hydra-rpc serve --model tiny`: each of these once
+    aborted the process or failed inside a reload."""
+    r = await client.request(Op.CONFIGURE, "", json.dumps({"flash_attn": 7, "rope_scale": 0, "n_ctx": 2**31,
+                                                           "cache_type_v": "q4_2", "kv_unified": "maybe"}).encode())
+    assert r.ok and set(r.meta["rejected_keys"]) == {"flash_attn", "rope_scale", "n_ctx", "cache_type_v",
+                                                     "kv_unified"}
+    assert r.meta["deferred_keys"] == [] and "reload" not in r.meta
+    body = {"prompt": "x", "hydra_config": {"flash_attn": 2, "rope_scale": 0}}
+    assert (await client.request(Op.PREFILL, "0", json.dumps(body).encode())).ok
+    assert (await client.request(Op.INFO)).meta["reload"]["state"] == "idle" and server.proc.poll() is None
+
+
+@pytest.mark.asyncio
 async def test_expert_mode_swap_quant_pipeline(client):
     r = await client.request(Op.SET_EXPERT_MODE, "", b'{"mode":"combined","peer":"10.0.0.1:1"}')
     assert r.ok and r.meta["mode"] == "solo" and r.meta["peer_connected"] is False
