@@ -162,7 +162,7 @@ class Handlers:
         await req.body.read_all()
         await resp.send(Status.NOT_IMPLEMENTED, {
             "error": "HYDRA_OP_PIPELINE_ATTACH is not implemented: this engine runs no pipeline-parallel peers "
-                     "(layers can be offloaded to ggml RPC servers with --rpc-servers instead)",
+                     "(layers can be offloaded to ggml RPC servers with --rpc instead)",
             "success": False})
 
     # ---------------------------------------------------------------- prefill
