@@ -10,7 +10,7 @@ The public face — all the wire layer (``hydra_rpc``) uses:
 
 lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
-           ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
+           ``kv_cache`` (KvCacheInfo: what a restore must match), ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
            ``aliases``, ``model_states()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
@@ -28,11 +28,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from codec.errors import CodecError
+
 from . import tiers
 from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
 from .executors import make_inference_executor, make_loader_executor
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
+from .kv_cache import KV_SHAPE_KEYS, KvCacheInfo, KvStateMismatch, build_problem
+from .kv_layout import available_memory
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
 from .rates import RateWindow, rate
@@ -51,6 +55,7 @@ class EngineConfig:
     model: ModelParams
     aliases: dict[str, str] = field(default_factory=dict)
     low_priority: bool = True  # inference and loader threads at nice 19
+    thread_nice: int | None = None  # instead: this nice value (llama.cpp's --prio-batch)
     time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
     token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
     slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once
@@ -88,6 +93,7 @@ class Engine:
         self.expert_mode = "solo"
         self.snapshots: tuple[SlotSnapshot, ...] = ()
         self.identity = ModelIdentity()
+        self.kv_cache: KvCacheInfo | None = None  # the live model's
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
         self._step_rate, self._token_rate = RateWindow(), RateWindow()
         self.loader: concurrent.futures.ThreadPoolExecutor | None = None
@@ -113,8 +119,8 @@ class Engine:
 
     async def start(self) -> None:
         """Load the first model (off-loop) and start the actor task."""
-        self._infer = make_inference_executor(low_priority=self.cfg.low_priority)
-        self.loader = make_loader_executor(low_priority=self.cfg.low_priority)
+        self._infer = make_inference_executor(self.cfg.low_priority, self.cfg.thread_nice)
+        self.loader = make_loader_executor(self.cfg.low_priority, self.cfg.thread_nice)
         self.startup_stage = "loading_model"
         t0 = time.perf_counter()
         try:
@@ -171,7 +177,8 @@ class Engine:
 
     @property
     def n_ctx_slot(self) -> int:
-        return self.params.n_ctx_slot
+        """Tokens one slot may hold (llama-server's rule; 0 before the first model)."""
+        return self.kv_cache.n_ctx_slot if self.kv_cache is not None else 0
 
     @property
     def n_vocab(self) -> int:
@@ -202,7 +209,8 @@ class Engine:
             devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity,
             slot_states=tuple(s.state for s in self.snapshots),
             steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
-            tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now))
+            tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now),
+            params=self.params, kv_cache=self.kv_cache)
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -261,7 +269,8 @@ class Engine:
     async def configure(self, cfg: Mapping[str, Any]) -> ConfigureOutcome:
         """Classify and apply a CONFIGURE: T1 at once, staged tiers start (or join) a reload.
 
-        Raises ConfigError / ValueError when the whole request is refused.
+        Values of the wrong type or out of range are ``rejected_keys``: nothing refuses the whole
+        request.
         """
         return await self._call(Configure(cfg))
 
@@ -279,8 +288,7 @@ class Engine:
         A configured alias of another file, or staged keys, reload the model and wait until the
         new one is live; the returned ``params`` pins the request to it (``GenJob.params``), so
         it is served by exactly that config or fails. Any other name is served by the resident
-        model, as llama-server does. Raises ConfigError / ValueError (refused config) or
-        ReloadFailed (the reload did not happen).
+        model, as llama-server does. Raises ReloadFailed (the reload did not happen).
         """
         path = self.cfg.aliases.get(alias) if alias else None
         name = alias if path is not None else self.identity.display_name
@@ -383,7 +391,9 @@ class Engine:
     def _step(self, running: list[Running]) -> None:
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
         budget = min(self.cfg.token_budget, self.model.n_batch)
-        run_step(self.model, running, n_ctx_slot=self.params.n_ctx_slot, token_budget=budget,
+        # --context-shift: llama-server keeps n_keep tokens and the BOS
+        keep = int(self.t1.get("n_keep", 0)) + 1 if self.params.context_shift else None
+        run_step(self.model, running, n_ctx_slot=self.n_ctx_slot, token_budget=budget, shift_keep=keep,
                  time_slice=self.cfg.time_slice)
 
     def _publish(self) -> None:
@@ -437,14 +447,18 @@ class Engine:
         slot.transferring = True
         slot.begin("state_put", len(msg.tokens))
         self._publish()
-        model = self.model
+        model, kv = self.model, self.kv_cache
 
         def load() -> tuple[int, int, int]:
+            if kv is not None:  # every count and position is a claim: bounded before llama.cpp sees them
+                kv.check_state(msg.state)
             n = model.state_seq_set(slot.id, msg.state)
             return n, model.seq_pos_max(slot.id), model.state_seq_size(slot.id)
 
         try:
             n, pos_max, size = await asyncio.get_running_loop().run_in_executor(self._infer, load)
+        except (CodecError, KvStateMismatch):
+            raise  # refused before anything changed: the slot keeps what it held
         except Exception:
             slot.tokens, slot.tail = [], []
             raise
@@ -469,8 +483,9 @@ class Engine:
 
     # ------------------------------------------------------------------ configure
     async def _on_configure(self, msg: Configure) -> ConfigureOutcome:
-        c = tiers.classify(dict(msg.cfg))  # ConfigError propagates: whole request refused
-        new_params = self.params.derive(c.staged, self.cfg.resolve_model) if c.staged else None  # ValueError
+        c = tiers.classify(dict(msg.cfg))
+        self._refuse_unfit_kv(c)
+        new_params = self.params.derive(c.staged, self.cfg.resolve_model) if c.staged else None
         if c.t1:
             self.t1.update(c.t1)
             self.generations.apply()
@@ -487,6 +502,16 @@ class Engine:
         return ConfigureOutcome(deferred_keys=[], config_generation=self.generation, params=self.params,
                                 unchanged_keys=deferred if new_params is not None else None, **common)
 
+    def _refuse_unfit_kv(self, c: tiers.Classified) -> None:
+        """A context llama.cpp could not build is refused before any reload: the keys that ask
+        for it go to ``rejected_keys`` (see ``kv_cache.build_problem``)."""
+        asked = KV_SHAPE_KEYS & set(c.staged)
+        if asked:
+            p = self.params.derive(c.staged, self.cfg.resolve_model)
+            why = build_problem(p, self.kv_cache if "model" not in c.staged else None, available_memory())
+            for key in asked if why else ():
+                c.reject(key, why)
+
     # ------------------------------------------------------------------ for the Reloader
     def quiescent(self) -> bool:
         return self.scheduler.quiescent()
@@ -499,6 +524,7 @@ class Engine:
         old, self.model, self.params = self.model, model, params
         if model is not None:
             self.identity = ModelIdentity.of(model.identity, model.n_vocab)
+            self.kv_cache = model.kv_cache
             self._state_buf.clear()
             for slot in self.slots:  # a new context holds no sequences
                 slot.tokens, slot.tail, slot.state_size = [], [], 0

@@ -14,6 +14,7 @@ from .sampling import SamplerParams
 if TYPE_CHECKING:
     import numpy as np
 
+    from .kv_cache import KvCacheInfo
     from .model_params import ModelParams
 
 
@@ -47,6 +48,9 @@ class ModelBackend(Protocol):
     def bos(self) -> int: ...
     @property
     def identity(self) -> dict[str, Any]: ...
+    @property
+    def kv_cache(self) -> "KvCacheInfo":
+        """The KV cache's configuration and layout (n_ctx_slot: what one slot may hold)."""
 
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]: ...
@@ -62,6 +66,8 @@ class ModelBackend(Protocol):
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool: ...
     def seq_clear(self, seq: int) -> None: ...
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Move the positions [p0, p1) of ``seq`` by ``delta`` (a context shift)."""
     def seq_pos_max(self, seq: int) -> int: ...
 
     def state_seq_size(self, seq: int) -> int: ...
@@ -94,17 +100,14 @@ class LlamaFactory:
         check_rpc_support()  # a wheel built without GGML_RPC is a broken install
 
     def build(self, params: "ModelParams") -> ModelBackend:
-        from .llama_backend import LoadedModel
+        from .llama_backend.build import load
 
         if params.rpc_servers:
             from .ggml_rpc_lib import register_rpc_server
 
             for ep in params.rpc_servers:
                 register_rpc_server(ep)
-        return LoadedModel(params.model_path, n_ctx=params.n_ctx_slot * params.n_slots, n_seq_max=params.n_slots,
-                           n_batch=params.n_batch, n_threads=params.n_threads, n_gpu_layers=params.n_gpu_layers,
-                           extra_model_params=dict(params.model_params) or None,
-                           extra_ctx_params=dict(params.ctx_params) or None)
+        return load(params)
 
     def devices(self, params: "ModelParams") -> list[str]:
         """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""

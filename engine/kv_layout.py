@@ -19,9 +19,11 @@ disagree "works" and gives wrong output: the setting has to be reported and comp
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from codec.seqstate import KV_TYPE_BLOCKS
 
@@ -88,3 +90,14 @@ def attention_rotation(type_k: str, type_v: str, head_dim_k: int, head_dim_v: in
 def _atoi(text: str) -> int:
     m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
     return int(m.group(1)) if m else 0
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a new allocation can take without swapping (MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -68,7 +68,7 @@ class TinyModelParams:
     n_ff: int | None = None  # default 4 * n_embd
     dtype: str = "f32"  # f32 | f16 | q8_0 (2-D matrices; norms stay f32)
     seed: int = 1234
-    context_length: int = 4096
+    context_length: int = 65536  # room for long-context tests: a slot is capped at the training context
     std: float = 0.5
     name: str = "hydra-tiny"
     add_space_prefix: bool = False

@@ -1,12 +1,31 @@
-"""What a model is built from (``ModelParams``), and how a staged CONFIGURE derives new ones."""
+"""What a model and its context are built from (``ModelParams``), and how a staged CONFIGURE
+derives new ones.
+
+Field names are the keys of engine/params_table.py and mean what llama-server means by them
+(docs/llama-args.md): ``n_ctx`` is the *total* context of all slots (0: the model's training
+context), split into slots by llama-server's rule (engine/kv_layout.py); ``n_slots`` is
+``--parallel``. Values arrive typed and range-checked (``params_table``), so deriving never
+fails on a value.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
-from .tiers import T4_CTX_PARAMS, T4_MODEL_PARAMS, model_path_of
+from codec.seqstate import KV_TYPE_BLOCKS
 
-CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+from .params_table import GPU_LAYERS_ALL, GPU_LAYERS_AUTO
+
+#: staged keys that only change how the model is built or served: they name a field directly
+_DIRECT = ("n_ctx", "cache_type_k", "cache_type_v", "rope_scaling", "rope_freq_base", "rope_freq_scale",
+           "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "flash_attn", "kv_unified",
+           "ubatch_size", "swa_full", "offload_kqv", "load_mode", "repack", "no_host", "check_tensors",
+           "n_gpu_layers", "rpc_servers", "n_cpu_moe", "cpu_moe", "override_tensor", "cache_prompt",
+           "context_shift", "jinja", "chat_template")
+# llama.cpp's load modes as (mmap, mlock) bits; "dio" and "none" use neither
+_LOAD_BITS = {"auto": 1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 0}
+_LOAD_NAMES = {0: "none", 1: "mmap", 2: "mlock", 3: "mmap+mlock"}
 
 
 @dataclass(frozen=True)
@@ -17,61 +36,88 @@ class ModelParams:
     """
 
     model_path: str
-    n_ctx_slot: int = 4096
+    # context
+    n_ctx: int = 0
     n_slots: int = 4
+    kv_unified: bool = True
+    n_ctx_slot_cap: int = 0  # --kv-unified-per-slot (0: none)
     n_batch: int = 512
-    n_threads: int | None = None
-    n_gpu_layers: int = 0
+    ubatch_size: int = 512
+    n_threads: int | None = None  # None: every core
+    n_threads_batch: int | None = None  # None: n_threads
+    flash_attn: str = "auto"  # on | off | auto
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    rope_scaling: str | None = None  # none | linear | yarn (None: the model's)
+    rope_freq_base: float = 0.0  # 0: the model's
+    rope_freq_scale: float = 0.0
+    yarn_ext_factor: float = -1.0
+    yarn_attn_factor: float = -1.0
+    yarn_beta_fast: float = -1.0
+    yarn_beta_slow: float = -1.0
+    swa_full: bool = False
+    offload_kqv: bool = True
+    # model
+    n_gpu_layers: int = GPU_LAYERS_AUTO  # N, or GPU_LAYERS_AUTO / GPU_LAYERS_ALL
     rpc_servers: tuple[str, ...] = ()
-    ctx_params: tuple[tuple[str, Any], ...] = ()
-    model_params: tuple[tuple[str, Any], ...] = ()
+    override_tensor: tuple[tuple[str, str], ...] = ()
+    n_cpu_moe: int = 0
+    cpu_moe: bool = False
+    load_mode: str = "auto"
+    repack: bool = True
+    no_host: bool = False
+    check_tensors: bool = False
+    # chat and serving
+    chat_template: str | None = None  # Jinja source (None: the GGUF's)
+    jinja: bool = True
+    chat_template_kwargs: str = "{}"  # a JSON object, kept as text so the params stay hashable
+    cache_prompt: bool = True
+    context_shift: bool = False
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return json.loads(self.chat_template_kwargs)
+
+    @property
+    def gpu_layers(self) -> str | int:
+        """n_gpu_layers as llama-server prints it (a number, "auto" or "all")."""
+        return {GPU_LAYERS_AUTO: "auto", GPU_LAYERS_ALL: "all"}.get(self.n_gpu_layers, self.n_gpu_layers)
 
     def derive(self, staged: dict[str, Any], resolve_model: Callable[[str], Any]) -> "ModelParams":
-        """Apply staged T2/T3/T4 keys. Raises ValueError for values of the wrong type."""
-        p = self
-        ctx = dict(self.ctx_params)
-        mp = dict(self.model_params)
-        path = model_path_of(staged)
-        if path is not None:
-            p = replace(p, model_path=resolve_path(resolve_model, path))
-        for key, v in staged.items():
-            if key == "n_ctx":
-                if not isinstance(v, int) or isinstance(v, bool) or v < 16:
-                    raise ValueError("n_ctx must be an integer ≥ 16")
-                p = replace(p, n_ctx_slot=v)
-            elif key in ("cache_type_k", "cache_type_v"):
-                if v not in CACHE_TYPES:
-                    raise ValueError(f"{key} must be one of {sorted(CACHE_TYPES)}")
-                ctx["type_k" if key.endswith("k") else "type_v"] = CACHE_TYPES[v]
-            elif key.startswith("rope_"):
-                field_name = {"rope_freq_base": "rope_freq_base", "rope_freq_scale": "rope_freq_scale",
-                              "rope_scale": "rope_freq_scale"}.get(key)
-                if field_name is None:
-                    continue  # rope_scaling (a type name) etc.: accepted, no equivalent
-                if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    raise ValueError(f"{key} must be a number")
-                ctx[field_name] = float(v) if key != "rope_scale" else 1.0 / float(v)
-            elif key == "n_gpu_layers":
-                if not isinstance(v, int) or isinstance(v, bool):
-                    raise ValueError("n_gpu_layers must be an integer")
-                p = replace(p, n_gpu_layers=v)
-            elif key == "rpc_servers":
-                servers = v.split(",") if isinstance(v, str) else v
-                if not isinstance(servers, list) or not all(isinstance(s, str) for s in servers):
-                    raise ValueError("rpc_servers must be a string 'host:port,...' or a list of them")
-                servers = tuple(s.strip() for s in servers if s.strip())
-                p = replace(p, rpc_servers=servers, n_gpu_layers=p.n_gpu_layers or (999 if servers else 0))
-            elif key in T4_CTX_PARAMS:
-                ctx[T4_CTX_PARAMS[key]] = v
-            elif key in T4_MODEL_PARAMS:
-                if not isinstance(v, bool):
-                    raise ValueError(f"{key} must be true or false")
-                # LLAMA_LOAD_MODE_*: bit 0 = mmap, bit 1 = mlock; AUTO (-1) counts as mmap
-                mode = mp.get("load_mode", 1)
-                mode = 1 if mode < 0 else mode
-                bit = 1 if key == "use_mmap" else 2
-                mp["load_mode"] = (mode | bit) if v else (mode & ~bit)
-        return replace(p, ctx_params=tuple(sorted(ctx.items())), model_params=tuple(sorted(mp.items())))
+        """Apply staged T2/T3/T4 values (typed by engine/params_table.py, canonical keys)."""
+        changes: dict[str, Any] = {k: v for k, v in staged.items() if k in _DIRECT}
+        if "model" in staged:
+            changes["model_path"] = resolve_path(resolve_model, staged["model"])
+        if "rope_scale" in staged:  # llama.cpp keeps only rope_freq_scale = 1/N
+            changes["rope_freq_scale"] = 1.0 / staged["rope_scale"]
+        if "chat_template_kwargs" in staged or "reasoning" in staged:
+            kwargs = dict(staged.get("chat_template_kwargs", self.template_kwargs))
+            if staged.get("reasoning") in ("on", "off"):
+                kwargs["enable_thinking"] = staged["reasoning"] == "on"
+            changes["chat_template_kwargs"] = json.dumps(kwargs, sort_keys=True)
+        if "use_mmap" in staged or "use_mlock" in staged:
+            bits = _LOAD_BITS[changes.get("load_mode", self.load_mode)]
+            for key, bit in (("use_mmap", 1), ("use_mlock", 2)):
+                if key in staged:
+                    bits = bits | bit if staged[key] else bits & ~bit
+            changes["load_mode"] = _LOAD_NAMES[bits]
+        return replace(self, **changes)
+
+    def conflict(self) -> str | None:
+        """Why llama.cpp would refuse to create this context whatever the model, or None."""
+        if self.flash_attn == "off" and KV_TYPE_BLOCKS[self.cache_type_v][0] > 1:
+            return f"a quantized V cache ({self.cache_type_v}) needs flash attention (flash_attn on or auto)"
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able, for INFO (the chat template by its size, not its text)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["chat_template"] = None if self.chat_template is None else f"{len(self.chat_template)} characters"
+        out["chat_template_kwargs"] = self.template_kwargs
+        out["n_gpu_layers"] = self.gpu_layers
+        out["override_tensor"] = [f"{p}={b}" for p, b in self.override_tensor]
+        out["rpc_servers"] = list(self.rpc_servers)
+        return out
 
 
 def resolve_path(resolve_model: Callable[[str], Any], spec: str) -> str:

@@ -209,9 +209,11 @@ def _j_bool(p: Param, v: Any) -> bool:
 def _j_onoffauto(p: Param, v: Any) -> str:
     if isinstance(v, bool):
         return "on" if v else "off"
+    if _is_int(v) and v in (-1, 0, 1):  # llama.cpp's text forms "1", "0", "-1"
+        v = str(v)
     s = onoffauto(v) if isinstance(v, str) else None
     if s is None:
-        raise p.fail("one of on|off|auto or a bool")
+        raise p.fail("one of on|off|auto (1|0|-1) or a bool")
     return s
 
 

@@ -101,6 +101,8 @@ class EngineInfo:
     slot_states: tuple[str, ...]  # per slot: idle | prefill | decode | transfer
     steps_per_s: float  # engine-wide, over the last seconds (engine.rates)
     tokens_per_s: float
+    params: ModelParams | None = None  # the live model's
+    kv_cache: Any = None  # the live model's KvCacheInfo
 
 
 @dataclass(frozen=True)

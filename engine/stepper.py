@@ -100,8 +100,9 @@ def admit(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
     slot.begin("prefill" if r.pending else "decode", len(r.pending) + job.n_predict)
 
 
-def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
-    """The job's last fed token has logits: capture state and/or sample the next token."""
+def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: int | None) -> None:
+    """The job's last fed token has logits: capture state and/or sample the next token. A
+    full slot shifts its context when ``shift_keep`` (tokens kept at the start) is given."""
     job, slot = r.job, r.slot
     if not r.t_prefill_done:
         r.t_prefill_done = time.perf_counter()
@@ -137,10 +138,23 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
         slot.tail = [tok]  # sampled but not yet in the KV cache; a continuation feeds it
         return
     if len(slot.tokens) + 1 >= n_ctx_slot:
-        r.stop_reason = "ctx_full"
-        slot.tail = [tok]
-        return
+        if shift_keep is None or not _shift_context(model, slot, shift_keep):
+            r.stop_reason = "ctx_full"
+            slot.tail = [tok]
+            return
     r.last = tok
+
+
+def _shift_context(model: ModelBackend, slot: Slot, n_keep: int) -> bool:
+    """llama-server's context shift: drop the older half of what follows the first ``n_keep``
+    tokens and move the rest back; False when nothing can be dropped."""
+    n_past = len(slot.tokens)
+    n_discard = (n_past - n_keep) // 2
+    if n_discard <= 0 or not model.seq_rm(slot.id, n_keep, n_keep + n_discard):
+        return False
+    model.seq_add(slot.id, n_keep + n_discard, n_past, -n_discard)
+    del slot.tokens[n_keep:n_keep + n_discard]
+    return True
 
 
 def _hit_stop(r: Running, stops: list[str]) -> bool:
@@ -149,7 +163,7 @@ def _hit_stop(r: Running, stops: list[str]) -> bool:
 
 
 def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, token_budget: int,
-             time_slice: float, max_iters: int = 256) -> None:
+             time_slice: float, max_iters: int = 256, shift_keep: int | None = None) -> None:
     """Advance every running job by one or more batched decodes (inference thread)."""
     t0 = time.perf_counter()
     for r in running:
@@ -196,7 +210,7 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
                 r.slot.advance(len(chunk), time.monotonic())
             r.last = None
             if want:
-                _after_logits(model, r, n_ctx_slot)
+                _after_logits(model, r, n_ctx_slot, shift_keep)
             elif not r.pending and not r.finished:  # prefill-only job without logits: done
                 r.t_prefill_done = time.perf_counter()
                 r.stop_reason = "none"

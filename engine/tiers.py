@@ -1,131 +1,100 @@
 """CONFIGURE key classification, shared by CONFIGURE and PREFILL ``hydra_config`` (docs/protocol.md).
 
-T1  applied at once to the defaults of later requests.
+Every value is typed and range-checked by engine/params_table.py first, so nothing llama.cpp
+would assert on reaches it and a reload never fails because of a value's type:
+
+T1  applied at once to the defaults of later requests (``sampling.temp`` … and the names a
+    user would type, ``temp``, ``top_k``, ``repeat_penalty``, ``seed``, ``n_predict``).
 T2  needs a new context (same weights): ``n_ctx``, cache types, ``rope_*``.
 T3  needs a new model: ``model``/``model_path``, ``n_gpu_layers``, ``rpc_servers``, …
-T4  any other key that maps onto a llama.cpp model/context parameter of ours → reload.
-Keys the C++ denies, keys with no equivalent here, and unknown keys are reported
-(``rejected_keys`` / ``unrecognized_keys``) — the C++ computes these and hides them.
+T4  any other model/context/chat parameter → reload.
+
+A value of the wrong type or out of range, a key the C++ denies at runtime and a key that has
+no effect here go to ``rejected_keys`` with the reason; unknown keys to ``unrecognized_keys``
+(the C++ computes both and hides them). Nothing here fails the whole request.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-T1_SAMPLING = {"temp", "top_p", "top_k", "min_p", "penalty_repeat", "seed"}
-T1_KEYS = {"n_predict", "n_keep", "seed", "antiprompt", "state_chunk_size"}
-T2_KEYS = {"n_ctx", "cache_type_k", "cache_type_v"}
-# T3 keys this engine honours (n_cpu_moe, override_tensor, split_mode, tensor_split: NO_EQUIVALENT)
-T3_KEYS = {"model", "model_path", "model.path", "rpc_servers", "n_gpu_layers"}
-# T4 keys we can honour, and the llama.cpp context/model parameter each one sets.
-T4_CTX_PARAMS = {
-    "flash_attn": "flash_attn_type",
-    "kv_unified": "kv_unified",
-    "ubatch_size": "n_ubatch",
-    "yarn_orig_ctx": "yarn_orig_ctx",
-    "yarn_ext_factor": "yarn_ext_factor",
-    "yarn_attn_factor": "yarn_attn_factor",
-    "yarn_beta_fast": "yarn_beta_fast",
-    "yarn_beta_slow": "yarn_beta_slow",
-    "swa_full": "swa_full",
-    "offload_kqv": "offload_kqv",
-}
-# llama.cpp folds these two into one ``load_mode`` enum (see reload.ModelParams.derive)
-T4_MODEL_PARAMS = {"use_mmap": "load_mode", "use_mlock": "load_mode"}
-DENIED = {"n_batch", "threads", "threads_batch", "devices", "main_gpu", "n_parallel", "fit", "fit_print",
-          "fit_target", "fit_ctx"}
-# llama-server options that exist in the C++ but have no meaning in this engine.
-NO_EQUIVALENT = {"cache_prompt", "cache_reuse", "chat_template_kwargs", "cont_batching", "context_shift", "jinja",
-                 "reasoning", "spec_draft_ngl", "spec_draft_n_max", "spec_draft_p_min", "spec_type", "n_cpu_moe",
-                 "override_tensor", "split_mode", "tensor_split"}
+from .params_table import ParamError, UnknownParam, lookup
+
 STATE_CHUNK_MIN, STATE_CHUNK_MAX, STATE_CHUNK_DEFAULT = 64 * 1024, 64 * 1024 * 1024, 2 * 1024 * 1024
 TIER_ORDER = {"T1": 1, "T2": 2, "T3": 3, "T4": 4}
-
-
-class ConfigError(ValueError):
-    """A CONFIGURE value of the wrong type or out of range (whole request refused)."""
+DENIED = "denied: cannot change at runtime (as in the C++ engine)"
+_DENIED_UNTYPED = {"fit", "fit_print", "fit_target", "fit_ctx"}  # llama.cpp's --fit*: device memory fitting
+_SPEC = "speculative decoding is not implemented"
+#: keys the C++ applies that change nothing here, with the reason (the same as docs/llama-args.md)
+NO_EFFECT = {
+    "split_mode": "device option: this engine runs llama.cpp on the CPU (and on ggml-RPC servers)",
+    "tensor_split": "device option: this engine runs llama.cpp on the CPU (and on ggml-RPC servers)",
+    "cache_reuse": "KV-shift reuse of prompt chunks is not implemented (cache_prompt reuses the common prefix)",
+    "cont_batching": "always on: slots are decoded together in cooperative steps",
+    "yarn_orig_ctx": "llama-engine discards it; applying it would make this engine's KV differ from the fleet's",
+    "spec_type": _SPEC, "spec_draft_ngl": _SPEC, "spec_draft_n_max": _SPEC, "spec_draft_p_min": _SPEC,
+}
 
 
 @dataclass
 class Classified:
-    t1: dict[str, Any] = field(default_factory=dict)  # dotted names → values
-    staged: dict[str, Any] = field(default_factory=dict)  # T2/T3/T4 keys → values
+    t1: dict[str, Any] = field(default_factory=dict)  # canonical (dotted) names → values
+    staged: dict[str, Any] = field(default_factory=dict)  # canonical T2/T3/T4 keys → typed values
     tier: str = "T1"
-    deferred_keys: list[str] = field(default_factory=list)
-    rejected_keys: dict[str, str] = field(default_factory=dict)
+    deferred_keys: list[str] = field(default_factory=list)  # as sent
+    rejected_keys: dict[str, str] = field(default_factory=dict)  # as sent → reason
     unrecognized_keys: list[str] = field(default_factory=list)
 
     def bump(self, tier: str) -> None:
         if TIER_ORDER[tier] > TIER_ORDER[self.tier]:
             self.tier = tier
 
+    def reject(self, key: str, reason: str) -> None:
+        """Take a staged key back (it will not be applied), saying why."""
+        self.staged.pop(key, None)
+        self.deferred_keys = [k for k in self.deferred_keys if lookup(k).key != key]
+        self.rejected_keys[key] = reason
+        self.tier = max(("T1", *(lookup(k).tier for k in self.staged)), key=TIER_ORDER.__getitem__)
 
-def _num(key: str, v: Any, kind=(int, float)) -> Any:
-    if isinstance(v, bool) or not isinstance(v, kind):
-        raise ConfigError(f"T1 key {key} has wrong type ({type(v).__name__})")
-    if isinstance(v, float) and not math.isfinite(v):  # 1e400 parses to inf: not a usable value
-        raise ConfigError(f"T1 key {key} must be finite")
-    return v
 
-
-def _t1_sampling(out: Classified, name: str, v: Any) -> None:
-    kinds = {"top_k": int, "seed": int}
-    out.t1[f"sampling.{name}"] = _num(f"sampling.{name}", v, kinds.get(name, (int, float)))
+def _flatten(cfg: dict[str, Any], out: Classified) -> list[tuple[str, Any]]:
+    flat: list[tuple[str, Any]] = []
+    for key, v in cfg.items():
+        if key != "sampling":
+            flat.append((key, v))
+        elif isinstance(v, dict):
+            flat += [(f"sampling.{k}", sv) for k, sv in v.items()]
+        else:
+            out.rejected_keys[key] = "sampling must be an object"
+    return flat
 
 
 def classify(cfg: dict[str, Any]) -> Classified:
     out = Classified()
-    for key, v in cfg.items():
-        if key == "sampling":
-            if not isinstance(v, dict):
-                raise ConfigError("T1 key sampling must be an object")
-            for name, sv in v.items():
-                if name in T1_SAMPLING:
-                    _t1_sampling(out, name, sv)
-                else:
-                    out.unrecognized_keys.append(f"sampling.{name}")
-        elif key.startswith("sampling.") and key[9:] in T1_SAMPLING:
-            _t1_sampling(out, key[9:], v)
-        elif key in T1_KEYS:
-            if key == "antiprompt":
-                if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
-                    raise ConfigError("T1 key antiprompt must be a list of strings")
-                out.t1[key] = v
-            elif key == "state_chunk_size":
-                n = _num(key, v, int)
-                out.t1[key] = min(max(n, STATE_CHUNK_MIN), STATE_CHUNK_MAX)
-            else:
-                out.t1[key] = _num(key, v, int)
-        elif key in T2_KEYS or key.startswith("rope_"):
-            out.staged[key] = v
-            out.deferred_keys.append(key)
-            out.bump("T2")
-        elif key in T3_KEYS:
-            out.staged[key] = v
-            out.deferred_keys.append(key)
-            out.bump("T3")
-        elif key in T4_CTX_PARAMS or key in T4_MODEL_PARAMS:
-            out.staged[key] = v
-            out.deferred_keys.append(key)
-            out.bump("T4")
-        elif key in DENIED:
-            out.rejected_keys[key] = "denied: cannot change at runtime (as in the C++ engine)"
-        elif key in NO_EQUIVALENT:
-            out.rejected_keys[key] = "no equivalent in this engine"
-        else:
+    for key, v in _flatten(cfg, out):
+        if key in NO_EFFECT:
+            out.rejected_keys[key] = f"no effect in this engine: {NO_EFFECT[key]}"
+            continue
+        if key in _DENIED_UNTYPED:
+            out.rejected_keys[key] = DENIED
+            continue
+        try:
+            param = lookup(key)
+            value = param.validate(v)
+        except UnknownParam:
             out.unrecognized_keys.append(key)
+            continue
+        except ParamError as e:
+            out.rejected_keys[key] = e.reason.replace(param.key, key, 1)
+            continue
+        if param.tier == "startup":
+            out.rejected_keys[key] = DENIED
+        elif param.tier == "T1":
+            if param.key == "state_chunk_size":
+                value = min(max(value, STATE_CHUNK_MIN), STATE_CHUNK_MAX)
+            out.t1[param.key] = list(value) if isinstance(value, tuple) else value
+        else:
+            out.staged[param.key] = value
+            out.deferred_keys.append(key)
+            out.bump(param.tier)
     return out
-
-
-def model_path_of(staged: dict[str, Any]) -> str | None:
-    """The model a staged config asks for (``model`` may be a string or ``{"path": ...}``)."""
-    for key in ("model_path", "model.path"):
-        if isinstance(staged.get(key), str):
-            return staged[key]
-    m = staged.get("model")
-    if isinstance(m, str):
-        return m
-    if isinstance(m, dict) and isinstance(m.get("path"), str):
-        return m["path"]
-    return None

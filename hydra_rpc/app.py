@@ -24,6 +24,8 @@ class App:
     server: HydraServer | None = None
     http: object | None = None
     extras: dict = field(default_factory=dict)
+    info_extra: dict = field(default_factory=dict)  # INFO keys of the process (ignored_args)
+    ggml_rpc: object | None = None  # the --ggml-rpc-port server
 
     async def start(self) -> None:
         """HTTP first (so ``/health`` says 503 while the first model loads), then the
@@ -42,13 +44,18 @@ class App:
             self.http = await start_http(self, self.http_host or self.server_cfg.host, self.http_port)
         await self.engine.start()
         dv3 = DecodeV3(self.engine)
-        handlers = Handlers(self.engine, decode_v3=dv3.handle)
+        handlers = Handlers(self.engine, decode_v3=dv3.handle, info_extra=self.info_extra)
         self.extras["put_buffer"] = handlers.put_buffer  # HTTP PUT /slots/{id}/state shares it
         self.extras["decode_results"] = dv3.results
         self.server = HydraServer(self.server_cfg, handlers.table(),
                                   on_request=metrics.observe_request if metrics else None)
-        if self.server_cfg.ggml_rpc_embedded:
+        if self.server_cfg.ggml_rpc_embedded or self.server_cfg.ggml_rpc_port is not None:
             await self.server.passthrough.start_embedded()
+        if self.server_cfg.ggml_rpc_port is not None:
+            from .ggml_rpc_port import GgmlRpcPort
+
+            self.ggml_rpc = await GgmlRpcPort.start(self.server.passthrough, self.http_host or self.server_cfg.host,
+                                                    self.server_cfg.ggml_rpc_port, self.server_cfg.first_bytes_timeout)
         await self.server.start()
 
     @property
@@ -57,6 +64,8 @@ class App:
 
     async def shutdown(self, force: bool = False) -> None:
         """Stop accepting, finish in-flight requests (bounded), stop HTTP, stop the engine."""
+        if self.ggml_rpc is not None:
+            await self.ggml_rpc.stop()
         if self.server is not None:
             await self.server.shutdown(force=force)
             await self.server.passthrough.close()

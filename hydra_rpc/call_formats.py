@@ -1,7 +1,7 @@
 """``hydra-rpc call --describe OP``: the request formats each opcode takes, with a command each.
 
-The CONFIGURE key lists come from the engine's own tier tables, so this text cannot promise a
-key the engine does not classify that way.
+The CONFIGURE key lists come from the engine's own parameter table, so this text cannot promise
+a key the engine does not classify that way.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import textwrap
 
 from codec.enums import ENGINE_OPS, Op, op_name
 from engine import tiers
+from engine.params_table import PARAMS
 
 # Binary payloads are built with the codec's own encoders and piped in on stdin.
 _PY = "python -c 'import sys; from codec.{mod} import {fn}; sys.stdout.buffer.write({call})'"
@@ -82,21 +83,24 @@ def _keys(names) -> str:
 
 
 def _configure() -> str:
-    t1 = [f"sampling.{k}" for k in tiers.T1_SAMPLING] + list(tiers.T1_KEYS)
-    t4 = list(tiers.T4_CTX_PARAMS) + list(tiers.T4_MODEL_PARAMS)
+    by_tier: dict[str, list[str]] = {}
+    for p in PARAMS:
+        if p.config and p.key not in tiers.NO_EFFECT:
+            by_tier.setdefault(p.tier, []).extend((p.key, *p.aliases))
     wrap = lambda label, text: textwrap.fill(text, 96, initial_indent=f"  {label:<4}", subsequent_indent=" " * 6)
     return "\n".join([
-        "The payload is a JSON object of keys (empty = {}); the reply lists params_applied,",
-        "deferred_keys, rejected_keys (with reasons) and unrecognized_keys, and the tier reached.",
-        wrap("T1", f"applied at once to later requests: {_keys(t1)} "
+        "The payload is a JSON object of keys (empty = {}); values are typed as llama.cpp types them",
+        "(docs/llama-args.md). The reply lists params_applied, deferred_keys, rejected_keys (with",
+        "reasons: a wrong type or range, denied, no effect) and unrecognized_keys, and the tier reached.",
+        wrap("T1", f"applied at once to later requests: {_keys(by_tier['T1'])} "
                    '(sampling keys also nest: {"sampling":{"temp":0.7}})'),
-        wrap("T2", f"a new context, same weights (the old one serves meanwhile): {_keys(tiers.T2_KEYS)}, rope_*"),
-        wrap("T3", f"a new model, built beside the old one: {_keys(tiers.T3_KEYS)}"),
-        wrap("T4", f"other llama.cpp parameters, also a reload: {_keys(t4)}"),
-        wrap("no", f"refused, as by the C++ engine: {_keys(tiers.DENIED)}; "
-                   f"no equivalent here: {_keys(tiers.NO_EQUIVALENT)}"),
-        "  hydra-rpc call CONFIGURE --json '{\"sampling.temp\":0.7,\"n_predict\":64}'",
-        "  hydra-rpc call CONFIGURE --json '{\"n_ctx\":8192}'",
+        wrap("T2", f"a new context, same weights (the old one serves meanwhile): {_keys(by_tier['T2'])}"),
+        wrap("T3", f"a new model, built beside the old one: {_keys(by_tier['T3'])}"),
+        wrap("T4", f"other llama.cpp parameters, also a reload: {_keys(by_tier['T4'])}"),
+        wrap("no", f"refused, as by the C++ engine: {_keys(by_tier['startup'])}; "
+                   f"no effect here: {_keys(tiers.NO_EFFECT)}"),
+        "  hydra-rpc call CONFIGURE --json '{\"temp\":0.7,\"top_k\":20,\"n_predict\":64}'",
+        "  hydra-rpc call CONFIGURE --json '{\"n_ctx\":8192,\"flash_attn\":\"on\",\"cache_type_k\":\"q8_0\"}'",
     ])
 
 

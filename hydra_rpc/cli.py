@@ -1,4 +1,4 @@
-"""``hydra-rpc`` command line: serve, call, inspect, fuzz, bench.
+"""``hydra-rpc`` command line: serve, llama-engine, call, inspect, fuzz, bench.
 
 One error handler for every command: a user's mistake is one line on stderr and exit
 status 2; a bug is one line too, with the traceback behind ``--debug``.
@@ -32,7 +32,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="hydra-rpc", description=__doc__, formatter_class=HelpFormatter)
+    p = Parser(prog="hydra-rpc", description=__doc__, formatter_class=HelpFormatter,
+               epilog="hydra-rpc llama-engine ARGS: the engine started with llama-engine's command line "
+                      "(the same as the hydra-llama-engine command; --help lists what it applies)")
     _common(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (mod, help_) in COMMANDS.items():
@@ -53,6 +55,11 @@ def _fail(args: argparse.Namespace, message: str, code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["llama-engine"]:  # llama-engine's own command line, not argparse's
+        from . import llama_engine_cmd
+
+        return llama_engine_cmd.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

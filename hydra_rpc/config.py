@@ -47,6 +47,11 @@ class ServerConfig:
     ggml_rpc_embedded_threads: int = 1
     ggml_rpc_sessions: int = 4  # embedded: concurrent ggml sessions (a child process each)
     ggml_connect_timeout: float = 5.0
+    ggml_rpc_port: int | None = None  # llama-engine's --ggml-rpc-port: the guarded passthrough on its own port
+    # HTTP side (llama-server's --metrics, --slots, --timeout)
+    http_metrics: bool = True
+    http_slots: bool = True
+    http_timeout: float = 75.0  # seconds an idle keep-alive connection stays open
     # Logging
     log_format: str = "text"  # text | json
     log_level: str = "INFO"

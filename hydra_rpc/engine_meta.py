@@ -35,9 +35,10 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
 
-def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, Any]:
-    """STATE_META: the C++ keys, then the progress fields, config_generation and what tells a
-    stuck slot from a slow one (docs/protocol.md §6.2). Times are taken now, not at publication."""
+def slot_meta(snap: SlotSnapshot, requested_id: int | None = None, kv_cache: Any = None) -> dict[str, Any]:
+    """STATE_META: the C++ keys, then the progress fields, config_generation, what tells a stuck
+    slot from a slow one (docs/protocol.md §6.2; times are taken now, not at publication) and
+    ``kv_cache`` (the live model's KvCacheInfo: what a restore into this slot must match)."""
     now = time.monotonic()
     rate = snap.tokens_per_s(now)
     out: dict[str, Any] = {
@@ -61,6 +62,7 @@ def slot_meta(snap: SlotSnapshot, requested_id: int | None = None) -> dict[str, 
         "eta_ms": _ms(snap.eta_ms(now)),
         "waiting_on": snap.waiting_on,
         "queue_position": snap.queue_position,
+        "kv_cache": kv_cache_meta(kv_cache),
     })
     return out
 
@@ -98,11 +100,18 @@ def reload_meta(r: ReloadStatus) -> dict[str, Any]:
             "pending_for_ms": round((time.time() - r.started_at) * 1000, 1) if r.pending else 0}
 
 
+def kv_cache_meta(kv: Any) -> dict[str, Any] | None:
+    """``kv_cache`` of INFO / STATE_META: what a coordinator compares before moving KV state."""
+    return kv.as_dict if kv is not None else None
+
+
 def info_meta(info: EngineInfo) -> dict[str, Any]:
+    # quant_swap only when a SWAP_QUANT could name something: a configured model alias
+    caps = [c for c in CAPABILITIES if c != "quant_swap" or info.aliases]
     return {
         "engine": ENGINE_NAME,
         "version": ENGINE_VERSION,
-        "capabilities": list(CAPABILITIES),
+        "capabilities": caps,
         "preset_aliases": list(info.aliases),
         "solo_active": info.expert_mode == "solo",
         "rpc_backend_active": bool(info.rpc_servers),
@@ -127,6 +136,8 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "rpc_servers": list(info.rpc_servers),
         "devices": list(info.devices),
         **dataclasses.asdict(info.identity),
+        "kv_cache": kv_cache_meta(info.kv_cache),
+        "params": info.params.as_dict() if info.params is not None else None,
     }
 
 

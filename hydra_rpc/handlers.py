@@ -14,16 +14,16 @@ from typing import Any
 from codec import payloads as P
 from codec.dialects import V3_PREFIX_PROBE, Dialect, decode_dialect, looks_like_decode_v3_prefix, prefill_dialect
 from codec.enums import Op, Status
-from codec.errors import MalformedPayload
+from codec.errors import CodecError, MalformedPayload
 from codec.hashing import Xxh3Stream
 from codec.limits import HYDRA_MAX_PROMPT_BYTES
 from codec.kvblob import KvBlobLayout, encode_kv_blob_header, parse_kv_blob, split_logits_tail
 from engine.actor import Engine
 from engine.buffers import LeasedBuffer
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
+from engine.kv_cache import KvStateMismatch
 from engine.sampling import GREEDY
 from engine.status import ModelChoice
-from engine.tiers import ConfigError
 
 from .engine_meta import configure_meta, identity_meta, info_meta, slot_meta
 from .keys import parse_slot_key
@@ -33,8 +33,9 @@ KV_VERSION = 3
 
 
 class Handlers:
-    def __init__(self, engine: Engine, decode_v3: Any = None):
+    def __init__(self, engine: Engine, decode_v3: Any = None, info_extra: dict[str, Any] | None = None):
         self.engine = engine
+        self.info_extra = info_extra or {}  # INFO keys of the process, e.g. ignored_args
         # merged DECODE v3 frames go here: ``await decode_v3(req, resp, slot, first_bytes)``
         self.decode_v3 = decode_v3
         self.put_buffer = LeasedBuffer()  # STATE_PUT payloads land here (resident, reused)
@@ -61,11 +62,11 @@ class Handlers:
     async def info(self, req: Request, resp: ResponseWriter) -> None:
         if req.key:
             self.slot(req)  # a given key must still name a slot
-        await resp.send(Status.OK, info_meta(self.engine.info()))
+        await resp.send(Status.OK, {**info_meta(self.engine.info()), **self.info_extra})
 
     async def state_meta(self, req: Request, resp: ResponseWriter) -> None:
         slot = self.slot(req)
-        await resp.send(Status.OK, slot_meta(self.engine.snapshot(slot), slot))
+        await resp.send(Status.OK, slot_meta(self.engine.snapshot(slot), slot, self.engine.kv_cache))
 
     # ---------------------------------------------------------------- state transfer
     async def state_get(self, req: Request, resp: ResponseWriter) -> None:
@@ -115,12 +116,7 @@ class Handlers:
         except MalformedPayload as e:
             await resp.send(Status.ERROR, {"success": False, "error": f"CONFIGURE: invalid config_json: {e}"})
             return
-        try:
-            out = await self.engine.configure(cfg)
-        except (ConfigError, ValueError) as e:
-            await resp.send(Status.ERROR, {"success": False, "error": f"CONFIGURE: {e}"})
-            return
-        await resp.send(Status.OK, configure_meta(out))
+        await resp.send(Status.OK, configure_meta(await self.engine.configure(cfg)))
 
     async def set_expert_mode(self, req: Request, resp: ResponseWriter) -> None:
         self.slot(req)
@@ -166,7 +162,7 @@ class Handlers:
         await req.body.read_all()
         await resp.send(Status.NOT_IMPLEMENTED, {
             "error": "HYDRA_OP_PIPELINE_ATTACH is not implemented: this engine runs no pipeline-parallel peers "
-                     "(layers can be offloaded to ggml RPC servers with --rpc-servers instead)",
+                     "(layers can be offloaded to ggml RPC servers with --rpc instead)",
             "success": False})
 
     # ---------------------------------------------------------------- prefill
@@ -260,10 +256,7 @@ async def select_model(engine: Engine, alias: Any, hydra_config: Any) -> ModelCh
     """PREFILL ``model`` / ``hydra_config`` and DECODE v3 ``model``: see ``Engine.select_model``."""
     if hydra_config is not None and not isinstance(hydra_config, dict):
         raise MalformedPayload("hydra_config must be an object", rule="prefill.hydra_config")
-    try:
-        return await engine.select_model(alias if isinstance(alias, str) else None, hydra_config)
-    except (ConfigError, ValueError) as e:
-        raise MalformedPayload(f"hydra_config: {e}", rule="prefill.hydra_config") from None
+    return await engine.select_model(alias if isinstance(alias, str) else None, hydra_config)
 
 
 class BlobRejected(Exception):
@@ -273,8 +266,9 @@ class BlobRejected(Exception):
 async def restore_kv_blob(engine: Engine, slot: int, buf) -> tuple[KvBlobLayout, int]:
     """Parse a v1/v2/v3 KV blob and restore it into ``slot`` (STATE_PUT and DECODE v3 alike).
 
-    Returns the layout and the bytes the state loader consumed. Raises EngineBusy, or
-    BlobRejected with the reason.
+    Returns the layout and the bytes the state loader consumed. Raises EngineBusy,
+    KvStateMismatch (BAD_REQUEST naming the field), a codec error (a broken or oversized state
+    header: BAD_REQUEST), or BlobRejected with the reason llama.cpp gave.
     """
     layout = parse_kv_blob(buf, has_logits=False)
     tokens = list(layout.header.tokens)
@@ -284,8 +278,8 @@ async def restore_kv_blob(engine: Engine, slot: int, buf) -> tuple[KvBlobLayout,
     state = buf[layout.state_offset:layout.state_offset + layout.state_len]
     try:
         consumed = await engine.state_put(slot, tokens, state)
-    except EngineBusy:
-        raise
+    except (EngineBusy, KvStateMismatch, CodecError):
+        raise  # busy; a state this context cannot take; a broken or oversized state header
     except Exception as e:
         raise BlobRejected(f"llama_state_seq_set_data rejected the state: {e}") from e
     return layout, consumed
@@ -311,7 +305,7 @@ def engine_errors(fn):
         except BadInput as e:
             if resp.started:
                 raise
-            await resp.send(Status.BAD_REQUEST, {"error": str(e)})
+            await resp.send(Status.BAD_REQUEST, e.as_meta() if isinstance(e, KvStateMismatch) else {"error": str(e)})
         except EngineUnavailable as e:
             if resp.started:
                 raise

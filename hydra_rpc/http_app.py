@@ -101,7 +101,8 @@ async def start_http(app: Any, host: str, port: int) -> HttpSide:
     # handler_cancellation: a client that disconnects while its request waits (in a slot's
     # queue, or for a non-streamed result) gets its handler cancelled, which cancels its job.
     runner = web.AppRunner(webapp, **access_log_options(), handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=grace, logger=_OneLineErrors(log, {}))
+                           shutdown_timeout=grace, logger=_OneLineErrors(log, {}),
+                           keepalive_timeout=getattr(cfg, "http_timeout", 75.0))
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True, shutdown_timeout=grace)
     try:
@@ -230,19 +231,27 @@ class Routes:
                               "implementation_version": IMPL_VERSION,
                               "config_generation": eng.generation if eng is not None else 0})
 
+    def _endpoint_enabled(self, name: str) -> None:
+        """llama-server's ``--metrics`` / ``--no-slots``: a disabled endpoint answers 501."""
+        if not getattr(self.app.server_cfg, f"http_{name}", True):
+            raise ApiError(501, f"This server does not support {name} endpoint. Start it with `--{name}`")
+
     async def prometheus(self, request: web.Request) -> web.Response:
+        self._endpoint_enabled("metrics")
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # ---------------------------------------------------------------- slots
     async def slots(self, request: web.Request) -> web.Response:
+        """503 until the model is loaded and the slots are wired (a node agent's health probe)."""
+        self._endpoint_enabled("slots")
         eng = self.engine
-        if eng is None:
-            return json_response([])
+        if eng is None or not eng.ready:
+            raise ApiError(503, "Loading model", headers={"Retry-After": "1"})
         return json_response([slot_entry(s, eng.n_ctx_slot) for s in eng.snapshots])
 
     async def slot_meta(self, request: web.Request) -> web.Response:
         slot = _slot_of(request, self.engine)
-        return json_response(slot_meta(self.engine.snapshot(slot), slot))
+        return json_response(slot_meta(self.engine.snapshot(slot), slot, self.engine.kv_cache))
 
     async def slot_action(self, request: web.Request) -> web.Response:
         eng = self.engine

@@ -24,7 +24,6 @@ from aiohttp import web
 
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult, ReloadFailed
 from engine.status import ModelChoice
-from engine.tiers import ConfigError
 
 from .wire import client_behind, limit_send_buffer
 
@@ -34,7 +33,7 @@ FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "ctx_full": 
 MAX_STOPS, MAX_STOP_BYTES = 16, 256
 ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 503: "unavailable_error"}
+               429: "rate_limit_error", 501: "not_supported_error", 503: "unavailable_error"}
 
 
 # ---------------------------------------------------------------- errors
@@ -246,8 +245,6 @@ async def select_model(engine: Any, requested: str | None) -> ModelChoice:
     resident model, as llama-server does."""
     try:
         return await engine.select_model(requested)
-    except (ConfigError, ValueError) as e:
-        raise ApiError(400, f"model {requested!r}: {e}", param="model") from None
     except ReloadFailed as e:  # the reload failed or was dropped; the old model still serves
         raise ApiError(503, f"model {requested!r} could not be loaded: {e}", param="model") from None
 

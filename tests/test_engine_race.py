@@ -207,7 +207,7 @@ class ReloadRace(RuleBasedStateMachine):
             if want_path is not None:
                 assert served.params.model_path == want_path
             if "n_ctx" in cfg:
-                assert served.params.n_ctx_slot == cfg["n_ctx"]
+                assert served.params.n_ctx == cfg["n_ctx"]
 
 
 class InplaceReloadRace(ReloadRace):

@@ -183,7 +183,7 @@ async def test_drain_timeout_drops_the_reload_and_admits_queued_work():
             await eng.wait_reload(out.reload_ticket)
         assert eng.reload.state is DROPPED and "[0]" in eng.reload.error and eng.generation == g0
         assert (await waiting.result()).config_generation == g0
-        shadow = next(m for m in f.built if m.params.n_ctx_slot == 2048)
+        shadow = next(m for m in f.built if m.params.n_ctx == 2048)
         await until(lambda: shadow.closed, "the dropped shadow closed")
         long.cancel()
 

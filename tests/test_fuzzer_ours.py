@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 
-from codec.enums import Op, Status
+from codec.enums import Op
 from codec.framing import encode_request_header
 from codec.payloads import decode_meta
 from tests.helpers import start_server
@@ -94,6 +94,7 @@ def test_configure_reply_meta_is_strict_json(server):
             await c.close()
 
     r, sane = asyncio.run(go())
-    assert decode_meta(r.meta_raw) == {"success": False, "error": "CONFIGURE: T1 key sampling.temp must be finite"}
-    assert r.status == Status.ERROR  # refused whole, as a CONFIGURE value of the wrong type is
+    meta = decode_meta(r.meta_raw)  # strict JSON: no Infinity echoed back
+    assert r.ok and meta["rejected_keys"] == {"sampling.temp": "sampling.temp must be a finite number >= 0 (got inf)"}
+    assert meta["params_applied"] == {}  # the value is rejected with its reason, never applied
     assert sane.ok and sane.meta["params_applied"] == {"sampling.temp": 0.8}, sane

@@ -206,7 +206,7 @@ def test_stop_filter_streams_exactly_the_text_before_the_stop(pieces, stops, sen
 @pytest.mark.asyncio
 async def test_health_is_503_while_the_first_model_loads_then_200(tiny_model_path):
     app = App(ServerConfig(host="127.0.0.1", port=0),
-              EngineConfig(model=ModelParams(tiny_model_path, n_ctx_slot=256, n_slots=2, n_threads=1)))
+              EngineConfig(model=ModelParams(tiny_model_path, n_ctx=512, n_slots=2, n_threads=1)))
     app.engine = Engine(app.engine_cfg)  # what App.start does first; the HTTP side may come up before the load
     http = await start_http(app, "127.0.0.1", 0)
     try:
@@ -217,6 +217,8 @@ async def test_health_is_503_while_the_first_model_loads_then_200(tiny_model_pat
                 assert body["startup_stage"] == "init" and body["rpc_active"] is False
             async with s.post("/v1/completions", json={"prompt": "x"}) as r:
                 assert r.status == 503 and "startup stage" in (await r.json())["error"]["message"]
+            async with s.get("/slots") as r:  # a node agent's health probe: not yet
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
             await app.engine.start()
             async with s.get("/health") as r:
                 body = await r.json()
@@ -231,7 +233,7 @@ async def test_health_is_503_while_the_first_model_loads_then_200(tiny_model_pat
 @pytest.mark.asyncio
 async def test_health_reports_a_failed_first_load(tmp_path):
     app = App(ServerConfig(host="127.0.0.1", port=0),
-              EngineConfig(model=ModelParams(str(tmp_path / "missing.gguf"), n_ctx_slot=256, n_slots=1)))
+              EngineConfig(model=ModelParams(str(tmp_path / "missing.gguf"), n_ctx=256, n_slots=1)))
     app.engine = Engine(app.engine_cfg)
     http = await start_http(app, "127.0.0.1", 0)
     try:

@@ -31,24 +31,41 @@ def test_table_is_well_formed():
             assert p.validate(p.default) == p.default, p.key
 
 
-def test_tiers_agree_with_engine_tiers():
-    for name in tiers.T1_SAMPLING:
-        assert BY_KEY[f"sampling.{name}"].tier == "T1"
-    for key in tiers.T1_KEYS:
-        assert BY_KEY[key].tier == "T1", key
-    for key in tiers.T2_KEYS:
-        assert BY_KEY[key].tier == "T2", key
-    for key in tiers.T3_KEYS:
-        assert BY_KEY[key].tier == "T3", key
-    for key in (*tiers.T4_CTX_PARAMS, *tiers.T4_MODEL_PARAMS):
-        assert BY_KEY[key].tier == "T4", key
-    for key in tiers.DENIED & set(BY_KEY):
-        assert BY_KEY[key].tier == "startup", key
+def test_configure_classifies_every_key_by_the_table():
+    """CONFIGURE (engine/tiers.py) takes each key's tier and type from this table: the C++'s
+    tiers (T2 cache types and rope_*, T3 model keys), startup keys denied, no-effect keys named."""
+    for p in PARAMS:
+        if not p.config or p.default in (None, ()):
+            continue
+        c = tiers.classify({p.key: p.default})
+        if p.key in tiers.NO_EFFECT:
+            assert c.rejected_keys[p.key].startswith("no effect"), p.key
+        elif p.tier == "startup":
+            assert c.rejected_keys == {p.key: tiers.DENIED}, p.key
+        elif p.tier == "T1":
+            assert p.key in c.t1 and c.tier == "T1", p.key
+        else:
+            assert c.staged == {p.key: p.validate(p.default)} and c.tier == p.tier, p.key
     assert all(p.tier == "T2" for p in PARAMS if p.key.startswith("rope_"))
+    assert {BY_KEY[k].tier for k in ("cache_type_k", "cache_type_v", "n_ctx")} == {"T2"}
+    assert {BY_KEY[k].tier for k in ("model_path", "n_gpu_layers", "rpc_servers", "n_cpu_moe", "override_tensor")} \
+        == {"T3"}
+
+
+def test_configure_rejects_wrong_values_with_the_reason_and_applies_the_rest():
+    c = tiers.classify({"flash_attn": 7, "rope_scale": 0, "n_ctx": 2**31, "temp": "hot", "top_k": 20,
+                        "cache_type_k": "iq4_nl", "sampling": 3, "fit": True, "frob": 1})
+    assert c.rejected_keys["flash_attn"] == "flash_attn must be one of on|off|auto (1|0|-1) or a bool"
+    assert "rope_scale must be a finite number in" in c.rejected_keys["rope_scale"]
+    assert "n_ctx must be an integer in [0, 16777216]" in c.rejected_keys["n_ctx"]
+    assert c.rejected_keys["temp"].startswith("temp must be")  # named as sent, not sampling.temp
+    assert c.rejected_keys["sampling"] == "sampling must be an object"
+    assert c.rejected_keys["fit"] == tiers.DENIED and c.unrecognized_keys == ["frob"]
+    assert c.t1 == {"sampling.top_k": 20} and c.staged == {"cache_type_k": "iq4_nl"} and c.tier == "T2"
 
 
 @pytest.mark.parametrize(("key", "value", "typed"), [
-    ("flash_attn", "on", "on"), ("flash_attn", True, "on"), ("flash_attn", "disabled", "off"), ("flash_attn", "-1", "auto"),
+    ("flash_attn", "on", "on"), ("flash_attn", True, "on"), ("flash_attn", 0, "off"), ("flash_attn", -1, "auto"), ("flash_attn", "disabled", "off"), ("flash_attn", "-1", "auto"),
     ("cache_type_k", "iq4_nl", "iq4_nl"), ("cache_type_v", "q8_0", "q8_0"),
     ("n_gpu_layers", "all", GPU_LAYERS_ALL), ("n_gpu_layers", 12, 12),
     ("temp", -0.5, 0.0), ("sampling.top_k", 20, 20), ("repeat_penalty", 1.06, 1.06), ("seed", -1, 0xFFFFFFFF),
@@ -67,8 +84,8 @@ def test_accepted_like_the_cpp(key, value, typed):
 
 
 @pytest.mark.parametrize(("key", "value", "reason"), [
-    ("flash_attn", 7, "flash_attn must be one of on|off|auto or a bool"),
-    ("flash_attn", 2, "flash_attn must be one of on|off|auto or a bool"),
+    ("flash_attn", 7, "flash_attn must be one of on|off|auto (1|0|-1) or a bool"),
+    ("flash_attn", 2, "flash_attn must be one of on|off|auto (1|0|-1) or a bool"),
     ("rope_scale", 0, "rope_scale must be a finite number in"),
     ("rope_scale", -1.0, "rope_scale must be"),
     ("n_ctx", 2**31, "n_ctx must be an integer in [0, 16777216]"),
@@ -103,7 +120,7 @@ def test_check_config_splits_values_rejected_unknown():
     out = check_config({"sampling": {"temp": 0.5, "bogus": 1}, "flash_attn": 7, "what": 1, "n_ctx": 8192,
                         "cache_type_k": "iq4_nl"})
     assert out.values == {"sampling.temp": 0.5, "n_ctx": 8192, "cache_type_k": "iq4_nl"}
-    assert out.rejected == {"flash_attn": "flash_attn must be one of on|off|auto or a bool"}
+    assert out.rejected == {"flash_attn": "flash_attn must be one of on|off|auto (1|0|-1) or a bool"}
     assert out.unknown == ["sampling.bogus", "what"]
 
 

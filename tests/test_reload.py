@@ -150,8 +150,9 @@ async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_
 
 @pytest.mark.asyncio
 async def test_t2_n_ctx_change_takes_effect(tiny_model_path):
-    long_prompt = {"prompt": "one two three four five six seven eight nine ten " * 8}
-    with serving("--model", "tiny", "--no-http", "--ctx", "64", "--log-level", "WARNING") as server:
+    long_prompt = {"prompt": "one two three four five six seven eight nine ten " * 12}  # 386 tokens
+    with serving("--model", "tiny", "--no-http", "--ctx-size", "256", "--parallel", "1", "--log-level",
+                 "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         r = await c.request(Op.PREFILL, "0", json.dumps(long_prompt).encode())
         assert r.status == Status.BAD_REQUEST and "does not fit" in r.meta["error"]
@@ -160,7 +161,7 @@ async def test_t2_n_ctx_change_takes_effect(tiny_model_path):
         m = await wait_reload_settled(c)
         assert m["reload"]["state"] == "swapped" and m["n_ctx_slot"] == 1024
         r = await c.request(Op.PREFILL, "0", json.dumps(long_prompt).encode())
-        assert r.ok and r.meta["n_past"] > 64
+        assert r.ok and r.meta["n_past"] > 256
         await c.close()
 
 

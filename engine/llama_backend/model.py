@@ -10,18 +10,21 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import Any, Literal, Sequence, overload
+from typing import Any, Callable, Literal, Sequence, overload
 
 import numpy as np
 
 import llama_cpp.llama_cpp as L
 
 from ..backend import BatchItem
+from ..kv_cache import KvCacheInfo
 from ..sampling import SamplerParams
 from . import vocab
 from .batch import LlamaBatch
 from .chat_template import ChatTemplate
 from .identity import chat_template_source, read_identity
+from .kv_probe import describe
+from .legacy_chat import is_jinja_source, render_builtin
 from .runtime import (
     DecodeError,
     LlamaBackendError,
@@ -43,8 +46,11 @@ def _set_fields(params: Any, extra: dict[str, Any] | None, struct_name: str) -> 
 
 
 class LoadedModel:
-    """The KV cache is unified (``kv_unified=True``): the sequences share ``n_ctx`` cells and
-    each one may grow up to ``n_ctx`` tokens as long as the total fits.
+    """``n_ctx`` is the total context, ``n_seq_max`` the slots; with ``kv_unified`` (the
+    default) the sequences share ``n_ctx`` cells and each may grow up to ``n_ctx`` tokens as
+    long as the total fits, without it each gets ``n_ctx / n_seq_max`` (llama.cpp's rule; a
+    slot's limit is :attr:`n_ctx_slot`). ``before_context`` sees the loaded model before the
+    context is allocated and may refuse it by raising.
 
     Implements :class:`engine.backend.ModelBackend`. Not thread-safe.
     """
@@ -60,11 +66,19 @@ class LoadedModel:
         n_gpu_layers: int = 0,
         extra_model_params: dict[str, Any] | None = None,
         extra_ctx_params: dict[str, Any] | None = None,
+        kv_unified: bool = True,
+        n_threads_batch: int | None = None,
+        n_ctx_slot_cap: int = 0,
+        chat_template: str | None = None,
+        jinja: bool = True,
+        chat_kwargs: dict[str, Any] | None = None,
+        before_context: Callable[[Any], None] | None = None,
     ) -> None:
         self._model = None
         self._ctx = None
         self._batch: LlamaBatch | None = None
         self._closed = False
+        self._kv_cache: KvCacheInfo | None = None
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
@@ -81,17 +95,20 @@ class LoadedModel:
         self._model = model
 
         try:
-            nt = int(n_threads) if n_threads else default_threads()
+            if before_context is not None:
+                before_context(model)
+            nt = int(n_threads) if n_threads and n_threads > 0 else default_threads()
             cparams = L.llama_context_default_params()
             cparams.n_ctx = int(n_ctx)
             cparams.n_batch = int(n_batch)
             cparams.n_ubatch = min(int(n_batch), 512)
             cparams.n_seq_max = int(n_seq_max)
             cparams.n_threads = nt
-            cparams.n_threads_batch = nt
-            cparams.kv_unified = True
+            cparams.n_threads_batch = int(n_threads_batch) if n_threads_batch and n_threads_batch > 0 else nt
+            cparams.kv_unified = bool(kv_unified)
             cparams.no_perf = True
             _set_fields(cparams, extra_ctx_params, "llama_context_params")
+            self.cparams = cparams
             ctx = L.llama_init_from_model(model, cparams)
             if not ctx:
                 raise LlamaBackendError(
@@ -104,12 +121,20 @@ class LoadedModel:
             self._n_ctx = int(L.llama_n_ctx(ctx))
             self._n_batch = int(L.llama_n_batch(ctx))
             self._n_seq_max = int(L.llama_n_seq_max(ctx))
+            n_slot = int(L.llama_n_ctx_seq(ctx))  # llama-server's n_ctx_slot()
+            if n_ctx_slot_cap > 0:
+                n_slot = min(n_slot, int(n_ctx_slot_cap))
+            self._n_ctx_slot = min(n_slot, int(L.llama_model_n_ctx_train(model)))
             self.n_threads = nt
             # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
             self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
             self._logit_idx: dict[int, int] = {}
             self._identity = read_identity(model, self._vocab, path, self._n_vocab)
-            self.chat = ChatTemplate(chat_template_source(model), self._identity["architecture"])
+            template = chat_template if chat_template is not None else chat_template_source(model)
+            # llama.cpp's own formats: --no-jinja, or a template that names one ("chatml")
+            self._builtin_template = template if template and (not jinja or not is_jinja_source(template)) else None
+            self.chat = ChatTemplate(None if self._builtin_template else template, self._identity["architecture"])
+            self.chat_kwargs = dict(chat_kwargs or {})
         except BaseException:
             self.close()
             raise
@@ -171,6 +196,24 @@ class LoadedModel:
         return self._n_seq_max
 
     @property
+    def model_handle(self) -> Any:
+        return self._model
+
+    @property
+    def kv_cache(self) -> KvCacheInfo:
+        """The KV cache's configuration and layout (described on first use: this decodes one
+        token, so the factory asks on the loader thread)."""
+        if self._kv_cache is None:
+            self._kv_cache = describe(self, dict(os.environ))
+        return self._kv_cache
+
+    @property
+    def n_ctx_slot(self) -> int:
+        """Tokens one sequence may hold: llama.cpp's per-sequence context, capped by
+        ``n_ctx_slot_cap`` and the training context (llama-server's ``n_ctx_slot()``)."""
+        return self._n_ctx_slot
+
+    @property
     def n_batch(self) -> int:
         """Maximum number of tokens in one :meth:`decode` call."""
         return self._n_batch
@@ -209,7 +252,7 @@ class LoadedModel:
     # ---- chat template -----------------------------------------------------------------
     @property
     def chat_format(self) -> str:
-        return self.chat.format
+        return "builtin" if self._builtin_template else self.chat.format
 
     def _piece_text(self, tok: int) -> str:
         return self.token_to_piece(tok, special=True).decode("utf-8", "replace") if tok >= 0 else ""
@@ -222,8 +265,10 @@ class LoadedModel:
         Tokenize the result with ``parse_special=True``; :meth:`chat_tokens` does that and
         avoids a doubled BOS when the template itself emits one.
         """
+        if self._builtin_template:
+            return render_builtin(self._builtin_template, messages, add_generation_prompt)
         return self.chat.render(messages, add_generation_prompt, bos_token=self._piece_text(self.bos),
-                                eos_token=self._piece_text(self.eos), **extra)
+                                eos_token=self._piece_text(self.eos), **{**self.chat_kwargs, **extra})
 
     def chat_tokens(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
@@ -257,6 +302,10 @@ class LoadedModel:
         Returns False if a partial removal is impossible (e.g. recurrent models)."""
         seq = self._check_seq(seq)
         return bool(L.llama_memory_seq_rm(self._mem, seq, int(p0), int(p1)))
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Move positions [p0, p1) of ``seq`` by ``delta`` (K is re-roped on the next decode)."""
+        L.llama_memory_seq_add(self._mem, self._check_seq(seq), int(p0), int(p1), int(delta))
 
     def clear_all(self) -> None:
         """Empty the whole KV cache (all sequences)."""

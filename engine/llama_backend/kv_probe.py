@@ -1,0 +1,75 @@
+"""A context describes its own KV cache: one cell written and read back as a sequence state
+gives the layout llama.cpp writes and accepts (flash attention "auto" resolved, per-layer
+rows, iSWA caches), so it is never re-derived from hyper-parameters (engine/kv_cache.py)."""
+from __future__ import annotations
+
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+import llama_cpp.llama_cpp as L
+
+from codec.errors import CodecError
+from codec.seqstate import ggml_type_name, parse_seq_state
+
+from ..backend import BatchItem
+from ..kv_cache import KvCacheInfo, KvLayout
+from ..kv_layout import attention_rotation
+
+if TYPE_CHECKING:
+    from .model import LoadedModel
+
+_FLASH_ATTN = {int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED): "on", int(L.LLAMA_FLASH_ATTN_TYPE_DISABLED): "off",
+               int(L.LLAMA_FLASH_ATTN_TYPE_AUTO): "auto"}
+_ROPE_SCALING = {int(L.LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED): "model", int(L.LLAMA_ROPE_SCALING_TYPE_NONE): "none",
+                 int(L.LLAMA_ROPE_SCALING_TYPE_LINEAR): "linear", int(L.LLAMA_ROPE_SCALING_TYPE_YARN): "yarn",
+                 int(L.LLAMA_ROPE_SCALING_TYPE_LONGROPE): "longrope"}
+
+
+def llama_cpp_build() -> str:
+    try:
+        return f"llama-cpp-python {metadata.version('llama-cpp-python')}"
+    except metadata.PackageNotFoundError:  # pragma: no cover - always installed here
+        return "llama-cpp-python"
+
+
+def probe_layout(m: "LoadedModel") -> KvLayout | None:
+    """The layout of ``m``'s sequence states (seq 0 is used and left empty); None for a memory
+    the seq-state parser does not know (recurrent and hybrid models)."""
+    tok = m.bos if m.bos >= 0 else 0
+    m.seq_clear(0)
+    try:
+        m.decode([BatchItem(0, [tok], 0, logits_last=False)])
+        blob = bytes(m.state_seq_get(0))
+    finally:
+        m.seq_clear(0)
+    for cell_ext in (False, True):
+        for n_caches in (1, 2):
+            try:
+                summary = parse_seq_state(blob, max_cells=1, cell_ext=cell_ext, n_caches=n_caches)
+            except CodecError:
+                continue
+            if summary.size == len(blob) and all(c.filled for c in summary.caches):
+                return KvLayout.from_probe(summary, cell_ext, m.n_ctx_slot)
+    return None
+
+
+def describe(m: "LoadedModel", environ: dict[str, str]) -> KvCacheInfo:
+    """``m``'s KV cache for INFO / STATE_META and restores."""
+    c = m.cparams
+    type_k, type_v = ggml_type_name(int(c.type_k)), ggml_type_name(int(c.type_v))
+    layout = probe_layout(m)
+    rotation, heads = (False, False), (0, 0)
+    n_head_kv = int(L.llama_model_n_head_kv(m.model_handle))
+    if layout is not None and n_head_kv > 0:
+        full = layout.caches[0]
+        heads = (full.n_embd_k[0] // n_head_kv, full.n_embd_v[0] // n_head_kv)
+        rotation = attention_rotation(type_k, type_v, *heads, environ)
+    rope = {"scaling": _ROPE_SCALING.get(int(c.rope_scaling_type), str(c.rope_scaling_type)),
+            "freq_base": float(c.rope_freq_base), "freq_scale": float(c.rope_freq_scale),
+            "yarn_ext_factor": float(c.yarn_ext_factor), "yarn_attn_factor": float(c.yarn_attn_factor),
+            "yarn_beta_fast": float(c.yarn_beta_fast), "yarn_beta_slow": float(c.yarn_beta_slow),
+            "yarn_orig_ctx": int(c.yarn_orig_ctx)}
+    return KvCacheInfo(type_k=type_k, type_v=type_v, flash_attn=_FLASH_ATTN.get(int(c.flash_attn_type), "auto"),
+                       kv_unified=bool(c.kv_unified), n_ctx=m.n_ctx, n_ctx_slot=m.n_ctx_slot, rope=rope,
+                       rotation=rotation, build=llama_cpp_build(), layout=layout,
+                       n_ctx_train=int(L.llama_model_n_ctx_train(m.model_handle)), head_dim=heads)
