@@ -19,7 +19,6 @@ from typing import Any
 from aiohttp import web
 
 from engine.jobs import EngineUnavailable
-from engine.tiers import ConfigError
 
 from .http_openai import ApiError, engine_error, json_response, read_json_object, require_ready
 
@@ -60,10 +59,11 @@ class ModelRoutes:
                                   "config_generation": eng.generation})
         try:
             out = await eng.swap_model(name)
-        except (ConfigError, ValueError) as e:
-            raise ApiError(400, f"model {name!r}: {e}", param="model") from None
         except EngineUnavailable as e:
             raise engine_error(e) from None
+        if out.rejected_keys:  # e.g. the alias's file cannot be loaded with this context
+            raise ApiError(400, f"model {name!r}: " + "; ".join(f"{k}: {v}" for k, v in out.rejected_keys.items()),
+                           param="model")
         return json_response({"success": True, "model": name, "status": "loading",
                               "config_generation": out.config_generation})
 
