@@ -14,9 +14,10 @@ reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``id
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
            ``aliases``, ``model_aliases()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
-           (cancel with ``job.cancel()``), ``state_get(slot)``, ``state_put(slot, tokens,
-           state)``, ``erase(slot)``, ``configure(cfg)``, ``swap_model(alias)``,
-           ``wait_reload(ticket)``, ``set_expert_mode(mode)``
+           (cancel with ``job.cancel()``; ``job.slot`` None: the engine picks the slot),
+           ``state_get(slot)``, ``state_put(slot, tokens, state)``, ``erase(slot)``
+           (slot files: ``engine.slot_files``), ``configure(cfg)``, ``swap_model(alias)``, ``wait_reload(ticket)``,
+           ``set_expert_mode(mode)``
 """
 from __future__ import annotations
 
@@ -31,15 +32,17 @@ from . import tiers
 from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
 from .executors import make_inference_executor, make_loader_executor
+from .host_cache import HostCache, limit_from_mib
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
+from .prompt_cache import CacheSettings, PromptCache
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
 from .sampling import SamplerParams, merge_sampling
-from .scheduler import Scheduler, Serving
+from .scheduler import Scheduler, Serving, fail
 from .slots import Slot, SlotSnapshot
 from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadStatus
-from .stepper import Running, run_step
+from .stepper import Running, job_input, run_step
 
 log = logging.getLogger("engine.actor")
 
@@ -60,6 +63,12 @@ class EngineConfig:
     backend: BackendFactory = field(default_factory=LlamaFactory)
     # how the drain timeout is scheduled (None: the event loop's call_later)
     call_later: Callable[[float, Callable[[], None]], Any] | None = None
+    # the prompt cache (llama-server's flags of the same names; docs/architecture.md)
+    cache_prompt: bool = True  # reuse cached prompt prefixes (off: recompute every new prompt)
+    cache_reuse: int = 0  # min chunk of a cached prompt reused by KV shifting (0: off)
+    slot_prompt_similarity: float = 0.1  # a job naming no slot goes where its prompt is cached (0: LRU only)
+    cache_ram_mib: int = 8192  # RAM tier for the states of replaced conversations (-1: no limit, 0: off)
+    slot_save_path: str | None = None  # directory of slot files (save/restore); None: refused
 
 
 @dataclass
@@ -90,7 +99,11 @@ class Engine:
         self.loader: concurrent.futures.ThreadPoolExecutor | None = None
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
-        self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats)
+        self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats, cfg.slot_prompt_similarity)
+        host = HostCache(limit_from_mib(cfg.cache_ram_mib)) if cfg.cache_ram_mib and cfg.cache_prompt else None
+        self.cache = PromptCache(CacheSettings(cfg.cache_prompt, cfg.cache_reuse, host is not None), self.slots,
+                                 host)
+        self._installs = 0  # models installed so far: part of the prompt cache's model key
         self._task: asyncio.Task | None = None
         self._state_buf = LeasedBuffer(bytearray)
         self._stopping = False
@@ -195,7 +208,8 @@ class Engine:
             slots_total=self.n_slots,
             slots_busy=sum(1 for s in self.snapshots if s.is_processing or s.is_transferring),
             n_ctx_slot=self.n_ctx_slot, rpc_servers=self.params.rpc_servers,
-            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity)
+            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity,
+            prompt_cache=self.cache.info())
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -221,7 +235,10 @@ class Engine:
         """Queue a generation job. Raises EngineBusy / EngineUnavailable / BadInput at once when refused."""
         if self.model is None and self.startup_stage != "ready":
             raise EngineUnavailable(f"no model loaded (stage {self.startup_stage})")
-        if not 0 <= job.slot < self.n_slots:
+        if job.slot is None:
+            if job.append or (job.messages is None and job.prompt is None and job.tokens is None):
+                raise BadInput("a request that names no slot needs a prompt (and cannot continue a slot)")
+        elif not 0 <= job.slot < self.n_slots:
             raise BadInput(f"invalid slot {job.slot}")
         if self.reloader.pending and self.cfg.reload_policy == "reject":
             raise EngineBusy("reloading", retry_after_ms=self._retry_after_ms())
@@ -356,7 +373,7 @@ class Engine:
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
         budget = min(self.cfg.token_budget, self.model.n_batch)
         run_step(self.model, running, n_ctx_slot=self.params.n_ctx_slot, token_budget=budget,
-                 time_slice=self.cfg.time_slice)
+                 time_slice=self.cfg.time_slice, cache=self.cache)
 
     def _publish(self) -> None:
         self.snapshots = tuple(s.snapshot(self.generation, self.identity) for s in self.slots)
@@ -366,7 +383,17 @@ class Engine:
                        generation=self.generation, identity=self.identity)
 
     async def _on_submit(self, msg: Submit) -> None:
-        self.scheduler.offer(msg.job, self._serving())
+        job = msg.job
+        if job.slot is None and self.model is not None and self.cfg.slot_prompt_similarity > 0:
+            # the slot is chosen by the prompt's tokens: tokenize now, on the inference thread
+            model = self.model
+            try:
+                tokens = await asyncio.get_running_loop().run_in_executor(self._infer, job_input, model, job, False)
+            except Exception as e:
+                fail(job, e)
+                return
+            job.tokenized = (model, tokens)
+        self.scheduler.offer(job, self._serving())
         self._publish()
 
     # ------------------------------------------------------------------ state transfer
@@ -428,6 +455,7 @@ class Engine:
         slot.tail = []
         slot.state_size = size
         slot.generation = self.generation
+        self.scheduler.touch(slot)
         self._publish()
         return n
 
@@ -470,6 +498,10 @@ class Engine:
         if model is not None:
             self.identity = ModelIdentity.of(model.identity, model.n_vocab)
             self._state_buf.clear()
+            self._installs += 1
+            self.cache.model_key = (self._installs, params)
+            if self.cache.host is not None:  # states of the old context must never be loaded
+                self.cache.host.keep_only(self.cache.model_key)
             for slot in self.slots:  # a new context holds no sequences
                 slot.tokens, slot.tail, slot.state_size = [], [], 0
         self._publish()

@@ -52,6 +52,7 @@ class Slot:
     tokens_total: int = 0
     started: float = 0.0
     generation: int = 0  # config generation the KV was computed with
+    last_used: int = 0  # when a job or a state last came here (a counter): least recently used first
 
     @property
     def n_past(self) -> int:

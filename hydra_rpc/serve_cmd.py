@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import os
 import signal
 import sys
 
@@ -36,6 +37,28 @@ def _alias(s: str) -> tuple[str, str]:
     return name, path
 
 
+def _at_least(low: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
+    return parse
+
+
+def _fraction(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {v}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -56,6 +79,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "event loop preempts it; it then also yields to any other busy process on the host)")
     g.add_argument("--slot-queue", type=int, default=8,
                    help="generation requests waiting per busy slot (0: answer BUSY at once)")
+    c = p.add_argument_group("prompt cache (llama-server's flags)")
+    c.add_argument("--no-cache-prompt", dest="cache_prompt", action="store_false",
+                   help="recompute every new prompt (by default a prompt prefix already in a slot, another "
+                        "slot or the RAM tier is reused)")
+    c.add_argument("--cache-reuse", type=_at_least(0), default=0, metavar="N",
+                   help="reuse chunks of at least N cached tokens beyond the common prefix by shifting the KV "
+                        "(0: off)")
+    c.add_argument("--slot-prompt-similarity", type=_fraction, default=0.1, metavar="F",
+                   help="an HTTP request naming no slot goes to the idle slot whose cached prompt covers more "
+                        "than this fraction of its own (else the least recently used slot; 0: LRU only)")
+    c.add_argument("--cache-ram", type=_at_least(-1), default=8192, metavar="MiB",
+                   help="RAM for the states of conversations whose slot was taken (-1: no limit, 0: off)")
+    c.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="directory for POST /slots/{id}?action=save|restore files (default: slot files refused)")
     r = p.add_argument_group("reloads")
     r.add_argument("--reload-policy", choices=["serve-old", "reject"], default="serve-old",
                    help="while a reload is pending: serve-old keeps serving on the old model, reject answers "
@@ -119,10 +156,14 @@ def build_app(args: argparse.Namespace):
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (999 if servers else 0)
     params = ModelParams(model, n_ctx_slot=args.ctx, n_slots=args.slots, n_batch=args.batch,
                          n_threads=args.threads, n_gpu_layers=ngl, rpc_servers=servers)
+    if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
+        raise UsageError(f"--slot-save-path {args.slot_save_path!r} is not a directory; create it first")
     ecfg = EngineConfig(model=params, aliases=aliases, low_priority=not args.no_low_priority,
                         slot_queue=args.slot_queue, reload_policy=args.reload_policy,
                         reload_mode=args.reload_mode, drain_timeout=args.drain_timeout, resolve_model=resolve,
-                        token_budget=args.batch)
+                        token_budget=args.batch, cache_prompt=args.cache_prompt, cache_reuse=args.cache_reuse,
+                        slot_prompt_similarity=args.slot_prompt_similarity, cache_ram_mib=args.cache_ram,
+                        slot_save_path=args.slot_save_path)
     scfg = ServerConfig(host=args.host, port=args.port, loop=args.loop, max_connections=args.max_connections,
                         allow=[ipaddress.ip_network(a, strict=False) for a in args.allow],
                         first_bytes_timeout=args.first_bytes_timeout, idle_timeout=args.idle_timeout,

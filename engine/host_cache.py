@@ -1,0 +1,124 @@
+"""The host-memory tier of the prompt cache: sequence states kept in RAM, LRU, bounded in bytes.
+
+When a slot is about to be reused by another conversation, its sequence state (what
+``state_seq_get`` writes) and its tokens are kept here; when a request comes back whose
+prompt starts with those tokens, the state is loaded into its slot instead of recomputing
+the prefix. llama-server's ``--cache-ram`` host prompt cache works the same way (an entry
+is moved back into a slot, not copied; an entry that is a prefix of a newer one is dropped).
+
+Every entry is stamped with the key of the model instance that made it (``model_key``): a
+state is only meaningful for the model, KV types and context layout that wrote it, so a
+lookup never matches another key, and installing a new model drops every entry of the old.
+
+Used from the inference thread only (admission happens there); the loop reads the counters.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable
+
+MIB = 1 << 20
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (a continuation, a shared system prompt) at C speed
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class CachedPrompt:
+    model_key: Hashable
+    tokens: list[int]
+    state: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.state) + 4 * len(self.tokens)
+
+
+@dataclass
+class HostCacheStats:
+    saves: int = 0  # states put in
+    restores: int = 0  # states loaded back into a slot
+    evictions: int = 0  # entries dropped to make room
+    invalidated: int = 0  # entries dropped because their model was replaced
+    refused: int = 0  # states larger than the whole limit
+
+
+@dataclass
+class HostCache:
+    """``limit_bytes`` None: no limit (llama-server's ``--cache-ram -1``)."""
+
+    limit_bytes: int | None
+    entries: "OrderedDict[int, CachedPrompt]" = field(default_factory=OrderedDict)  # oldest first
+    n_bytes: int = 0
+    stats: HostCacheStats = field(default_factory=HostCacheStats)
+    _next_id: int = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def best(self, model_key: Hashable, tokens: list[int]) -> tuple[int, int] | None:
+        """(entry id, common prefix length) of the entry of ``model_key`` sharing the longest
+        prefix with ``tokens``; None when no entry shares anything."""
+        best: tuple[int, int] | None = None
+        for eid, e in self.entries.items():
+            if e.model_key != model_key:
+                continue
+            n = common_prefix(e.tokens, tokens)
+            if n and (best is None or n > best[1]):
+                best = (eid, n)
+        return best
+
+    def take(self, eid: int) -> CachedPrompt:
+        """Remove an entry and hand it over (its state goes into a slot)."""
+        e = self.entries.pop(eid)
+        self.n_bytes -= e.size
+        self.stats.restores += 1
+        return e
+
+    def put(self, model_key: Hashable, tokens: list[int], state: bytes) -> bool:
+        """Keep a state; False when it is not kept (already held, or larger than the limit)."""
+        entry = CachedPrompt(model_key, list(tokens), bytes(state))
+        for e in self.entries.values():
+            if e.model_key == model_key and common_prefix(e.tokens, tokens) == len(tokens):
+                return False  # an entry holding these tokens (and maybe more) exists
+        if self.limit_bytes is not None and entry.size > self.limit_bytes:
+            self.stats.refused += 1
+            return False
+        for eid in [eid for eid, e in self.entries.items()
+                    if e.model_key == model_key and common_prefix(e.tokens, tokens) == len(e.tokens)]:
+            self._drop(eid)  # a prefix of the new entry: obsolete
+        while self.limit_bytes is not None and self.entries and self.n_bytes + entry.size > self.limit_bytes:
+            self._drop(next(iter(self.entries)))
+            self.stats.evictions += 1
+        self._next_id += 1
+        self.entries[self._next_id] = entry
+        self.n_bytes += entry.size
+        self.stats.saves += 1
+        return True
+
+    def keep_only(self, model_key: Hashable) -> None:
+        """A new model is live: entries of any other are useless (and must never be loaded)."""
+        for eid in [eid for eid, e in self.entries.items() if e.model_key != model_key]:
+            self._drop(eid)
+            self.stats.invalidated += 1
+
+    def _drop(self, eid: int) -> None:
+        self.n_bytes -= self.entries.pop(eid).size
+
+
+def limit_from_mib(mib: int) -> int | None:
+    """llama-server's ``--cache-ram`` value: -1 no limit, 0 off (never called), N MiB."""
+    return None if mib < 0 else mib * MIB
