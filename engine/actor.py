@@ -12,7 +12,8 @@ lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
            ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
-           ``aliases``, ``model_aliases()``
+           ``aliases``, ``model_aliases()``, ``cache.info()`` (the prompt cache),
+           ``queued_unassigned`` (jobs naming no slot, waiting for any)
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
            (cancel with ``job.cancel()``; ``job.slot`` None: the engine picks the slot),
            ``state_get(slot)``, ``state_put(slot, tokens, state)``, ``erase(slot)``
@@ -197,6 +198,10 @@ class Engine:
         """Tokens to generate when a request sets no limit: T1 ``n_predict``, else a slot's context."""
         n = int(self.t1.get("n_predict", -1))
         return n if n >= 0 else self.n_ctx_slot
+
+    @property
+    def queued_unassigned(self) -> int:
+        return len(self.scheduler.unassigned)
 
     def snapshot(self, slot: int) -> SlotSnapshot:
         return self.snapshots[slot]

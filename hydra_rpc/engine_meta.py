@@ -83,6 +83,7 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "rpc_servers": list(info.rpc_servers),
         "devices": list(info.devices),
         **dataclasses.asdict(info.identity),
+        "prompt_cache": dataclasses.asdict(info.prompt_cache),
     }
 
 

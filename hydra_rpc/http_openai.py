@@ -32,7 +32,7 @@ FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "ctx_full": 
 MAX_STOPS, MAX_STOP_BYTES = 16, 256
 ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 503: "unavailable_error"}
+               429: "rate_limit_error", 501: "not_supported_error", 503: "unavailable_error"}
 
 
 # ---------------------------------------------------------------- errors
@@ -398,7 +398,7 @@ class OpenAIRoutes:
         text, hit = cut_at_stop(res.text.decode("utf-8", "replace"), creq.stop)
         finish = "stop" if hit else FINISH_REASON.get(res.stop_reason)
         obj = completion_object(creq.kind, cid, int(time.time()), model, text, finish, res, res.config_generation)
-        obj.update(slot=res.slot, config_generation=res.config_generation, timings=timings_of(res))
+        obj.update(slot=res.slot, id_slot=res.slot, config_generation=res.config_generation, timings=timings_of(res))
         return json_response(obj), ("stop" if hit else res.stop_reason)
 
     async def _stream(self, request: web.Request, creq: CompletionRequest, job: GenJob, cid: str,
