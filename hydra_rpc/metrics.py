@@ -188,22 +188,19 @@ def _prompt_cache(pc: Any) -> Iterable[Metric]:
     for source in ("own", "shared", "host"):
         hits.add_metric([source], getattr(pc, f"from_{source}"))
     yield hits
-    for name, value, doc in (
-            ("hydra_prompt_cache_lookups", pc.lookups, "Prompts lined up with a slot's KV cache"),
-            ("hydra_prompt_cache_tokens_saved", pc.tokens_saved, "Prompt tokens reused instead of computed"),
-            ("hydra_prompt_cache_chunks_shifted", pc.chunks_shifted, "--cache-reuse chunks shifted into place"),
-            ("hydra_prompt_cache_ram_saves", pc.ram_saves, "Slot states kept in the RAM tier"),
-            ("hydra_prompt_cache_ram_restores", pc.ram_restores, "RAM tier states loaded back into a slot"),
-            ("hydra_prompt_cache_ram_evictions", pc.ram_evictions, "RAM tier states dropped to make room"),
-            ("hydra_prompt_cache_ram_invalidated", pc.ram_invalidated,
-             "RAM tier states dropped because their model was replaced")):
-        c = CounterMetricFamily(name, doc)
-        c.add_metric([], value)
-        yield c
-    for name, value, doc in (("hydra_prompt_cache_ram_bytes", pc.ram_bytes, "Bytes held by the RAM tier"),
-                             ("hydra_prompt_cache_ram_entries", pc.ram_entries, "States held by the RAM tier"),
-                             ("hydra_prompt_cache_ram_limit_bytes", pc.ram_limit_bytes,
-                              "The RAM tier's limit (-1: none, 0: off)")):
-        g = GaugeMetricFamily(name, doc)
-        g.add_metric([], value)
-        yield g
+    C, G = CounterMetricFamily, GaugeMetricFamily
+    for family, name, value, doc in (
+            (C, "hydra_prompt_cache_lookups", pc.lookups, "Prompts lined up with a slot's KV cache"),
+            (C, "hydra_prompt_cache_tokens_saved", pc.tokens_saved, "Prompt tokens reused instead of computed"),
+            (C, "hydra_prompt_cache_chunks_shifted", pc.chunks_shifted, "--cache-reuse chunks shifted into place"),
+            (C, "hydra_prompt_cache_ram_saves", pc.ram_saves, "Slot states kept in the RAM tier"),
+            (C, "hydra_prompt_cache_ram_restores", pc.ram_restores, "RAM tier states loaded back into a slot"),
+            (C, "hydra_prompt_cache_ram_evictions", pc.ram_evictions, "RAM tier states dropped to make room"),
+            (C, "hydra_prompt_cache_ram_invalidated", pc.ram_invalidated,
+             "RAM tier states dropped because their model was replaced"),
+            (G, "hydra_prompt_cache_ram_bytes", pc.ram_bytes, "Bytes held by the RAM tier"),
+            (G, "hydra_prompt_cache_ram_entries", pc.ram_entries, "States held by the RAM tier"),
+            (G, "hydra_prompt_cache_ram_limit_bytes", pc.ram_limit_bytes, "The RAM tier's limit (-1: none, 0: off)")):
+        m = family(name, doc)
+        m.add_metric([], value)
+        yield m

@@ -29,6 +29,13 @@ async def gen(engine, slot, prompt, n=6):
     return await run(engine, GenJob(slot, prompt=prompt, n_predict=n, sampling=GREEDY))
 
 
+async def replaced(engine, prompt):
+    """``prompt`` runs on slot 0, then another conversation takes the slot."""
+    first = await gen(engine, 0, prompt)
+    await gen(engine, 0, "another conversation entirely, long enough to count")
+    return first
+
+
 @pytest.mark.asyncio
 async def test_second_slot_copies_the_shared_system_prompt():
     async with scripted_engine(n_ctx_slot=256, backend=factory()) as env:
@@ -97,17 +104,15 @@ async def test_a_replaced_conversation_comes_back_from_the_ram_tier():
     async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory()) as env:
         eng = env.engine
         conv_a = SYSTEM + "user A: tell me about cats\n"
-        first_a = await gen(eng, 0, conv_a)
+        first_a = await replaced(eng, conv_a)
         turn_a = conv_a + first_a.text.decode() + "\nuser A: and dogs?\n"
-        await gen(eng, 0, "another conversation entirely, long enough to count")
         assert len(eng.cache.host) == 1 and eng.cache.stats.from_host == 0
         back = await gen(eng, 0, turn_a)
         assert back.cached_tokens == first_a.n_past  # all of A's KV, loaded back
         assert eng.cache.stats.from_host == 1 and eng.cache.host.stats.restores == 1
         assert len(eng.cache.host) == 1  # the other conversation took A's place there
     async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), cache_ram_mib=0) as env:
-        await gen(env.engine, 0, conv_a)
-        await gen(env.engine, 0, "another conversation entirely, long enough to count")
+        await replaced(env.engine, conv_a)
         cold = await gen(env.engine, 0, turn_a)
         assert cold.cached_tokens == 1  # only the BOS
     assert back.text == cold.text
@@ -118,8 +123,7 @@ async def test_ram_tier_entries_never_outlive_their_model():
     async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory()) as env:
         eng = env.engine
         conv_a = SYSTEM + "user A: cats"
-        await gen(eng, 0, conv_a)
-        await gen(eng, 0, "another conversation entirely, long enough to count")
+        await replaced(eng, conv_a)
         assert len(eng.cache.host) == 1
         out = await eng.configure({"model_path": "b"})
         await eng.wait_reload(out.reload_ticket)
