@@ -64,7 +64,7 @@ class EngineConfig:
     backend: BackendFactory = field(default_factory=LlamaFactory)
     # how the drain timeout is scheduled (None: the event loop's call_later)
     call_later: Callable[[float, Callable[[], None]], Any] | None = None
-    # the prompt cache (llama-server's flags of the same names; docs/architecture.md)
+    # the prompt cache (llama-server's flags of the same names; engine/prompt_cache.py, docs/http.md)
     cache_prompt: bool = True  # reuse cached prompt prefixes (off: recompute every new prompt)
     cache_reuse: int = 0  # min chunk of a cached prompt reused by KV shifting (0: off)
     slot_prompt_similarity: float = 0.1  # a job naming no slot goes where its prompt is cached (0: LRU only)
@@ -505,6 +505,7 @@ class Engine:
             self._state_buf.clear()
             self._installs += 1
             self.cache.model_key = (self._installs, params)
+            self.scheduler.shareable = self.cfg.cache_prompt and model.kv_shareable
             if self.cache.host is not None:  # states of the old context must never be loaded
                 self.cache.host.keep_only(self.cache.model_key)
             for slot in self.slots:  # a new context holds no sequences

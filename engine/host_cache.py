@@ -69,6 +69,10 @@ class HostCache:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def fits(self, size: int) -> bool:
+        """Could an entry of ``size`` bytes be kept at all (after evicting everything else)?"""
+        return self.limit_bytes is None or size <= self.limit_bytes
+
     def best(self, model_key: Hashable, tokens: list[int]) -> tuple[int, int] | None:
         """(entry id, common prefix length) of the entry of ``model_key`` sharing the longest
         prefix with ``tokens``; None when no entry shares anything."""
@@ -94,7 +98,7 @@ class HostCache:
         for e in self.entries.values():
             if e.model_key == model_key and common_prefix(e.tokens, tokens) == len(tokens):
                 return False  # an entry holding these tokens (and maybe more) exists
-        if self.limit_bytes is not None and entry.size > self.limit_bytes:
+        if not self.fits(entry.size):
             self.stats.refused += 1
             return False
         for eid in [eid for eid, e in self.entries.items()

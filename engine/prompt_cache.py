@@ -131,11 +131,15 @@ class PromptCache:
         return best
 
     def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int) -> None:
-        """The slot is about to lose more than half of what it holds: keep its state in RAM."""
+        """The slot is about to lose tokens: keep its state in RAM. Loading a state back costs a
+        copy of a few KiB per token; recomputing even a few tokens costs a forward pass each."""
         held = len(slot.tokens)
-        if self.host is None or not self.settings.host_cache or held < MIN_SHARED_PREFIX or kept * 2 >= held:
+        if self.host is None or not self.settings.host_cache or held - kept < MIN_SHARED_PREFIX:
             return
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
+            return
+        if not self.host.fits(model.state_seq_size(slot.id) + 4 * held):  # before copying it out
+            self.host.stats.refused += 1
             return
         self.host.put(self.model_key, slot.tokens, bytes(model.state_seq_get(slot.id)))
 

@@ -40,6 +40,7 @@ class Scheduler:
         self.slot_queue = slot_queue
         self.stats = stats
         self.similarity = similarity  # --slot-prompt-similarity
+        self.shareable = False  # the live model can copy prompt prefixes between slots (set by the engine)
         self.running: dict[int, Running] = {}  # slot id → its running job
         self.unassigned: deque[GenJob] = deque()  # jobs naming no slot, waiting for any
         self._clock = itertools.count(1)  # Slot.last_used
@@ -75,8 +76,8 @@ class Scheduler:
             self._admit(slot, job, serving)
 
     def _offer_unassigned(self, job: GenJob, serving: Serving) -> None:
-        slot = choose_slot(self.slots, job.tokenized[1] if job.tokenized else None,
-                           self.similarity) if serving.open else None
+        slot = choose_slot(self.slots, job.tokenized[1] if job.tokenized else None, self.similarity,
+                           self.shareable) if serving.open else None
         if job.cancelled:
             fail(job, asyncio.CancelledError())
         elif slot is not None and not self.unassigned:

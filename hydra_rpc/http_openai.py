@@ -466,7 +466,10 @@ class OpenAIRoutes:
                 await flush()
                 return resp, "error"
             reason = "stop" if stops.hit else (res.stop_reason if res else "cancelled")
-            event(chunk(finish=FINISH_REASON.get(reason, "stop")))
+            last = chunk(finish=FINISH_REASON.get(reason, "stop"))
+            if res is not None:  # llama-server's final chunk carries the timings too
+                last["timings"] = timings_of(res)
+            event(last)
             if creq.include_usage:
                 event({**chunk(), "choices": [], "usage": usage_of(res)})
             out.append(b"data: [DONE]\n\n")

@@ -61,6 +61,11 @@ def test_choose_slot_by_similarity_threshold_then_lru():
     assert choose_slot(slots, prompt, 0.5).id == 1  # not strictly above: least recently used
     assert choose_slot(slots, prompt, 0.0).id == 1  # similarity off
     assert choose_slot(slots, None, 0.4).id == 1
+    # with prefixes copied between slots, only a slot the prompt continues is picked by similarity
+    assert choose_slot(slots, prompt, 0.4, shareable=True).id == 0  # the prompt continues slot 0
+    slots[0].tokens = [1, 2, 3, 4] + [7] * 20  # another conversation sharing a 4-token "system prompt"
+    assert choose_slot(slots, prompt + [9] * 30, 0.05, shareable=True).id == 1  # LRU, slot 0 kept
+    assert choose_slot(slots, prompt + [9] * 30, 0.05, shareable=False).id == 0  # llama-server's choice
     slots[1].transferring = True
     assert choose_slot(slots, prompt, 0.5).id == 2
     for s in slots:
