@@ -10,6 +10,11 @@ Every entry is stamped with the key of the model instance that made it (``model_
 state is only meaningful for the model, KV types and context layout that wrote it, so a
 lookup never matches another key, and installing a new model drops every entry of the old.
 
+An entry also records the first position its state holds cells for (``pos_min``): with a
+sliding-window attention of ``n_swa`` positions the cache forgets older cells, so a prefix of
+``n`` tokens of an entry is only usable when the entry still has the cells from
+``n - n_swa + 1`` on (``serves``). Without a window every cell is kept and ``pos_min`` is 0.
+
 Used from the inference thread only (admission happens there); the loop reads the counters.
 """
 from __future__ import annotations
@@ -36,11 +41,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def serves(pos_min: int, n: int, n_swa: int) -> bool:
+    """Do cells from ``pos_min`` on let a token at position ``n`` attend to all it needs?"""
+    return n <= 0 or pos_min <= (max(0, n - n_swa + 1) if n_swa > 0 else 0)
+
+
 @dataclass
 class CachedPrompt:
     model_key: Hashable
     tokens: list[int]
     state: bytes
+    pos_min: int = 0
 
     @property
     def size(self) -> int:
@@ -73,15 +84,15 @@ class HostCache:
         """Could an entry of ``size`` bytes be kept at all (after evicting everything else)?"""
         return self.limit_bytes is None or size <= self.limit_bytes
 
-    def best(self, model_key: Hashable, tokens: list[int]) -> tuple[int, int] | None:
-        """(entry id, common prefix length) of the entry of ``model_key`` sharing the longest
-        prefix with ``tokens``; None when no entry shares anything."""
+    def best(self, model_key: Hashable, tokens: list[int], n_swa: int = 0) -> tuple[int, int] | None:
+        """(entry id, common prefix length) of the entry of ``model_key`` that gives the longest
+        usable prefix of ``tokens``; None when none gives any."""
         best: tuple[int, int] | None = None
         for eid, e in self.entries.items():
             if e.model_key != model_key:
                 continue
             n = common_prefix(e.tokens, tokens)
-            if n and (best is None or n > best[1]):
+            if n and (best is None or n > best[1]) and serves(e.pos_min, n, n_swa):
                 best = (eid, n)
         return best
 
@@ -92,18 +103,20 @@ class HostCache:
         self.stats.restores += 1
         return e
 
-    def put(self, model_key: Hashable, tokens: list[int], state: bytes) -> bool:
+    def put(self, model_key: Hashable, tokens: list[int], state: bytes, pos_min: int = 0, n_swa: int = 0) -> bool:
         """Keep a state; False when it is not kept (already held, or larger than the limit)."""
-        entry = CachedPrompt(model_key, list(tokens), bytes(state))
+        entry = CachedPrompt(model_key, list(tokens), bytes(state), pos_min)
         for e in self.entries.values():
-            if e.model_key == model_key and common_prefix(e.tokens, tokens) == len(tokens):
-                return False  # an entry holding these tokens (and maybe more) exists
+            if (e.model_key == model_key and common_prefix(e.tokens, tokens) == len(tokens)
+                    and serves(e.pos_min, len(tokens), n_swa)):
+                return False  # an entry holding these tokens (and maybe more) serves them already
         if not self.fits(entry.size):
             self.stats.refused += 1
             return False
         for eid in [eid for eid, e in self.entries.items()
-                    if e.model_key == model_key and common_prefix(e.tokens, tokens) == len(e.tokens)]:
-            self._drop(eid)  # a prefix of the new entry: obsolete
+                    if e.model_key == model_key and common_prefix(e.tokens, tokens) == len(e.tokens)
+                    and serves(pos_min, len(e.tokens), n_swa)]:
+            self._drop(eid)  # the new entry serves everything this one did: obsolete
         while self.limit_bytes is not None and self.entries and self.n_bytes + entry.size > self.limit_bytes:
             self._drop(next(iter(self.entries)))
             self.stats.evictions += 1

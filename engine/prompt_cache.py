@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from .backend import ModelBackend
-from .host_cache import HostCache, common_prefix
+from .host_cache import HostCache, common_prefix, serves
 from .slots import Slot
 from .status import PromptCacheInfo
 
@@ -97,7 +97,7 @@ class PromptCache:
             source, n = "shared", donor[1]
         entry = None
         if self.host is not None and elsewhere:
-            entry = self.host.best(self.model_key, target)
+            entry = self.host.best(self.model_key, target, model.n_swa)
             if entry is not None and min(entry[1], max_keep) >= n + MIN_SHARED_PREFIX:
                 source, n = "host", min(entry[1], max_keep)
         # take the entry before saving the slot: the save may drop or evict entries
@@ -141,7 +141,8 @@ class PromptCache:
         if not self.host.fits(model.state_seq_size(slot.id) + 4 * held):  # before copying it out
             self.host.stats.refused += 1
             return
-        self.host.put(self.model_key, slot.tokens, bytes(model.state_seq_get(slot.id)))
+        self.host.put(self.model_key, slot.tokens, bytes(model.state_seq_get(slot.id)),
+                      pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa)
 
     def _keep_own(self, model: ModelBackend, slot: Slot, target: list[int], own: int, max_keep: int) -> int:
         n = own
@@ -180,8 +181,7 @@ def prefix_intact(model: ModelBackend, seq: int, n: int) -> bool:
     pos_min = model.seq_pos_min(seq)
     if pos_min < 0 or model.seq_pos_max(seq) < n - 1:
         return False
-    n_swa = model.n_swa
-    return pos_min <= (max(0, n - n_swa + 1) if n_swa > 0 else 0)
+    return serves(pos_min, n, model.n_swa)
 
 
 def plan_chunk_reuse(cached: list[int], prompt: list[int], n_past: int,

@@ -53,3 +53,15 @@ def test_chunk_reuse_walk_skips_dropped_cache_tokens():
     moves, n = plan_chunk_reuse(cached, prompt, 3, min_chunk=3)
     assert moves == [(5, 3, 3)] and n == 6  # [4, 5, 6] moved from position 5 to 3
     assert plan_chunk_reuse(cached, prompt, 3, min_chunk=4) == ([], 3)
+
+
+def test_sliding_window_entries_serve_only_prefixes_whose_window_they_hold():
+    h = HostCache(limit_bytes=None)
+    long = list(range(100))
+    assert h.put("m", long, b"s", pos_min=80, n_swa=16)  # cells of positions 80..99 only
+    assert h.best("m", long + [1000], n_swa=16) == (next(iter(h.entries)), 100)
+    assert h.best("m", long[:96] + [1000], n_swa=16) == (next(iter(h.entries)), 96)  # needs 81.. : held
+    assert h.best("m", long[:90] + [1000], n_swa=16) is None  # needs cells from 75: gone
+    # a shorter entry is not made obsolete by a longer one that no longer holds its window
+    assert h.put("m", long[:50], b"p", pos_min=30, n_swa=16) and len(h) == 2
+    assert h.best("m", long[:50] + [7], n_swa=16)[1] == 50
