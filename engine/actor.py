@@ -33,11 +33,10 @@ from . import tiers
 from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
 from .executors import make_inference_executor, make_loader_executor
-from .host_cache import HostCache, limit_from_mib
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
-from .prompt_cache import CacheSettings, PromptCache
+from .prompt_cache import PromptCache
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
 from .sampling import SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving, fail
@@ -101,10 +100,8 @@ class Engine:
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
         self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats, cfg.slot_prompt_similarity)
-        host = HostCache(limit_from_mib(cfg.cache_ram_mib)) if cfg.cache_ram_mib and cfg.cache_prompt else None
-        self.cache = PromptCache(CacheSettings(cfg.cache_prompt, cfg.cache_reuse, host is not None), self.slots,
-                                 host)
-        self._installs = 0  # models installed so far: part of the prompt cache's model key
+        self.cache = PromptCache.build(self.slots, cfg.cache_prompt, cfg.cache_reuse, cfg.cache_ram_mib,
+                                       cfg.slot_save_path)
         self._task: asyncio.Task | None = None
         self._state_buf = LeasedBuffer(bytearray)
         self._stopping = False
@@ -157,6 +154,7 @@ class Engine:
             if self.model is not None:
                 await asyncio.get_running_loop().run_in_executor(self.loader, self.model.close)
         self.model = None
+        self.cache.close()
         for ex in (self._infer, self.loader):
             if ex is not None:
                 ex.shutdown(wait=False, cancel_futures=True)
@@ -388,16 +386,14 @@ class Engine:
                        generation=self.generation, identity=self.identity)
 
     async def _on_submit(self, msg: Submit) -> None:
-        job = msg.job
-        if job.slot is None and self.model is not None and self.cfg.slot_prompt_similarity > 0:
-            # the slot is chosen by the prompt's tokens: tokenize now, on the inference thread
-            model = self.model
-            try:
-                tokens = await asyncio.get_running_loop().run_in_executor(self._infer, job_input, model, job, False)
+        job, model = msg.job, self.model
+        if job.slot is None and model is not None and self.cfg.slot_prompt_similarity > 0:
+            try:  # the slot is chosen by the prompt's tokens: tokenize now, on the inference thread
+                job.tokenized = (model, await asyncio.get_running_loop().run_in_executor(
+                    self._infer, job_input, model, job, False))
             except Exception as e:
                 fail(job, e)
                 return
-            job.tokenized = (model, tokens)
         self.scheduler.offer(job, self._serving())
         self._publish()
 
@@ -503,11 +499,7 @@ class Engine:
         if model is not None:
             self.identity = ModelIdentity.of(model.identity, model.n_vocab)
             self._state_buf.clear()
-            self._installs += 1
-            self.cache.model_key = (self._installs, params)
-            self.scheduler.shareable = self.cfg.cache_prompt and model.kv_shareable
-            if self.cache.host is not None:  # states of the old context must never be loaded
-                self.cache.host.keep_only(self.cache.model_key)
+            self.scheduler.shareable = self.cache.install(model, params)
             for slot in self.slots:  # a new context holds no sequences
                 slot.tokens, slot.tail, slot.state_size = [], [], 0
         self._publish()

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from .backend import ModelBackend
-from .host_cache import HostCache, common_prefix, serves
+from .disk_tier import DiskTier
+from .host_cache import HostCache, common_prefix, limit_from_mib, serves
 from .slots import Slot
 from .status import PromptCacheInfo
 
@@ -37,7 +38,6 @@ MIN_SHARED_PREFIX = 16
 class CacheSettings:
     cache_prompt: bool = True  # reuse what a slot already holds (off: every prompt is recomputed)
     cache_reuse: int = 0  # min chunk size reused by KV shifting (0: off)
-    host_cache: bool = True  # keep a slot's state in the RAM tier before it is overwritten
 
 
 @dataclass
@@ -63,13 +63,39 @@ class PromptCache:
     host: HostCache | None
     model_key: Hashable = None
     stats: CacheStats = field(default_factory=CacheStats)
+    _installs: int = 0  # models installed so far: part of the model key
+
+    @classmethod
+    def build(cls, slots: list[Slot], cache_prompt: bool, cache_reuse: int, cache_ram_mib: int,
+              slot_save_path: str | None) -> "PromptCache":
+        """The engine's cache: a RAM tier of ``cache_ram_mib`` (llama-server's ``--cache-ram``),
+        spilling to a disk tier under ``slot_save_path`` when both are given and limited."""
+        host = None
+        if cache_ram_mib and cache_prompt:
+            limit = limit_from_mib(cache_ram_mib)
+            host = HostCache(limit, DiskTier(slot_save_path) if slot_save_path and limit else None)
+        return cls(CacheSettings(cache_prompt, cache_reuse), slots, host)
+
+    def install(self, model: ModelBackend, params: Hashable) -> bool:
+        """A new model (a new context) is live: a new key, and the RAM tier forgets the old
+        model's states. Returns whether prompt prefixes can be copied between its slots."""
+        self._installs += 1
+        self.model_key = (self._installs, params)
+        if self.host is not None:
+            self.host.keep_only(self.model_key)
+        return self.settings.cache_prompt and model.kv_shareable
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
 
     def info(self) -> PromptCacheInfo:
         h = self.host
         ram = {} if h is None else dict(
             ram_limit_bytes=-1 if h.limit_bytes is None else h.limit_bytes, ram_entries=len(h), ram_bytes=h.n_bytes,
             ram_saves=h.stats.saves, ram_restores=h.stats.restores, ram_evictions=h.stats.evictions,
-            ram_invalidated=h.stats.invalidated)
+            ram_invalidated=h.stats.invalidated, disk_entries=len(h.spilled), disk_bytes=h.disk_bytes,
+            disk_spills=h.stats.spilled)
         return PromptCacheInfo(cache_prompt=self.settings.cache_prompt, cache_reuse=self.settings.cache_reuse,
                                **dataclasses.asdict(self.stats), **ram)
 
@@ -101,7 +127,12 @@ class PromptCache:
             if entry is not None and min(entry[1], max_keep) >= n + MIN_SHARED_PREFIX:
                 source, n = "host", min(entry[1], max_keep)
         # take the entry before saving the slot: the save may drop or evict entries
-        taken = self.host.take(entry[0]) if source == "host" else None
+        taken = None
+        if source == "host":
+            try:
+                taken = self.host.take(entry[0])
+            except OSError:  # its disk-tier file is gone: compute instead
+                source, n = "own", own
         self._save_if_losing(model, slot, own if source == "own" else 0)
         if source == "own":
             n = self._keep_own(model, slot, target, own, max_keep)
@@ -134,7 +165,7 @@ class PromptCache:
         """The slot is about to lose tokens: keep its state in RAM. Loading a state back costs a
         copy of a few KiB per token; recomputing even a few tokens costs a forward pass each."""
         held = len(slot.tokens)
-        if self.host is None or not self.settings.host_cache or held - kept < MIN_SHARED_PREFIX:
+        if self.host is None or held - kept < MIN_SHARED_PREFIX:
             return
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
             return

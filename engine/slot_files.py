@@ -67,6 +67,8 @@ def slot_file_path(directory: str | os.PathLike[str] | None, filename: str) -> P
     path = (base / filename).resolve()
     if path.parent != base:  # a symlink leading out of the directory
         raise BadInput(f"invalid filename {filename!r}: it resolves outside the slot directory")
+    if path.exists() and not path.is_file():  # e.g. the prompt cache's private directory
+        raise BadInput(f"invalid filename {filename!r}: not a file")
     return path
 
 

@@ -99,6 +99,9 @@ class PromptCacheInfo:
     ram_restores: int = 0
     ram_evictions: int = 0  # dropped to make room
     ram_invalidated: int = 0  # dropped because their model was replaced
+    disk_entries: int = 0  # the disk tier under slot_save_path (RAM evictions spilled there)
+    disk_bytes: int = 0
+    disk_spills: int = 0
 
 
 @dataclass(frozen=True)

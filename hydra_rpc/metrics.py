@@ -200,7 +200,10 @@ def _prompt_cache(pc: Any) -> Iterable[Metric]:
              "RAM tier states dropped because their model was replaced"),
             (G, "hydra_prompt_cache_ram_bytes", pc.ram_bytes, "Bytes held by the RAM tier"),
             (G, "hydra_prompt_cache_ram_entries", pc.ram_entries, "States held by the RAM tier"),
-            (G, "hydra_prompt_cache_ram_limit_bytes", pc.ram_limit_bytes, "The RAM tier's limit (-1: none, 0: off)")):
+            (G, "hydra_prompt_cache_ram_limit_bytes", pc.ram_limit_bytes, "The RAM tier's limit (-1: none, 0: off)"),
+            (C, "hydra_prompt_cache_disk_spills", pc.disk_spills, "RAM tier evictions written to the disk tier"),
+            (G, "hydra_prompt_cache_disk_bytes", pc.disk_bytes, "Bytes held by the disk tier"),
+            (G, "hydra_prompt_cache_disk_entries", pc.disk_entries, "States held by the disk tier")):
         m = family(name, doc)
         m.add_metric([], value)
         yield m

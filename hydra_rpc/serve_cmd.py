@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cache-ram", type=_at_least(-1), default=8192, metavar="MiB",
                    help="RAM for the states of conversations whose slot was taken (-1: no limit, 0: off)")
     c.add_argument("--slot-save-path", default=None, metavar="DIR",
-                   help="directory for POST /slots/{id}?action=save|restore files (default: slot files refused)")
+                   help="directory for POST /slots/{id}?action=save|restore files; the RAM tier also spills "
+                        "what it evicts to a private directory inside it (default: slot files refused)")
     r = p.add_argument_group("reloads")
     r.add_argument("--reload-policy", choices=["serve-old", "reject"], default="serve-old",
                    help="while a reload is pending: serve-old keeps serving on the old model, reject answers "

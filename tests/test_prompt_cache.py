@@ -143,3 +143,27 @@ async def test_ram_tier_is_bounded_and_evicts_the_oldest():
         assert 0 < len(host) <= 4 and host.n_bytes <= host.limit_bytes and host.stats.evictions >= 1
         oldest = await gen(eng, 0, "conversation 0: " + "x" * 50 + " again")
         assert oldest.cached_tokens < 16  # evicted: recomputed
+
+
+@pytest.mark.asyncio
+async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
+    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), slot_save_path=str(tmp_path)) as env:
+        eng = env.engine
+        host = eng.cache.host
+        host.limit_bytes = 2 * (16 + 8 * 85)  # two conversations (state + tokens) in RAM, and on disk
+        convs = [SYSTEM + f"user {c}: tell me about {c}" for c in "ABC"]
+        firsts = [await gen(eng, 0, c) for c in convs]
+        await gen(eng, 0, "another conversation entirely, long enough to count")
+        assert host.stats.spilled >= 1 and len(host.spilled) >= 1
+        files = list(host.disk.dir.iterdir())
+        assert len(files) == len(host.spilled) and host.disk.dir.parent == tmp_path
+        back = await gen(eng, 0, convs[0] + firsts[0].text.decode())  # A: the oldest, spilled to disk
+        assert back.cached_tokens == firsts[0].n_past and not files[0].exists()
+        out = await eng.configure({"model_path": "b"})
+        await eng.wait_reload(out.reload_ticket)
+        assert not host.spilled and not list(host.disk.dir.iterdir()) and eng.cache.info().disk_bytes == 0
+        private = host.disk.dir
+    assert not private.exists() and list(tmp_path.iterdir()) == []  # the engine stopped: nothing left
+    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), cache_ram_mib=0) as env:
+        cold = await gen(env.engine, 0, convs[0] + firsts[0].text.decode())
+    assert back.text == cold.text

@@ -199,8 +199,12 @@ async def test_slot_file_names_stay_inside_the_directory(http, slot_dir, tmp_pat
     (slot_dir / "garbage.bin").write_bytes(b"\x00" * 64)
     status, body = await slot_action(http, 0, "restore", "garbage.bin")
     assert status == 400 and "not a llama.cpp sequence state file" in body["error"]["message"]
+    private = next(p.name for p in slot_dir.iterdir() if p.name.startswith(".hydra-prompt-cache-"))
+    for action in ("save", "restore"):  # the RAM tier's spill directory is not a slot file
+        status, body = await slot_action(http, 0, action, private)
+        assert status == 400 and "not a file" in body["error"]["message"]
     assert outside.read_bytes() == b"not for clients"
-    assert sorted(p.name for p in slot_dir.iterdir() if p.name.startswith(".")) == []  # no temp files left
+    assert [p.name for p in slot_dir.iterdir() if p.name.startswith(".slot-")] == []  # no temp files left
 
 
 @pytest.mark.asyncio
