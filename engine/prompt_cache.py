@@ -20,6 +20,7 @@ on (``prefix_intact``); otherwise it is recomputed — never decoded against mis
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -28,6 +29,8 @@ from .disk_tier import DiskTier
 from .host_cache import HostCache, common_prefix, limit_from_mib, serves
 from .slots import Slot
 from .status import PromptCacheInfo
+
+log = logging.getLogger("engine.prompt_cache")
 
 # Below this many tokens a copy from another slot or the RAM tier is not worth a lookup, and
 # a slot holding fewer is not worth saving.
@@ -105,7 +108,8 @@ class PromptCache:
         ``max_keep`` tokens; returns that length (``slot.tokens`` is set to it).
 
         A ``continuation`` (the target extends what the slot holds: a DECODE, an append) keeps
-        the slot's KV even with ``cache_prompt`` off: there it is the session, not a cache.
+        the slot's KV even with ``cache_prompt`` off, and as it is: there it is the session the
+        client put there (maybe with tokens nobody knows), not a cache that could be recomputed.
         """
         self.stats.lookups += 1
         if not self.settings.cache_prompt and not continuation:
@@ -113,7 +117,7 @@ class PromptCache:
             slot.tokens = []
             return 0
         own = min(common_prefix(slot.tokens, target), max_keep)
-        if own and not prefix_intact(model, slot.id, own):
+        if own and not continuation and not prefix_intact(model, slot.id, own):
             own = 0
         source, n = "own", own
         # unknown tokens (-1, from a restored state) would match each other across slots
@@ -191,7 +195,8 @@ class PromptCache:
     def _restore(self, model: ModelBackend, slot: Slot, state: bytes, n: int) -> int:
         try:
             model.state_seq_set(slot.id, state)
-        except Exception:  # not ours to explain to the client: the prompt is computed instead
+        except Exception as e:  # not the client's doing: the prompt is computed instead
+            log.warning("the RAM tier's state for slot %d was refused (%s); computing the prompt", slot.id, e)
             model.seq_clear(slot.id)
             return 0
         model.seq_rm(slot.id, n, -1)
