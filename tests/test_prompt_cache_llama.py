@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from codec import payloads as P
 from codec.enums import Op
 from engine.actor import Engine, EngineConfig
 from engine.jobs import GenJob, GenResult
@@ -140,11 +141,13 @@ async def test_prefill_meta_and_openai_usage_report_cached_tokens(cache_server, 
     try:
         r0 = await c.request(Op.PREFILL, "2", json.dumps({"prompt": SYSTEM + " Ann asks: why?"}).encode())
         r1 = await c.request(Op.PREFILL, "3", json.dumps({"prompt": SYSTEM + " Bob asks: how?"}).encode())
+        d = await c.request(Op.DECODE, "2", P.encode_e1_decode(2, [5, 6, 7]))  # E1: appends 3 tokens
     finally:
         await c.close()
     assert r0.meta["cache_tokens"] == 0
     m = r1.meta
     assert m["cache_tokens"] >= 500 and m["tokens_processed"] == m["prompt_tokens"] - m["cache_tokens"]
+    assert d.meta["cache_tokens"] == r0.meta["n_past"] and d.meta["tokens_processed"] == 3
     again = await completion(http, SYSTEM + " Bob asks: how?", 4, id_slot=3)
     usage, timings = again["usage"], again["timings"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1  # all but the last
