@@ -29,6 +29,10 @@ async def gen(engine, slot, prompt, n=6):
     return await run(engine, GenJob(slot, prompt=prompt, n_predict=n, sampling=GREEDY))
 
 
+def one_slot(**cfg):
+    return scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), **cfg)
+
+
 async def replaced(engine, prompt):
     """``prompt`` runs on slot 0, then another conversation takes the slot."""
     first = await gen(engine, 0, prompt)
@@ -101,7 +105,7 @@ async def test_no_cache_prompt_recomputes_prompts_but_continues_sessions():
 
 @pytest.mark.asyncio
 async def test_a_replaced_conversation_comes_back_from_the_ram_tier():
-    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory()) as env:
+    async with one_slot() as env:
         eng = env.engine
         conv_a = SYSTEM + "user A: tell me about cats\n"
         first_a = await replaced(eng, conv_a)
@@ -111,7 +115,7 @@ async def test_a_replaced_conversation_comes_back_from_the_ram_tier():
         assert back.cached_tokens == first_a.n_past  # all of A's KV, loaded back
         assert eng.cache.stats.from_host == 1 and eng.cache.host.stats.restores == 1
         assert len(eng.cache.host) == 1  # the other conversation took A's place there
-    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), cache_ram_mib=0) as env:
+    async with one_slot(cache_ram_mib=0) as env:
         await replaced(env.engine, conv_a)
         cold = await gen(env.engine, 0, turn_a)
         assert cold.cached_tokens == 1  # only the BOS
@@ -120,7 +124,7 @@ async def test_a_replaced_conversation_comes_back_from_the_ram_tier():
 
 @pytest.mark.asyncio
 async def test_ram_tier_entries_never_outlive_their_model():
-    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory()) as env:
+    async with one_slot() as env:
         eng = env.engine
         conv_a = SYSTEM + "user A: cats"
         await replaced(eng, conv_a)
@@ -134,7 +138,7 @@ async def test_ram_tier_entries_never_outlive_their_model():
 
 @pytest.mark.asyncio
 async def test_ram_tier_is_bounded_and_evicts_the_oldest():
-    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory()) as env:
+    async with one_slot() as env:
         eng = env.engine
         eng.cache.host.limit_bytes = 3 * (16 + 4 * 70) + 4 * 70  # room for about three 70-token conversations
         for i in range(6):
@@ -147,7 +151,7 @@ async def test_ram_tier_is_bounded_and_evicts_the_oldest():
 
 @pytest.mark.asyncio
 async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
-    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), slot_save_path=str(tmp_path)) as env:
+    async with one_slot(slot_save_path=str(tmp_path)) as env:
         eng = env.engine
         host = eng.cache.host
         host.limit_bytes = 2 * (16 + 8 * 85)  # two conversations (state + tokens) in RAM, and on disk
@@ -164,6 +168,6 @@ async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
         assert not host.spilled and not list(host.disk.dir.iterdir()) and eng.cache.info().disk_bytes == 0
         private = host.disk.dir
     assert not private.exists() and list(tmp_path.iterdir()) == []  # the engine stopped: nothing left
-    async with scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), cache_ram_mib=0) as env:
+    async with one_slot(cache_ram_mib=0) as env:
         cold = await gen(env.engine, 0, convs[0] + firsts[0].text.decode())
     assert back.text == cold.text
