@@ -12,11 +12,13 @@ lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
            ``kv_cache`` (KvCacheInfo: what a restore must match), ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
-           ``aliases``, ``model_states()``
+           ``aliases``, ``model_states()``, ``cache.info()`` (the prompt cache),
+           ``queued_unassigned`` (jobs naming no slot, waiting for any)
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
-           (cancel with ``job.cancel()``; a stream writer reports a client that is not reading
-           with ``job.set_client_blocked()``), ``state_get(slot)``, ``state_put(slot, tokens,
-           state)``, ``erase(slot)``, ``configure(cfg)``, ``swap_model(alias)``,
+           (cancel with ``job.cancel()``; ``job.slot`` None: the engine picks the slot; a stream
+           writer reports a client that is not reading with ``job.set_client_blocked()``),
+           ``state_get(slot)``, ``state_put(slot, tokens, state)``, ``erase(slot)``
+           (slot files: ``engine.slot_files``), ``configure(cfg)``, ``swap_model(alias)``,
            ``wait_reload(ticket)``, ``set_expert_mode(mode)``
 """
 from __future__ import annotations
@@ -35,17 +37,18 @@ from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
 from .executors import make_inference_executor, make_loader_executor
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
-from .kv_cache import KV_SHAPE_KEYS, KvCacheInfo, KvStateMismatch, build_problem
+from .kv_cache import KV_SHAPE_KEYS, KvCacheInfo, KvStateMismatch, build_problem, restore_state
 from .kv_layout import available_memory
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
+from .prompt_cache import PromptCache
 from .rates import RateWindow, rate
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
 from .sampling import SamplerParams, merge_sampling
-from .scheduler import Scheduler, Serving
+from .scheduler import Scheduler, Serving, fail
 from .slots import Slot, SlotSnapshot
 from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadState, ReloadStatus
-from .stepper import Running, run_step
+from .stepper import Running, job_input, run_step
 
 log = logging.getLogger("engine.actor")
 
@@ -67,6 +70,11 @@ class EngineConfig:
     backend: BackendFactory = field(default_factory=LlamaFactory)
     # how the drain timeout is scheduled (None: the event loop's call_later)
     call_later: Callable[[float, Callable[[], None]], Any] | None = None
+    # the prompt cache's start-up settings (llama-server's flags of the same names; engine/prompt_cache.py,
+    # docs/http.md); cache_prompt and cache_reuse are ModelParams (CONFIGURE may change them)
+    slot_prompt_similarity: float = 0.1  # a job naming no slot goes where its prompt is cached (0: LRU only)
+    cache_ram_mib: int = 8192  # RAM tier for the states of replaced conversations (-1: no limit, 0: off)
+    slot_save_path: str | None = None  # directory of slot files (save/restore); None: refused
 
 
 @dataclass
@@ -99,7 +107,8 @@ class Engine:
         self.loader: concurrent.futures.ThreadPoolExecutor | None = None
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
-        self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats)
+        self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats, cfg.slot_prompt_similarity)
+        self.cache = PromptCache.build(self.slots, cfg.model, cfg.cache_ram_mib, cfg.slot_save_path)
         self._task: asyncio.Task | None = None
         self._state_buf = LeasedBuffer(bytearray)
         self._stopping = False
@@ -152,6 +161,7 @@ class Engine:
             if self.model is not None:
                 await asyncio.get_running_loop().run_in_executor(self.loader, self.model.close)
         self.model = None
+        self.cache.close()
         for ex in (self._infer, self.loader):
             if ex is not None:
                 ex.shutdown(wait=False, cancel_futures=True)
@@ -195,6 +205,10 @@ class Engine:
         n = int(self.t1.get("n_predict", -1))
         return n if n >= 0 else self.n_ctx_slot
 
+    @property
+    def queued_unassigned(self) -> int:
+        return len(self.scheduler.unassigned)
+
     def snapshot(self, slot: int) -> SlotSnapshot:
         return self.snapshots[slot]
 
@@ -210,7 +224,7 @@ class Engine:
             slot_states=tuple(s.state for s in self.snapshots),
             steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
             tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now),
-            params=self.params, kv_cache=self.kv_cache)
+            params=self.params, kv_cache=self.kv_cache, prompt_cache=self.cache.info())
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -247,7 +261,10 @@ class Engine:
         """Queue a generation job. Raises EngineBusy / EngineUnavailable / BadInput at once when refused."""
         if self.model is None and self.startup_stage != "ready":
             raise EngineUnavailable(f"no model loaded (stage {self.startup_stage})")
-        if not 0 <= job.slot < self.n_slots:
+        if job.slot is None:
+            if job.append or (job.messages is None and job.prompt is None and job.tokens is None):
+                raise BadInput("a request that names no slot needs a prompt (and cannot continue a slot)")
+        elif not 0 <= job.slot < self.n_slots:
             raise BadInput(f"invalid slot {job.slot}")
         if self.reloader.pending and self.cfg.reload_policy == "reject":
             raise EngineBusy("reloading", retry_after_ms=self._retry_after_ms())
@@ -391,10 +408,12 @@ class Engine:
     def _step(self, running: list[Running]) -> None:
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
         budget = min(self.cfg.token_budget, self.model.n_batch)
-        # --context-shift: llama-server keeps n_keep tokens and the BOS
-        keep = int(self.t1.get("n_keep", 0)) + 1 if self.params.context_shift else None
+        # --context-shift: llama-server keeps n_keep tokens and the BOS (and turns the shift off
+        # for a KV cache that cannot move positions, e.g. a sliding window)
+        shift = self.params.context_shift and self.model.can_shift
+        keep = int(self.t1.get("n_keep", 0)) + 1 if shift else None
         run_step(self.model, running, n_ctx_slot=self.n_ctx_slot, token_budget=budget, shift_keep=keep,
-                 time_slice=self.cfg.time_slice)
+                 time_slice=self.cfg.time_slice, cache=self.cache)
 
     def _publish(self) -> None:
         holds = self.reloader.pending and (self.reloader.blocks_admission or self.model is None
@@ -406,7 +425,15 @@ class Engine:
                        generation=self.generation, identity=self.identity)
 
     async def _on_submit(self, msg: Submit) -> None:
-        self.scheduler.offer(msg.job, self._serving())
+        job, model = msg.job, self.model
+        if job.slot is None and model is not None and self.cfg.slot_prompt_similarity > 0:
+            try:  # the slot is chosen by the prompt's tokens: tokenize now, on the inference thread
+                job.tokenized = (model, await asyncio.get_running_loop().run_in_executor(
+                    self._infer, job_input, model, job, False))
+            except Exception as e:
+                fail(job, e)
+                return
+        self.scheduler.offer(job, self._serving())
         self._publish()
 
     # ------------------------------------------------------------------ state transfer
@@ -447,12 +474,10 @@ class Engine:
         slot.transferring = True
         slot.begin("state_put", len(msg.tokens))
         self._publish()
-        model, kv = self.model, self.kv_cache
+        model = self.model
 
         def load() -> tuple[int, int, int]:
-            if kv is not None:  # every count and position is a claim: bounded before llama.cpp sees them
-                kv.check_state(msg.state)
-            n = model.state_seq_set(slot.id, msg.state)
+            n = restore_state(model, slot.id, msg.state)  # every count and position is a claim: checked first
             return n, model.seq_pos_max(slot.id), model.state_seq_size(slot.id)
 
         try:
@@ -472,6 +497,7 @@ class Engine:
         slot.tail = []
         slot.state_size = size
         slot.generation = self.generation
+        self.scheduler.touch(slot)
         self._publish()
         return n
 
@@ -526,6 +552,7 @@ class Engine:
             self.identity = ModelIdentity.of(model.identity, model.n_vocab)
             self.kv_cache = model.kv_cache
             self._state_buf.clear()
+            self.scheduler.shareable = self.cache.install(model, params)
             for slot in self.slots:  # a new context holds no sequences
                 slot.tokens, slot.tail, slot.state_size = [], [], 0
         self._publish()

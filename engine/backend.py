@@ -66,9 +66,24 @@ class ModelBackend(Protocol):
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool: ...
     def seq_clear(self, seq: int) -> None: ...
-    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
-        """Move the positions [p0, p1) of ``seq`` by ``delta`` (a context shift)."""
     def seq_pos_max(self, seq: int) -> int: ...
+    def seq_pos_min(self, seq: int) -> int:
+        """Smallest position ``seq`` holds a cell for (-1 if empty)."""
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Move the positions [p0, p1) of ``seq`` by ``delta`` (a context shift, a reused chunk;
+        only when ``can_shift``)."""
+    def seq_copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give ``dst`` (empty) the cells of positions [0, n) of ``src`` (only when ``kv_shareable``)."""
+
+    @property
+    def kv_shareable(self) -> bool:
+        """Sequences share one KV buffer, so a partial ``seq_copy_prefix`` is possible (and cheap)."""
+    @property
+    def can_shift(self) -> bool:
+        """The KV cache can shift positions (``seq_add``): not with a sliding-window cache."""
+    @property
+    def n_swa(self) -> int:
+        """Sliding-window size of the attention (0: full attention everywhere)."""
 
     def state_seq_size(self, seq: int) -> int: ...
     def state_seq_get(self, seq: int) -> bytes | memoryview: ...

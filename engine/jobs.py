@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from .sampling import SamplerParams
 
@@ -74,9 +74,12 @@ class GenJob:
     ``tokens``. With ``append`` the new tokens continue the slot's sequence;
     otherwise they are the whole sequence and the common prefix already in the KV
     cache is reused. No input at all means: continue from what the slot holds.
+
+    ``slot`` None: the engine picks one when it admits the job (see ``engine.slot_choice``)
+    and sets ``slot``; such a job needs an input and cannot ``append``.
     """
 
-    slot: int
+    slot: int | None
     messages: list | None = None
     prompt: str | None = None
     tokens: list[int] | None = None
@@ -91,6 +94,8 @@ class GenJob:
     params: ModelParams | None = None
     id: int = field(default_factory=lambda: next(_job_ids))
     # runtime, owned by the actor / inference thread
+    # (model, tokens): the input tokenized before a slot was chosen; used if that model still serves
+    tokenized: tuple[Any, list[int]] | None = field(default=None, repr=False)
     cancelled: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: asyncio.Future | None = None

@@ -3,7 +3,7 @@
 llama.cpp checks little of a sequence state on restore and only logs what it refuses (the
 seq-state format is in codec/seqstate.py); a state from a context with other rope settings
 or attention rotation "restores" and gives wrong output. So a context describes itself here,
-and every restore (STATE_PUT, the DECODE v3 kv segment) is compared with it first:
+and every restore (:func:`restore_state`) is compared with it first:
 :meth:`KvCacheInfo.check_state` parses the header bounded by the slot's context — positions,
 cell counts and sizes in a blob are claims — and names the first field that differs.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from codec.errors import LocalProtocolError
 from codec.seqstate import (
@@ -34,6 +34,9 @@ from codec.seqstate import (
 from .jobs import BadInput
 from .kv_layout import slot_context
 from .model_params import ModelParams
+
+if TYPE_CHECKING:
+    from .backend import ModelBackend
 
 
 class KvStateMismatch(BadInput):
@@ -152,6 +155,16 @@ class KvCacheInfo:
             if m is not None:
                 raise KvStateMismatch(*m)
         return summary
+
+
+def restore_state(model: "ModelBackend", seq: int, state: Any) -> int:
+    """Load a sequence state into ``seq``: the one way a state reaches llama.cpp (STATE_PUT,
+    the DECODE v3 kv segment, slot files, the prompt cache's RAM and disk tiers). Its header is
+    parsed and compared with the model's KV cache first (:meth:`KvCacheInfo.check_state`), so
+    a blob that does not fit never gets to ``llama_state_seq_set_data``. Raises what
+    ``check_state`` raises, or the backend's error; returns the bytes llama.cpp read."""
+    model.kv_cache.check_state(state)
+    return model.state_seq_set(seq, state)
 
 
 #: staged CONFIGURE keys that shape the KV cache

@@ -22,7 +22,7 @@ _DIRECT = ("n_ctx", "cache_type_k", "cache_type_v", "rope_scaling", "rope_freq_b
            "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "flash_attn", "kv_unified",
            "ubatch_size", "swa_full", "offload_kqv", "load_mode", "repack", "no_host", "check_tensors",
            "n_gpu_layers", "rpc_servers", "n_cpu_moe", "cpu_moe", "override_tensor", "cache_prompt",
-           "context_shift", "jinja", "chat_template")
+           "cache_reuse", "context_shift", "jinja", "chat_template")
 # llama.cpp's load modes as (mmap, mlock) bits; "dio" and "none" use neither
 _LOAD_BITS = {"auto": 1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 0}
 _LOAD_NAMES = {0: "none", 1: "mmap", 2: "mlock", 3: "mmap+mlock"}
@@ -71,7 +71,8 @@ class ModelParams:
     chat_template: str | None = None  # Jinja source (None: the GGUF's)
     jinja: bool = True
     chat_template_kwargs: str = "{}"  # a JSON object, kept as text so the params stay hashable
-    cache_prompt: bool = True
+    cache_prompt: bool = True  # the prompt cache (engine/prompt_cache.py)
+    cache_reuse: int = 0  # its KV-shift chunk reuse: min chunk size (0: off)
     context_shift: bool = False
 
     @property

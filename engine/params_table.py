@@ -416,6 +416,11 @@ PARAMS: tuple[Param, ...] = (
     _p("devices", ["-dev", "--device"], "str_list", "startup", ()),
     _p("kv_unified_per_slot", ["--kv-unified-per-slot"], "int", "startup", 0, lo=0, hi=MAX_CTX, config=False),
     _p("chat_template_file", ["--chat-template-file"], "str", "startup", None, hi=4096, config=False),
+    # the prompt cache's start-up settings (cache_prompt and cache_reuse above are T4)
+    _p("cache_ram", ["-cram", "--cache-ram"], "int", "startup", 8192, lo=-1, hi=I32_MAX, config=False),
+    _p("slot_prompt_similarity", ["-sps", "--slot-prompt-similarity"], "float", "startup", 0.1, lo=0.0, hi=1.0,
+       config=False),
+    _p("slot_save_path", ["--slot-save-path"], "str", "startup", None, hi=4096, config=False),
     _p("host", ["--host"], "str_list", "startup", ("127.0.0.1",), config=False),
     _p("port", ["--port"], "int", "startup", 8080, lo=0, hi=65535, config=False),
     _p("timeout", ["-to", "--timeout"], "int", "startup", 3600, lo=0, hi=I32_MAX, config=False),

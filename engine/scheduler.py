@@ -1,6 +1,8 @@
 """Generation jobs on slots: queueing, admission, cancellation, results.
 
 One job runs per slot; more wait in the slot's queue (bounded: a full queue answers BUSY).
+A job that names no slot takes the slot ``engine.slot_choice`` picks when it is admitted, or
+waits in the shared queue (bounded by ``slot_queue`` per slot) for the first slot to free.
 A job is admitted only while the gate is open (a model is live and no reload is draining)
 and only onto the config it names, if it names one. Cancelled jobs leave before the next
 step. Owned by the engine actor; the inference thread touches ``Running`` objects only
@@ -9,11 +11,14 @@ while the actor awaits a step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from .jobs import EngineBusy, GenJob, GenResult, ModelChanged
 from .model_params import ModelParams
+from .slot_choice import choose_slot
 from .slots import Slot
 from .status import ModelIdentity
 from .stepper import Running
@@ -30,11 +35,15 @@ class Serving:
 
 
 class Scheduler:
-    def __init__(self, slots: list[Slot], slot_queue: int, stats: dict[str, int]):
+    def __init__(self, slots: list[Slot], slot_queue: int, stats: dict[str, int], similarity: float = 0.0):
         self.slots = slots
         self.slot_queue = slot_queue
         self.stats = stats
+        self.similarity = similarity  # --slot-prompt-similarity
+        self.shareable = False  # the live model can copy prompt prefixes between slots (set by the engine)
         self.running: dict[int, Running] = {}  # slot id → its running job
+        self.unassigned: deque[GenJob] = deque()  # jobs naming no slot, waiting for any
+        self._clock = itertools.count(1)  # Slot.last_used
 
     def quiescent(self) -> bool:
         """Nothing runs and no state transfer is in flight: a reload may swap now."""
@@ -47,8 +56,15 @@ class Scheduler:
         """The running jobs to step now: not finished, and not paused on a client that is not reading."""
         return [r for r in self.running.values() if not r.finished and not r.job.client_blocked]
 
+    def touch(self, slot: Slot) -> None:
+        """Something came to this slot (a job, a state): it is the most recently used."""
+        slot.last_used = next(self._clock)
+
     def offer(self, job: GenJob, serving: Serving) -> None:
         """A submitted job: admit it, queue it, or refuse it (queue full)."""
+        if job.slot is None:
+            self._offer_unassigned(job, serving)
+            return
         slot = self.slots[job.slot]
         if job.cancelled:
             fail(job, asyncio.CancelledError())
@@ -60,6 +76,18 @@ class Scheduler:
         else:
             self._admit(slot, job, serving)
 
+    def _offer_unassigned(self, job: GenJob, serving: Serving) -> None:
+        slot = choose_slot(self.slots, job.tokenized[1] if job.tokenized else None, self.similarity,
+                           self.shareable) if serving.open else None
+        if job.cancelled:
+            fail(job, asyncio.CancelledError())
+        elif slot is not None and not self.unassigned:
+            self._admit(slot, job, serving)
+        elif len(self.unassigned) >= self.slot_queue * len(self.slots):
+            fail(job, EngineBusy(f"all {len(self.slots)} slots are busy and the queue is full"))
+        else:
+            self.unassigned.append(job)
+
     def admit_queued(self, serving: Serving) -> None:
         for slot in self.slots:
             self._start_next(slot, serving)
@@ -69,9 +97,9 @@ class Scheduler:
             if r.job.cancelled and not r.finished:
                 r.stop_reason = "cancelled"
                 self.finish(r, serving)
-        for slot in self.slots:
-            for job in [j for j in slot.queue if j.cancelled]:
-                slot.queue.remove(job)
+        for queue in [slot.queue for slot in self.slots] + [self.unassigned]:
+            for job in [j for j in queue if j.cancelled]:
+                queue.remove(job)
                 fail(job, asyncio.CancelledError())
 
     def after_step(self, running: list[Running], serving: Serving) -> None:
@@ -87,9 +115,9 @@ class Scheduler:
 
     def stop_all(self, exc: BaseException, serving: Serving) -> None:
         """Engine stopping: fail what waits (first: finishing a job admits the next), cancel what runs."""
-        for slot in self.slots:
-            while slot.queue:
-                fail(slot.queue.popleft(), exc)
+        for queue in [slot.queue for slot in self.slots] + [self.unassigned]:
+            while queue:
+                fail(queue.popleft(), exc)
         for r in list(self.running.values()):
             r.job.cancel()
             self.finish(r, serving)
@@ -123,12 +151,14 @@ class Scheduler:
     def _start_next(self, slot: Slot, serving: Serving) -> None:
         if slot.busy or not serving.open:
             return
-        while slot.queue:
-            job = slot.queue.popleft()
-            if job.cancelled:
-                fail(job, asyncio.CancelledError())
-            elif self._admit(slot, job, serving):
-                return
+        # the slot's own queue first (those jobs can only run here), then the shared one
+        for queue in (slot.queue, self.unassigned):
+            while queue:
+                job = queue.popleft()
+                if job.cancelled:
+                    fail(job, asyncio.CancelledError())
+                elif self._admit(slot, job, serving):
+                    return
 
     def _admit(self, slot: Slot, job: GenJob, serving: Serving) -> bool:
         if job.params is not None and job.params != serving.params:
@@ -136,7 +166,9 @@ class Scheduler:
                 f"the model config this request named was replaced before it ran (config generation "
                 f"{serving.generation} serves {serving.params.model_path}); retry"))
             return False
+        job.slot = slot.id
         slot.job = job
+        self.touch(slot)
         slot.generation = serving.generation
         slot.begin("prefill", 0)
         self.stats["jobs"] += 1

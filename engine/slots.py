@@ -118,6 +118,7 @@ class Slot:
     n_decoded: int = 0
     has_new_line: bool = False
     generation: int = 0  # config generation the KV was computed with
+    last_used: int = 0  # when a job or a state last came here (a counter): least recently used first
 
     @property
     def n_past(self) -> int:

@@ -82,6 +82,31 @@ class ReloadStatus:
 
 
 @dataclass(frozen=True)
+class PromptCacheInfo:
+    """The prompt cache's settings and counters since start (INFO ``prompt_cache``, /metrics)."""
+
+    cache_prompt: bool = True
+    cache_reuse: int = 0
+    lookups: int = 0  # prompts lined up with a slot's KV
+    hits: int = 0  # … that reused at least one cached token
+    tokens_saved: int = 0  # prompt tokens reused instead of computed
+    from_own: int = 0  # hits by source: the slot's own KV, another slot's, the RAM tier
+    from_shared: int = 0
+    from_host: int = 0
+    chunks_shifted: int = 0  # cache_reuse chunks moved into place
+    ram_limit_bytes: int = 0  # -1: no limit; 0: the RAM tier is off
+    ram_entries: int = 0
+    ram_bytes: int = 0
+    ram_saves: int = 0
+    ram_restores: int = 0
+    ram_evictions: int = 0  # dropped to make room
+    ram_invalidated: int = 0  # dropped because their model was replaced
+    disk_entries: int = 0  # the disk tier under slot_save_path (RAM evictions spilled there)
+    disk_bytes: int = 0
+    disk_spills: int = 0
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What INFO reports about the engine, read without entering the mailbox."""
 
@@ -103,6 +128,7 @@ class EngineInfo:
     tokens_per_s: float
     params: ModelParams | None = None  # the live model's
     kv_cache: Any = None  # the live model's KvCacheInfo
+    prompt_cache: PromptCacheInfo = field(default_factory=PromptCacheInfo)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 from .backend import BatchItem, ModelBackend
 from .jobs import BadInput, GenJob, TokenEvent
+from .prompt_cache import PromptCache
 from .slots import Slot
 
 
@@ -52,45 +53,44 @@ class Running:
         return not self.pending and self.last is not None and not self.finished
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def admit(model: ModelBackend, r: Running, n_ctx_slot: int) -> None:
-    """Tokenize the job's input and line its slot's KV cache up with it (inference thread)."""
-    job, slot = r.job, r.slot
-    r.t_start = time.perf_counter()
-    if job.messages is not None:
+def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[int] | None:
+    """The job's new tokens (None: it has no input and continues its slot). Raises BadInput."""
+    if job.tokenized is not None and job.tokenized[0] is model:
+        new = job.tokenized[1]
+    elif job.messages is not None:
         new = model.chat_tokens(job.messages)
     elif job.prompt is not None:
-        new = model.tokenize(job.prompt, add_special=not job.append or not slot.tokens)
+        new = model.tokenize(job.prompt, add_special=not job.append or not slot_has_tokens)
     elif job.tokens is not None:
         new = list(job.tokens)
     else:
-        new = None
+        return None
     nv = model.n_vocab
-    if new is not None and any(t < 0 or t >= nv for t in new):
+    if any(t < 0 or t >= nv for t in new):
         raise BadInput(f"token id out of range 0..{nv - 1}")
+    return new
+
+
+def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) -> None:
+    """Tokenize the job's input and line its slot's KV cache up with it (inference thread)."""
+    job, slot = r.job, r.slot
+    r.t_start = time.perf_counter()
+    new = job_input(model, job, bool(slot.tokens))
+    job.tokenized = None
     if new is None:
         target = slot.tokens + slot.tail
     elif job.append:
         target = slot.tokens + slot.tail + new
     else:
         target = new
-    if not target and (job.n_predict > 0 or job.capture_state):
+    need_logits = job.n_predict > 0 or job.capture_state
+    if not target and need_logits:
         target = [model.bos]
     if len(target) + (1 if job.n_predict > 0 else 0) > n_ctx_slot:
         raise BadInput(f"prompt of {len(target)} tokens does not fit the slot context of {n_ctx_slot}")
-    keep = _common_prefix(slot.tokens, target)
-    if keep == len(target) and target and (job.n_predict > 0 or job.capture_state):
-        keep -= 1  # the last token must be decoded again to get its logits
-    if keep < len(slot.tokens):
-        model.seq_rm(slot.id, keep, -1)
-        del slot.tokens[keep:]
+    # the last token must be decoded (again) to get its logits
+    max_keep = len(target) - 1 if need_logits else len(target)
+    keep = cache.line_up(model, slot, target, max_keep, continuation=new is None or job.append)
     slot.tail = []
     r.pending = target[keep:]
     r.cached_tokens = keep
@@ -163,13 +163,13 @@ def _hit_stop(r: Running, stops: list[str]) -> bool:
 
 
 def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, token_budget: int,
-             time_slice: float, max_iters: int = 256, shift_keep: int | None = None) -> None:
+             time_slice: float, cache: PromptCache, max_iters: int = 256, shift_keep: int | None = None) -> None:
     """Advance every running job by one or more batched decodes (inference thread)."""
     t0 = time.perf_counter()
     for r in running:
         if not r.admitted and not r.finished:
             try:
-                admit(model, r, n_ctx_slot)
+                admit(model, r, n_ctx_slot, cache)
                 if not r.pending and r.last is None:
                     # Everything was cached and nothing to generate (pure prefill hit).
                     r.t_prefill_done = time.perf_counter()

@@ -29,7 +29,6 @@ _SPEC = "speculative decoding is not implemented"
 NO_EFFECT = {
     "split_mode": "device option: this engine runs llama.cpp on the CPU (and on ggml-RPC servers)",
     "tensor_split": "device option: this engine runs llama.cpp on the CPU (and on ggml-RPC servers)",
-    "cache_reuse": "KV-shift reuse of prompt chunks is not implemented (cache_prompt reuses the common prefix)",
     "cont_batching": "always on: slots are decoded together in cooperative steps",
     "yarn_orig_ctx": "llama-engine discards it; applying it would make this engine's KV differ from the fleet's",
     "spec_type": _SPEC, "spec_draft_ngl": _SPEC, "spec_draft_n_max": _SPEC, "spec_draft_p_min": _SPEC,

@@ -138,6 +138,7 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         **dataclasses.asdict(info.identity),
         "kv_cache": kv_cache_meta(info.kv_cache),
         "params": info.params.as_dict() if info.params is not None else None,
+        "prompt_cache": dataclasses.asdict(info.prompt_cache),
     }
 
 

@@ -197,9 +197,7 @@ class Handlers:
             meta["prefill_ms"] = round(res.prefill_ms, 3)
         if choice.load_ms > 0:
             meta["model_load_ms"] = round(choice.load_ms, 3)
-        meta.update(kv_hash_str=h.kv_hash_str(), tokens_processed=res.prompt_tokens - res.cached_tokens,
-                    prompt_tokens=res.prompt_tokens, cache_tokens=res.cached_tokens,
-                    config_generation=res.config_generation)
+        meta.update(kv_hash_str=h.kv_hash_str(), **prompt_meta(res), config_generation=res.config_generation)
         await resp.start(Status.OK, meta, len(head) + len(state) + len(logits))
         await resp.write(head)
         await write_chunked(resp, state, self.engine.state_chunk_size)
@@ -225,8 +223,8 @@ class Handlers:
             job = GenJob(slot, tokens=tokens, append=True, n_predict=max(0, n_predict), sampling=GREEDY)
             res = await run_job(req, self.engine, job)
             await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
-                                        "stop_reason": "complete", "config_generation": res.config_generation},
-                            res.text)
+                                        "stop_reason": "complete", "config_generation": res.config_generation,
+                                        **prompt_meta(res)}, res.text)
             return
         if dialect is Dialect.DECODE_V3:  # a v3 frame would have been seen in its first bytes
             raise MalformedPayload("DECODE payload is neither a v3 frame, JSON nor E1 tokens", rule="decode.dialect")
@@ -246,10 +244,16 @@ class Handlers:
             for i, ev in enumerate(events):
                 frames += P.encode_token_frame(ev.token, ev.logprob, final=i == len(events) - 1)
             await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
-                                        "stop_reason": res.stop_reason, "config_generation": res.config_generation},
-                            bytes(frames))
+                                        "stop_reason": res.stop_reason, "config_generation": res.config_generation,
+                                        **prompt_meta(res)}, bytes(frames))
             return
         await stream_pin(req, resp, self.engine, job)
+
+
+def prompt_meta(res: GenResult) -> dict[str, int]:
+    """What the prompt cost: tokens computed, tokens in all, tokens reused from a cache."""
+    return {"tokens_processed": res.prompt_tokens - res.cached_tokens, "prompt_tokens": res.prompt_tokens,
+            "cache_tokens": res.cached_tokens}
 
 
 async def select_model(engine: Engine, alias: Any, hydra_config: Any) -> ModelChoice:

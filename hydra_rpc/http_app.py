@@ -9,6 +9,7 @@ Routes (the contract is written down in ``docs/http.md``)::
     GET  /slots/{id}/state/meta        the STATE_META fields
     GET, PUT /slots/{id}/state         KV state transfer, see http_state
     POST /slots/{id}?action=erase      409 while the slot works
+    POST /slots/{id}?action=save|restore  slot files (--slot-save-path), see http_slot_actions
     GET  /v1/decode/{decode_request_id}  merged DECODE v3 result: 202 running, 200 done, 404 gone
     DELETE /v1/decode/{decode_request_id}  (extension) cancel a running merged DECODE
     POST /v1/chat/completions, /v1/completions (+ unversioned twins)   see http_openai
@@ -46,6 +47,8 @@ from .http_openai import (
     timings_of,
 )
 from .http_models import ModelRoutes
+from .http_slot_actions import ACTIONS as FILE_ACTIONS
+from .http_slot_actions import slot_file_action
 from .http_state import StateRoutes
 from .http_state import path_number as _number
 from .http_state import slot_of as _slot_of
@@ -127,7 +130,7 @@ class _OneLineErrors(logging.LoggerAdapter):
 
 def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     webapp = web.Application(client_max_size=max_body, middlewares=[_middleware(app, metrics)])
-    routes = Routes(app, metrics)
+    routes = Routes(app, metrics, max_body)
     r = webapp.router
     r.add_get("/health", routes.health)
     r.add_get("/version", routes.version)
@@ -196,9 +199,10 @@ def _http_error_message(request: web.Request, e: web.HTTPException) -> str:
 
 
 class Routes:
-    def __init__(self, app: Any, metrics: Metrics):
+    def __init__(self, app: Any, metrics: Metrics, max_body: int):
         self.app = app
         self.metrics = metrics
+        self.max_body = max_body
 
     @property
     def engine(self) -> Any:
@@ -257,9 +261,11 @@ class Routes:
         eng = self.engine
         slot = _slot_of(request, eng)
         action = request.query.get("action", "")
-        if action != "erase":
-            raise ApiError(400, f"unsupported slot action {action!r} (only action=erase)", param="action")
+        if action != "erase" and action not in FILE_ACTIONS:
+            raise ApiError(400, f"unsupported slot action {action[:40]!r} (erase, save or restore)", param="action")
         require_ready(eng)
+        if action in FILE_ACTIONS:
+            return await slot_file_action(request, eng, slot, action, self.max_body, self._busy)
         snap = eng.snapshot(slot)
         if snap.is_processing or snap.is_transferring or snap.queued:
             raise self._busy(slot, snap)

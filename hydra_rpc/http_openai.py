@@ -225,20 +225,6 @@ def _max_tokens(body: dict[str, Any], engine: Any) -> int:
     return engine.default_n_predict
 
 
-def choose_slot(engine: Any) -> int:
-    """A slot for a request that named none.
-
-    Idle slots first, and among those empty ones first: a slot holding a sequence may hold a
-    KV state an RPC client restored there and comes back for. With no idle slot, the one with
-    the shortest queue (the job waits there; a full queue answers 429).
-    """
-    snaps = engine.snapshots
-    idle = [s for s in snaps if not s.is_processing and not s.is_transferring and not s.queued]
-    if idle:
-        return min(idle, key=lambda s: (s.n_past > 0, s.slot_id)).slot_id
-    return min(snaps, key=lambda s: (s.queued, s.is_transferring, s.slot_id)).slot_id
-
-
 async def select_model(engine: Any, requested: str | None) -> ModelChoice:
     """The ``model`` field, like PREFILL's (see ``Engine.select_model``): a configured alias of
     another file swaps the model and the request runs on it; any other name is served by the
@@ -387,8 +373,8 @@ class OpenAIRoutes:
         creq = parse_completion_request(await read_json_object(request, self.max_body), kind, engine)
         choice = await select_model(engine, creq.model)
         model = choice.name
-        slot = creq.slot if creq.slot is not None else choose_slot(engine)
-        job = GenJob(slot, messages=creq.messages, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict,
+        # no slot named: the engine picks one when it admits the job (prompt similarity, then LRU)
+        job = GenJob(creq.slot, messages=creq.messages, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict,
                      sampling=engine.sampling_for(creq.sampling), stop=creq.stop, params=choice.params)
         try:
             engine.submit(job)

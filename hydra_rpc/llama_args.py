@@ -88,7 +88,12 @@ _APPLIED = {
     "--reverse-prompt": "T1 default antiprompt", "--chat-template": "chat template (PREFILL messages, OpenAI endpoints)",
     "--chat-template-file": "chat template read from a file", "--jinja": "use the Jinja chat template",
     "--chat-template-kwargs": "extra chat template variables", "--reasoning": "template variable enable_thinking",
-    "--cache-prompt": "reuse a slot's common prompt prefix", "--context-shift": "shift the context when a slot is full",
+    "--cache-prompt": "the prompt cache: reuse prompt prefixes held by the slot, another slot or the RAM tier",
+    "--cache-reuse": "reuse chunks of the slot's cached prompt by KV shifting",
+    "--slot-prompt-similarity": "a request naming no slot goes to the slot that holds most of its prompt",
+    "--cache-ram": "RAM tier of the prompt cache: states of conversations whose slot was taken (MiB)",
+    "--slot-save-path": "slot files (POST /slots/{id}?action=save|restore); the RAM tier spills there",
+    "--context-shift": "shift the context when a slot is full",
     "--timeout": "idle keep-alive timeout of the HTTP side", "--metrics": "/metrics endpoint (501 without it)",
     "--slots": "/slots endpoint (501 with --no-slots)",
     "--host": "HTTP listen address", "--port": "HTTP port",
@@ -102,7 +107,7 @@ _MM = "multimodal input is not supported (text only)"
 _LOG = "hydra-rpc logs through its own logger (--log-format / --log-level)"
 _THREADS = "CPU affinity and polling are left to the OS and ggml"
 _ROUTER = "router mode (several models behind one server) is not implemented"
-_CACHE = "llama-server's prompt cache and checkpoints are not implemented; KV moves with STATE_GET/STATE_PUT"
+_CACHE = "llama-server's context checkpoints are not implemented (the prompt cache keeps whole slot states)"
 _PARSE = "llama-server's reasoning and tool-call output parsing is not implemented: text is returned as generated"
 _WEB = "no web UI, static files, CORS, MCP or built-in tools"
 _COMBINED = "COMBINED (peer) mode is not implemented: this engine always runs SOLO"
@@ -125,7 +130,8 @@ _NO_EFFECT = {
                      "--verbosity", "--log-prefix", "--log-timestamps"], _LOG),
     **dict.fromkeys(["--cpu-mask", "--cpu-range", "--cpu-strict", "--poll", "--cpu-mask-batch", "--cpu-range-batch",
                      "--cpu-strict-batch", "--poll-batch", "--numa"], _THREADS),
-    **dict.fromkeys(["--ctx-checkpoints", "--checkpoint-min-step", "--cache-ram", "--cache-idle-slots"], _CACHE),
+    **dict.fromkeys(["--ctx-checkpoints", "--checkpoint-min-step"], _CACHE),
+    "--cache-idle-slots": "the prompt cache saves a slot's state when another conversation takes it, not before",
     **dict.fromkeys(["--reasoning-format", "--reasoning-effort", "--reasoning-budget", "--reasoning-budget-message",
                      "--reasoning-preserve", "--skip-chat-parsing", "--prefill-assistant"], _PARSE),
     **dict.fromkeys(["--path", "--cors-origins", "--cors-methods", "--cors-headers", "--cors-credentials", "--ui-config",
@@ -139,8 +145,6 @@ _NO_EFFECT = {
                     _SPEC),
     **{a.name: _SPEC for a in ARGS if a.spec and a.name not in _REMOVED},
     "--cont-batching": "always on: slots are decoded together in cooperative steps",
-    "--cache-reuse": "KV-shift reuse of prompt chunks is not implemented (--cache-prompt reuses the common prefix)",
-    "--slot-prompt-similarity": "requests name their slot; there is no similarity-based slot choice",
     "--defrag-thold": "deprecated in llama.cpp, where it has no effect either",
     "--perf": "timings are measured by hydra-rpc's metrics", "--escape": "only affects llama-cli prompts",
     "--special": "special tokens are rendered as the detokenizer does by default",
@@ -151,7 +155,6 @@ _NO_EFFECT = {
     "--tags": "informational in llama-server too",
     "--alias": "the API names the resident model by its GGUF name (serve's --model-alias names models to load)", "--reuse-port": "sockets are bound without SO_REUSEPORT",
     "--sse-ping-interval": "streams are not pinged", "--threads-http": "HTTP is served by one asyncio event loop",
-    "--slot-save-path": "slot files are not implemented (use STATE_GET/STATE_PUT)",
     "--sleep-idle-seconds": "the model stays loaded",
     # llama-engine strips it before llama.cpp's parser: applying it would put other positions in the
     # KV cache than the C++ engines of the fleet have (the cache holds K after RoPE).

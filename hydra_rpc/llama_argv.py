@@ -105,6 +105,10 @@ class LlamaEngineSettings:
     reasoning: str = "auto"
     # HTTP server
     cache_prompt: bool = True
+    cache_reuse: int = _default("cache_reuse")
+    cache_ram: int = _default("cache_ram")  # MiB, -1: no limit, 0: off
+    slot_prompt_similarity: float = _default("slot_prompt_similarity")
+    slot_save_path: str | None = None
     context_shift: bool = False
     timeout: int = _default("timeout")
     metrics: bool = False
@@ -224,6 +228,8 @@ class _State:
         key = param.key
         if key == "chat_template_file":
             self.values["chat_template"] = _read_template(value)
+        elif key == "slot_save_path" and not Path(value).is_dir():
+            raise InvalidArgument(f'error while handling argument "--slot-save-path": not a directory: {value}')
         elif key == "rope_scale":  # llama.cpp stores only rope_freq_scale = 1/N
             self.values["rope_freq_scale"] = 1.0 / value
         into = self.values.setdefault("t1", {}) if param.tier == "T1" else self.values

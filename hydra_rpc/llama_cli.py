@@ -103,7 +103,7 @@ def model_params(s: LlamaEngineSettings, model_path: str) -> ModelParams:
         n_cpu_moe=s.n_cpu_moe, cpu_moe=s.cpu_moe, load_mode=s.load_mode, repack=s.repack, no_host=s.no_host,
         check_tensors=s.check_tensors, chat_template=s.chat_template, jinja=s.jinja,
         chat_template_kwargs=json.dumps(s.chat_template_kwargs, sort_keys=True), cache_prompt=s.cache_prompt,
-        context_shift=s.context_shift)
+        cache_reuse=s.cache_reuse, context_shift=s.context_shift)
 
 
 def t1_defaults(s: LlamaEngineSettings) -> dict[str, Any]:
@@ -115,7 +115,8 @@ def engine_config(s: LlamaEngineSettings, model_path: str, **kw: Any) -> EngineC
     """The engine for these settings (``kw``: EngineConfig's own fields, e.g. aliases)."""
     nice = PRIO_NICE[s.prio_batch] if s.prio_batch else None
     return EngineConfig(model=model_params(s, model_path), defaults=t1_defaults(s), token_budget=s.n_batch,
-                        thread_nice=nice, **kw)
+                        thread_nice=nice, slot_prompt_similarity=s.slot_prompt_similarity, cache_ram_mib=s.cache_ram,
+                        slot_save_path=s.slot_save_path, **kw)
 
 
 def apply_process_priority(s: LlamaEngineSettings) -> None:

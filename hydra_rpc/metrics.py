@@ -156,8 +156,8 @@ class _AppCollector:
         slots.add_metric(["busy"], busy)
         slots.add_metric(["idle"], len(snaps) - busy)
         yield slots
-        q = GaugeMetricFamily("hydra_slots_queued_jobs", "Generation jobs waiting for a busy slot")
-        q.add_metric([], sum(s.queued for s in snaps))
+        q = GaugeMetricFamily("hydra_slots_queued_jobs", "Generation jobs waiting for a busy slot (or for any)")
+        q.add_metric([], sum(s.queued for s in snaps) + engine.queued_unassigned)
         yield q
         gen = GaugeMetricFamily("hydra_config_generation", "Config generation being served")
         gen.add_metric([], engine.generation)
@@ -178,3 +178,32 @@ class _AppCollector:
         up = GaugeMetricFamily("hydra_model_loaded", "1 when a model is loaded and serving")
         up.add_metric([], 1.0 if engine.startup_stage == "ready" else 0.0)
         yield up
+        yield from _prompt_cache(engine.cache.info())
+
+
+def _prompt_cache(pc: Any) -> Iterable[Metric]:
+    hits = CounterMetricFamily("hydra_prompt_cache_hits", "Prompts that reused cached tokens, by where they "
+                               "came from (own: the slot's KV, shared: another slot's, host: the RAM tier)",
+                               labels=["source"])
+    for source in ("own", "shared", "host"):
+        hits.add_metric([source], getattr(pc, f"from_{source}"))
+    yield hits
+    C, G = CounterMetricFamily, GaugeMetricFamily
+    for family, name, value, doc in (
+            (C, "hydra_prompt_cache_lookups", pc.lookups, "Prompts lined up with a slot's KV cache"),
+            (C, "hydra_prompt_cache_tokens_saved", pc.tokens_saved, "Prompt tokens reused instead of computed"),
+            (C, "hydra_prompt_cache_chunks_shifted", pc.chunks_shifted, "--cache-reuse chunks shifted into place"),
+            (C, "hydra_prompt_cache_ram_saves", pc.ram_saves, "Slot states kept in the RAM tier"),
+            (C, "hydra_prompt_cache_ram_restores", pc.ram_restores, "RAM tier states loaded back into a slot"),
+            (C, "hydra_prompt_cache_ram_evictions", pc.ram_evictions, "RAM tier states dropped to make room"),
+            (C, "hydra_prompt_cache_ram_invalidated", pc.ram_invalidated,
+             "RAM tier states dropped because their model was replaced"),
+            (G, "hydra_prompt_cache_ram_bytes", pc.ram_bytes, "Bytes held by the RAM tier"),
+            (G, "hydra_prompt_cache_ram_entries", pc.ram_entries, "States held by the RAM tier"),
+            (G, "hydra_prompt_cache_ram_limit_bytes", pc.ram_limit_bytes, "The RAM tier's limit (-1: none, 0: off)"),
+            (C, "hydra_prompt_cache_disk_spills", pc.disk_spills, "RAM tier evictions written to the disk tier"),
+            (G, "hydra_prompt_cache_disk_bytes", pc.disk_bytes, "Bytes held by the disk tier"),
+            (G, "hydra_prompt_cache_disk_entries", pc.disk_entries, "States held by the disk tier")):
+        m = family(name, doc)
+        m.add_metric([], value)
+        yield m

@@ -2,8 +2,11 @@
 
 Tokens are bytes: byte ``b`` is token ``b + 3``; 1 is BOS, 2 is EOS. "Decoding" appends the
 fed tokens to the sequence's KV list; the next token is ``script(kv)`` — by default the
-letters a..z in turn. A sequence's state is its token list as bytes, stamped
-with the serial number of the model that made it. ``Gate``s let a test
+letters a..z in turn. A position without a cell holds ``HOLE`` (removed by a ``seq_rm`` in
+the middle, or forgotten by a sliding window of ``n_swa``); a decode whose tokens would
+attend to a hole fails, so a test sees any reuse of a prefix whose cells are gone. A
+sequence's state is its token list as bytes, stamped with the serial number of the model
+that made it. ``Gate``s let a test
 hold a decode step or a model build on its thread until it lets go, and see that it is held.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from engine.model_params import ModelParams
 from engine.sampling import SamplerParams
 
 BOS, EOS, FIRST_BYTE = 1, 2, 3
+HOLE = -2  # a position whose cell is gone
 N_VOCAB = 256 + FIRST_BYTE
 STATE_MAGIC = b"SCRIPTED"
 
@@ -85,8 +89,12 @@ class ScriptedSampler:
 
 
 class ScriptedBackend:
-    def __init__(self, params: ModelParams, script: Callable[[list[int]], int], decode_gate: Gate):
+    def __init__(self, params: ModelParams, script: Callable[[list[int]], int], decode_gate: Gate,
+                 n_swa: int = 0, kv_shareable: bool = True):
         self.params = params
+        self.n_swa = n_swa
+        self.kv_shareable = kv_shareable
+        self.can_shift = n_swa == 0
         self.script = script
         self.decode_gate = decode_gate
         self.serial = next(_serials)  # written into every state it produces: which model made it
@@ -141,9 +149,16 @@ class ScriptedBackend:
         self.decode_gate.pass_through()
         self._with_logits = set()
         for it in items:
-            if it.pos0 != len(self.kv[it.seq]):
-                raise ValueError(f"seq {it.seq}: token at pos {it.pos0} but the KV holds {len(self.kv[it.seq])}")
-            self.kv[it.seq].extend(it.tokens)
+            kv = self.kv[it.seq]
+            if it.pos0 != len(kv):
+                raise ValueError(f"seq {it.seq}: token at pos {it.pos0} but the KV holds {len(kv)}")
+            window = kv[max(0, it.pos0 - self.n_swa + 1):] if self.n_swa else kv
+            if HOLE in window:
+                raise ValueError(f"seq {it.seq}: a token at pos {it.pos0} would attend to a missing cell")
+            kv.extend(it.tokens)
+            if self.n_swa:  # the cells that left the window are reused: gone
+                for p in range(max(0, len(kv) - self.n_swa + 1)):
+                    kv[p] = HOLE
             if it.logits_last:
                 self._with_logits.add(it.seq)
         self.batches.append([(it.seq, len(it.tokens)) for it in items])
@@ -169,18 +184,46 @@ class ScriptedBackend:
     # ---- sequences and state
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         kv = self.kv[seq]
-        del kv[max(p0, 0):(len(kv) if p1 < 0 else p1)]
+        p0 = max(p0, 0)
+        if p1 < 0 or p1 >= len(kv):
+            del kv[p0:]
+        else:
+            kv[p0:p1] = [HOLE] * max(0, p1 - p0)
+        self._trim(seq)
         return True
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        if not self.can_shift:
+            raise RuntimeError("this KV cache cannot shift")
+        kv = self.kv[seq]
+        moved = kv[p0:p1]
+        kv[p0:p1] = [HOLE] * len(moved)
+        if any(t != HOLE for t in kv[p0 + delta:p1 + delta]):
+            raise ValueError(f"seq {seq}: shifting [{p0}, {p1}) by {delta} lands on cells in use")
+        kv[p0 + delta:p0 + delta + len(moved)] = moved
+        self._trim(seq)
+
+    def seq_copy_prefix(self, src: int, dst: int, n: int) -> None:
+        if not self.kv_shareable:
+            raise RuntimeError("a partial sequence copy needs a unified KV cache")
+        if self.kv[dst]:
+            raise ValueError(f"seq {dst} is not empty")
+        self.kv[dst] = self.kv[src][:n]
+        self._trim(dst)
 
     def seq_clear(self, seq: int) -> None:
         self.kv[seq] = []
 
-    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
-        """Positions are list indices: what seq_rm left is contiguous already."""
-        assert p0 + delta == len(self.kv[seq]) - (p1 - p0), "a shift must close the gap seq_rm left"
-
     def seq_pos_max(self, seq: int) -> int:
         return len(self.kv[seq]) - 1
+
+    def seq_pos_min(self, seq: int) -> int:
+        return next((p for p, t in enumerate(self.kv[seq]) if t != HOLE), -1)
+
+    def _trim(self, seq: int) -> None:
+        kv = self.kv[seq]
+        while kv and kv[-1] == HOLE:
+            kv.pop()
 
     def state_seq_size(self, seq: int) -> int:
         return _STATE_HEAD + 4 * len(self.kv[seq])
@@ -219,6 +262,8 @@ class ScriptedFactory:
 
     script: Callable[[list[int]], int] = letters
     fail: set[str] = field(default_factory=set)
+    n_swa: int = 0  # a sliding window: cells older than this many positions are forgotten
+    kv_shareable: bool = True  # one KV buffer: partial sequence copies possible
     decode_gate: Gate = field(default_factory=Gate)
     build_gate: Gate = field(default_factory=Gate)
     built: list[ScriptedBackend] = field(default_factory=list)
@@ -230,7 +275,7 @@ class ScriptedFactory:
         self.build_gate.pass_through()
         if params.model_path in self.fail:
             raise RuntimeError(f"cannot load {params.model_path}")
-        model = ScriptedBackend(params, self.script, self.decode_gate)
+        model = ScriptedBackend(params, self.script, self.decode_gate, self.n_swa, self.kv_shareable)
         self.built.append(model)
         return model
 

@@ -28,8 +28,7 @@ TEMPLATE = ("{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 # the fleet's params with this host's model, template, context and ports
 FLEET = {**FLEET_GLOBAL, **FLEET_NODE, "ctx-size": 8192}
-NO_EFFECT = {"--cache-reuse", "--cont-batching", "--perf", "--log-verbosity", "--rpc-engine",
-             "--slot-prompt-similarity", "--yarn-orig-ctx"}
+NO_EFFECT = {"--cont-batching", "--perf", "--log-verbosity", "--rpc-engine", "--yarn-orig-ctx"}
 
 
 class LlamaEngine(ChildProcess):
@@ -103,6 +102,9 @@ async def test_the_node_agents_command_line_starts_the_engine(engines, tiny_mode
         assert eng.log.count(f"{name} ") == 1, eng.log
     p = info["params"]
     assert p["n_gpu_layers"] == "all" and p["n_cpu_moe"] == 8 and len(p["override_tensor"]) == 3
+    # the fleet's prompt cache flags are the engine's (--cache-ram not given: llama-server's 8192 MiB)
+    pc = info["prompt_cache"]
+    assert (pc["cache_prompt"], pc["cache_reuse"], pc["ram_limit_bytes"]) == (True, 64, 8192 << 20)
 
 
 @pytest.mark.asyncio

@@ -48,6 +48,25 @@ def test_serve_defaults_and_the_deprecated_v1_names(capsys):
     assert (s.n_batch, s.n_ctx, s.kv_unified_per_slot) == (64, 1024, 0)
 
 
+def test_prompt_cache_arguments_reach_the_engine(tmp_path):
+    from hydra_rpc.llama_cli import engine_config
+    from hydra_rpc.usage import UsageError
+
+    d = engine_config(serve_settings(serve_args(), env={}), "m")  # llama-server's defaults
+    assert (d.model.cache_prompt, d.model.cache_reuse) == (True, 0)
+    assert (d.slot_prompt_similarity, d.cache_ram_mib, d.slot_save_path) == (0.1, 8192, None)
+    args = serve_args("--no-cache-prompt", "--cache-reuse", "32", "-sps", "0.5", "-cram", "-1", "--slot-save-path",
+                      str(tmp_path))
+    c = engine_config(serve_settings(args, env={}), "m")
+    assert (c.model.cache_prompt, c.model.cache_reuse) == (False, 32)
+    assert (c.slot_prompt_similarity, c.cache_ram_mib, c.slot_save_path) == (0.5, -1, str(tmp_path))
+    assert serve_settings(args, env={}).ignored_args == ()
+    with pytest.raises(UsageError, match="--slot-save-path.*not a directory"):  # llama.cpp's check
+        serve_settings(serve_args("--slot-save-path", str(tmp_path / "missing")), env={})
+    with pytest.raises(UsageError, match="slot_prompt_similarity"):
+        serve_settings(serve_args("--slot-prompt-similarity", "1.5"), env={})
+
+
 def test_serve_refuses_what_llama_server_refuses():
     from hydra_rpc.usage import UsageError
 

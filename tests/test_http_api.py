@@ -97,9 +97,12 @@ async def test_erase_idle_slot_then_state_meta_shows_empty(http, client):
     assert r.status == Status.OK and r.meta["n_past"] == 0
     async with http.post("/slots/9", params={"action": "erase"}) as r:
         assert r.status == 404
-    async with http.post("/slots/1", params={"action": "save"}) as r:
+    async with http.post("/slots/1", params={"action": "dance"}) as r:
         assert r.status == 400
         assert_error_object(await r.json(), 400)
+    async with http.post("/slots/1", params={"action": "save"}, json={"filename": "a.bin"}) as r:
+        assert r.status == 501  # as llama-server without --slot-save-path
+        assert_error_object(await r.json(), 501)
 
 
 @pytest.mark.asyncio

@@ -32,9 +32,9 @@ def test_the_fleets_command_line(fleet_argv, tiny_model_path):
     assert s.chat_template_kwargs == {"preserve_thinking": True, "enable_thinking": True, "preserve_reasoning": True}
     assert (s.cache_prompt, s.context_shift, s.metrics, s.slots, s.timeout, s.prio, s.prio_batch) == (
         True, True, True, True, 1800, 3, 1)
+    assert (s.cache_reuse, s.slot_prompt_similarity, s.cache_ram, s.slot_save_path) == (64, 0.4, 8192, None)
     assert {a.name for a in s.ignored_args} == {
-        "--cache-reuse", "--cont-batching", "--log-verbosity", "--perf", "--rpc-engine", "--slot-prompt-similarity",
-        "--yarn-orig-ctx"}
+        "--cont-batching", "--log-verbosity", "--perf", "--rpc-engine", "--yarn-orig-ctx"}
     assert all(a.reason for a in s.ignored_args) and s.action is None
 
 

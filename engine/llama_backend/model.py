@@ -317,6 +317,33 @@ class LoadedModel:
         """Largest position stored for ``seq`` (-1 if empty); the next token goes to +1."""
         return int(L.llama_memory_seq_pos_max(self._mem, self._check_seq(seq)))
 
+    def seq_pos_min(self, seq: int) -> int:
+        """Smallest position stored for ``seq`` (-1 if empty); above 0 once a sliding-window
+        cache reused the cells of positions that left the window."""
+        return int(L.llama_memory_seq_pos_min(self._mem, self._check_seq(seq)))
+
+    def seq_copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give ``dst`` the cells of positions [0, n) of ``src``. With a unified KV cache the
+        cells are shared (``dst`` is added to their sequence set); llama.cpp aborts on a
+        partial copy across separate streams, hence the check."""
+        src, dst = self._check_seq(src), self._check_seq(dst)
+        if not self.kv_shareable:
+            raise LlamaBackendError("a partial sequence copy needs a unified KV cache")
+        L.llama_memory_seq_cp(self._mem, src, dst, 0, int(n))
+        self._logit_idx.pop(dst, None)
+
+    @property
+    def kv_shareable(self) -> bool:
+        return bool(self.cparams.kv_unified)
+
+    @property
+    def can_shift(self) -> bool:
+        return bool(L.llama_memory_can_shift(self._mem))
+
+    @property
+    def n_swa(self) -> int:
+        return int(L.llama_model_n_swa(self._model)) if self._model is not None else 0
+
     def seq_copy(self, src: int, dst: int) -> None:
         """Make ``dst`` a copy of ``src`` (``dst`` is cleared first). Cheap with a unified KV cache."""
         src, dst = self._check_seq(src), self._check_seq(dst)

@@ -28,6 +28,7 @@ SCENARIOS = {
     "state-transfer": "tools.bench.state_transfer",
     "passthrough": "tools.bench.passthrough",
     "connections": "tools.bench.connections",
+    "prompt-cache": "tools.bench.prompt_cache",
 }
 BUSY_WARNING_PCT = 20
 DOCS_PAGE = Path("docs/performance.md")

@@ -178,10 +178,27 @@ def connections(res: Result, plt) -> object:
     return fig
 
 
+def prompt_cache(res: Result, plt) -> object:
+    s = res.summary
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    _bars(a, ["with the cache", "--no-cache-prompt"], [s["cache"]["prefill_total_ms"], s["no-cache"]["prefill_total_ms"]],
+          "ms (median, min–max)", "total prefill time of all turns")
+    turns = [t for t in res.samples["turns"] if t["rep"] == 0]
+    for v, style in (("cache", "-o"), ("no-cache", "--s")):
+        pts = [t["ttft_ms"] for t in turns if t["variant"] == v]
+        b.plot(range(1, len(pts) + 1), pts, style, label=v)
+    b.set_yscale("log")
+    b.set_xlabel("request (A1 B1 C1 D1 A2 …), first repetition")
+    b.set_ylabel("time to first token (ms)")
+    b.set_title("TTFT per turn: shared system prompt, then returning conversations", fontsize=10)
+    b.legend(fontsize=8)
+    return fig
+
+
 DRAW: dict[str, Callable] = {
     "meta-under-decode": meta_under_decode, "decode-overhead": decode_overhead, "slots-scaling": slots_scaling,
     "reload-stall": reload_stall, "state-transfer": state_transfer, "passthrough": passthrough,
-    "connections": connections,
+    "connections": connections, "prompt-cache": prompt_cache,
 }
 
 

@@ -1,0 +1,49 @@
+"""The disk tier under the RAM tier: states the RAM tier evicts, spilled to files.
+
+A private directory inside ``--slot-save-path`` (``.hydra-prompt-cache-<pid>-<random>``), one
+llama.cpp sequence state file per entry (``codec.slotfile``: the same format as a saved
+slot), deleted when the entry is taken back, evicted, invalidated by a reload, and all at
+once when the engine stops. Entries are only ever loaded by the process and model instance
+that wrote them (the RAM tier's model keys), so nothing here outlives its model.
+
+Called on the inference thread only, like the RAM tier.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from codec.slotfile import HEAD_SIZE, encode_slot_file_head, parse_slot_file_head
+
+
+class DiskTier:
+    def __init__(self, parent: str | os.PathLike[str]):
+        self.dir = Path(tempfile.mkdtemp(prefix=f".hydra-prompt-cache-{os.getpid()}-", dir=parent))
+        self._n = 0
+
+    def write(self, tokens: list[int], state: bytes) -> Path:
+        self._n += 1
+        path = self.dir / f"{self._n}.ggsq"
+        with open(path, "wb") as f:
+            f.write(encode_slot_file_head(tokens))
+            f.write(state)
+        return path
+
+    def read(self, path: Path, n_tokens: int) -> bytes:
+        """The state of a file this tier wrote (its header is checked all the same)."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            parse_slot_file_head(f.read(HEAD_SIZE), size, n_tokens)
+            f.seek(HEAD_SIZE + 4 * n_tokens)
+            return f.read()
+
+    @staticmethod
+    def remove(path: Path) -> None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

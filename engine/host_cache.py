@@ -1,0 +1,191 @@
+"""The host-memory tier of the prompt cache: sequence states kept in RAM, LRU, bounded in bytes.
+
+When a slot is about to be reused by another conversation, its sequence state (what
+``state_seq_get`` writes) and its tokens are kept here; when a request comes back whose
+prompt starts with those tokens, the state is loaded into its slot instead of recomputing
+the prefix. llama-server's ``--cache-ram`` host prompt cache works the same way (an entry
+is moved back into a slot, not copied; an entry that is a prefix of a newer one is dropped).
+
+Every entry is stamped with the key of the model instance that made it (``model_key``): a
+state is only meaningful for the model, KV types and context layout that wrote it, so a
+lookup never matches another key, and installing a new model drops every entry of the old.
+
+An entry also records the first position its state holds cells for (``pos_min``): with a
+sliding-window attention of ``n_swa`` positions the cache forgets older cells, so a prefix of
+``n`` tokens of an entry is only usable when the entry still has the cells from
+``n - n_swa + 1`` on (``serves``). Without a window every cell is kept and ``pos_min`` is 0.
+
+With a disk tier (``engine.disk_tier``), an entry the RAM limit evicts is written to a file
+instead of dropped, under a limit of as many bytes again; lookups see both tiers.
+
+Used from the inference thread only (admission happens there); the loop reads the counters.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Hashable
+
+from .disk_tier import DiskTier
+
+MIB = 1 << 20
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (a continuation, a shared system prompt) at C speed
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def serves(pos_min: int, n: int, n_swa: int) -> bool:
+    """Do cells from ``pos_min`` on let a token at position ``n`` attend to all it needs?"""
+    return n <= 0 or pos_min <= (max(0, n - n_swa + 1) if n_swa > 0 else 0)
+
+
+@dataclass
+class CachedPrompt:
+    model_key: Hashable
+    tokens: list[int]
+    state: bytes
+    pos_min: int = 0
+    size: int = 0  # bytes it takes (state + tokens), in RAM or on disk
+    path: Path | None = None  # on the disk tier: the file holding the state
+
+    def __post_init__(self) -> None:
+        self.size = self.size or len(self.state) + 4 * len(self.tokens)
+
+
+@dataclass
+class HostCacheStats:
+    saves: int = 0  # states put in
+    restores: int = 0  # states loaded back into a slot
+    evictions: int = 0  # entries dropped to make room
+    invalidated: int = 0  # entries dropped because their model was replaced
+    refused: int = 0  # states larger than the whole limit
+    spilled: int = 0  # evicted from RAM to the disk tier
+
+
+@dataclass
+class HostCache:
+    """``limit_bytes`` None: no limit (llama-server's ``--cache-ram -1``)."""
+
+    limit_bytes: int | None
+    disk: DiskTier | None = None
+    entries: "OrderedDict[int, CachedPrompt]" = field(default_factory=OrderedDict)  # RAM, oldest first
+    spilled: "OrderedDict[int, CachedPrompt]" = field(default_factory=OrderedDict)  # disk, oldest first
+    n_bytes: int = 0
+    disk_bytes: int = 0
+    stats: HostCacheStats = field(default_factory=HostCacheStats)
+    _next_id: int = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def fits(self, size: int) -> bool:
+        """Could an entry of ``size`` bytes be kept at all (after evicting everything else)?"""
+        return self.limit_bytes is None or size <= self.limit_bytes
+
+    def best(self, model_key: Hashable, tokens: list[int], n_swa: int = 0) -> tuple[int, int] | None:
+        """(entry id, common prefix length) of the entry of ``model_key`` that gives the longest
+        usable prefix of ``tokens``; None when none gives any."""
+        best: tuple[int, int] | None = None
+        for eid, e in [*self.entries.items(), *self.spilled.items()]:
+            if e.model_key != model_key:
+                continue
+            n = common_prefix(e.tokens, tokens)
+            if n and (best is None or n > best[1]) and serves(e.pos_min, n, n_swa):
+                best = (eid, n)
+        return best
+
+    def take(self, eid: int) -> CachedPrompt:
+        """Remove an entry and hand it over (its state goes into a slot). OSError: its file is gone."""
+        self.stats.restores += 1
+        if eid in self.entries:
+            e = self.entries.pop(eid)
+            self.n_bytes -= e.size
+            return e
+        e = self.spilled.pop(eid)
+        self.disk_bytes -= e.size
+        try:
+            e.state = self.disk.read(e.path, len(e.tokens))
+        finally:
+            self.disk.remove(e.path)
+        return e
+
+    def put(self, model_key: Hashable, tokens: list[int], state: bytes, pos_min: int = 0, n_swa: int = 0) -> bool:
+        """Keep a state; False when it is not kept (already held, or larger than the limit)."""
+        entry = CachedPrompt(model_key, list(tokens), bytes(state), pos_min)
+        for e in [*self.entries.values(), *self.spilled.values()]:
+            if (e.model_key == model_key and common_prefix(e.tokens, tokens) == len(tokens)
+                    and serves(e.pos_min, len(tokens), n_swa)):
+                return False  # an entry holding these tokens (and maybe more) serves them already
+        if not self.fits(entry.size):
+            self.stats.refused += 1
+            return False
+        for eid, e in [*self.entries.items(), *self.spilled.items()]:
+            if (e.model_key == model_key and common_prefix(e.tokens, tokens) == len(e.tokens)
+                    and serves(pos_min, len(e.tokens), n_swa)):
+                self._drop(eid)  # the new entry serves everything this one did: obsolete
+        while self.limit_bytes is not None and self.entries and self.n_bytes + entry.size > self.limit_bytes:
+            self._spill(next(iter(self.entries)))
+        self._next_id += 1
+        self.entries[self._next_id] = entry
+        self.n_bytes += entry.size
+        self.stats.saves += 1
+        return True
+
+    def keep_only(self, model_key: Hashable) -> None:
+        """A new model is live: entries of any other are useless (and must never be loaded)."""
+        for eid, e in [*self.entries.items(), *self.spilled.items()]:
+            if e.model_key != model_key:
+                self._drop(eid)
+                self.stats.invalidated += 1
+
+    def close(self) -> None:
+        """Forget everything; the disk tier's files go too."""
+        self.entries.clear()
+        self.spilled.clear()
+        self.n_bytes = self.disk_bytes = 0
+        if self.disk is not None:
+            self.disk.close()
+
+    def _spill(self, eid: int) -> None:
+        """Make room in RAM: the oldest entry goes to the disk tier (if any), else away."""
+        e = self.entries[eid]
+        self._drop(eid)
+        self.stats.evictions += 1
+        if self.disk is None:
+            return
+        while self.spilled and self.disk_bytes + e.size > self.limit_bytes:
+            self._drop(next(iter(self.spilled)))
+        try:
+            e.path = self.disk.write(e.tokens, e.state)
+        except OSError:  # a full disk costs the entry, nothing else
+            return
+        e.state = b""
+        self.spilled[eid] = e
+        self.disk_bytes += e.size
+        self.stats.spilled += 1
+
+    def _drop(self, eid: int) -> None:
+        if eid in self.entries:
+            self.n_bytes -= self.entries.pop(eid).size
+        else:
+            e = self.spilled.pop(eid)
+            self.disk_bytes -= e.size
+            self.disk.remove(e.path)
+
+
+def limit_from_mib(mib: int) -> int | None:
+    """llama-server's ``--cache-ram`` value: -1 no limit, 0 off (never called), N MiB."""
+    return None if mib < 0 else mib * MIB

@@ -1,0 +1,244 @@
+"""The prompt cache: line a slot's KV up with a new prompt, computing as little as possible.
+
+At admission (inference thread) the prompt's longest prefix already held somewhere is
+reused, from the best of three sources:
+
+own     the slot's own KV — llama-server's ``cache_prompt``; beyond the common prefix,
+        with ``cache_reuse`` N > 0, later chunks of ≥ N matching tokens are shifted into
+        place (``seq_rm`` + ``seq_add``), as llama-server's ``--cache-reuse`` does
+shared  another slot's KV (the same system prompt in another conversation): its cells are
+        copied with ``llama_memory_seq_cp``, which with a unified KV cache only adds this
+        slot's sequence id to the cells — no tensor data moves
+host    the RAM tier (``engine.host_cache``): the state a conversation left when its slot
+        was taken by another one, loaded back through ``kv_cache.restore_state`` (its header
+        checked against the live KV cache first, as a STATE_PUT's is)
+
+Before a slot gives up most of what it holds, its state goes to the RAM tier. A prefix is
+only reused when its cells are all there: a sliding-window (SWA) cache forgets positions
+older than the window, so a prefix of ``n`` tokens needs the cells from ``n - n_swa + 1``
+on (``prefix_intact``); otherwise it is recomputed — never decoded against missing cells.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from .backend import ModelBackend
+from .disk_tier import DiskTier
+from .host_cache import HostCache, common_prefix, limit_from_mib, serves
+from .kv_cache import restore_state
+from .model_params import ModelParams
+from .slots import Slot
+from .status import PromptCacheInfo
+
+log = logging.getLogger("engine.prompt_cache")
+
+# Below this many tokens a copy from another slot or the RAM tier is not worth a lookup, and
+# a slot holding fewer is not worth saving.
+MIN_SHARED_PREFIX = 16
+
+
+@dataclass
+class CacheStats:
+    """Counters since start. ``tokens_saved``: prompt tokens taken from a cache, not computed."""
+
+    lookups: int = 0  # prompts lined up
+    hits: int = 0  # … that reused at least one token
+    tokens_saved: int = 0
+    from_own: int = 0  # hits by source
+    from_shared: int = 0
+    from_host: int = 0
+    chunks_shifted: int = 0  # cache_reuse chunks moved into place
+
+
+@dataclass
+class PromptCache:
+    """What admission needs: every slot (donors), the RAM tier, and the live model's settings
+    (``ModelParams.cache_prompt``: off, every new prompt is recomputed; ``cache_reuse``: the
+    min chunk reused by KV shifting, 0 off) and key (``model_key``: entries made with another
+    key are never loaded)."""
+
+    slots: list[Slot]
+    params: ModelParams
+    host: HostCache | None
+    model_key: Hashable = None
+    stats: CacheStats = field(default_factory=CacheStats)
+    _installs: int = 0  # models installed so far: part of the model key
+
+    @classmethod
+    def build(cls, slots: list[Slot], params: ModelParams, cache_ram_mib: int,
+              slot_save_path: str | None) -> "PromptCache":
+        """The engine's cache: a RAM tier of ``cache_ram_mib`` (llama-server's ``--cache-ram``),
+        spilling to a disk tier under ``slot_save_path`` when both are given and limited."""
+        host = None
+        if cache_ram_mib:
+            limit = limit_from_mib(cache_ram_mib)
+            host = HostCache(limit, DiskTier(slot_save_path) if slot_save_path and limit else None)
+        return cls(slots, params, host)
+
+    def install(self, model: ModelBackend, params: ModelParams) -> bool:
+        """A new model (a new context) is live: its settings, a new key, and the RAM tier
+        forgets the old model's states. Returns whether prompt prefixes can be copied between
+        its slots."""
+        self._installs += 1
+        self.params = params
+        self.model_key = (self._installs, params)
+        if self.host is not None:
+            self.host.keep_only(self.model_key)
+        return params.cache_prompt and model.kv_shareable
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+
+    def info(self) -> PromptCacheInfo:
+        h = self.host
+        ram = {} if h is None else dict(
+            ram_limit_bytes=-1 if h.limit_bytes is None else h.limit_bytes, ram_entries=len(h), ram_bytes=h.n_bytes,
+            ram_saves=h.stats.saves, ram_restores=h.stats.restores, ram_evictions=h.stats.evictions,
+            ram_invalidated=h.stats.invalidated, disk_entries=len(h.spilled), disk_bytes=h.disk_bytes,
+            disk_spills=h.stats.spilled)
+        return PromptCacheInfo(cache_prompt=self.params.cache_prompt, cache_reuse=self.params.cache_reuse,
+                               **dataclasses.asdict(self.stats), **ram)
+
+    def line_up(self, model: ModelBackend, slot: Slot, target: list[int], max_keep: int, *,
+                continuation: bool = False) -> int:
+        """Make ``slot``'s KV hold the longest prefix of ``target`` it can get cheaply, at most
+        ``max_keep`` tokens; returns that length (``slot.tokens`` is set to it).
+
+        A ``continuation`` (the target extends what the slot holds: a DECODE, an append) keeps
+        the slot's KV even with ``cache_prompt`` off, and as it is: there it is the session the
+        client put there (maybe with tokens nobody knows), not a cache that could be recomputed.
+        """
+        self.stats.lookups += 1
+        if not self.params.cache_prompt and not continuation:
+            model.seq_clear(slot.id)
+            slot.tokens = []
+            return 0
+        own = min(common_prefix(slot.tokens, target), max_keep)
+        if own and not continuation and not prefix_intact(model, slot.id, own):
+            own = 0
+        source, n = "own", own
+        # unknown tokens (-1, from a restored state) would match each other across slots
+        elsewhere = self.params.cache_prompt and not continuation and -1 not in target
+        donor = self._best_donor(model, slot, target, max_keep) if elsewhere else None
+        if donor is not None and donor[1] >= n + MIN_SHARED_PREFIX:
+            source, n = "shared", donor[1]
+        entry = None
+        if self.host is not None and elsewhere:
+            entry = self.host.best(self.model_key, target, model.n_swa)
+            if entry is not None and min(entry[1], max_keep) >= n + MIN_SHARED_PREFIX:
+                source, n = "host", min(entry[1], max_keep)
+        # take the entry before saving the slot: the save may drop or evict entries
+        taken = None
+        if source == "host":
+            try:
+                taken = self.host.take(entry[0])
+            except OSError:  # its disk-tier file is gone: compute instead
+                source, n = "own", own
+        self._save_if_losing(model, slot, own if source == "own" else 0)
+        if source == "own":
+            n = self._keep_own(model, slot, target, own, max_keep)
+        elif source == "shared":
+            model.seq_clear(slot.id)
+            model.seq_copy_prefix(donor[0], slot.id, n)
+        else:
+            n = self._restore(model, slot, taken.state, n)
+        slot.tokens = target[:n]
+        if n:
+            self.stats.hits += 1
+            self.stats.tokens_saved += n
+            setattr(self.stats, f"from_{source}", getattr(self.stats, f"from_{source}") + 1)
+        return n
+
+    def _best_donor(self, model: ModelBackend, slot: Slot, target: list[int],
+                    max_keep: int) -> tuple[int, int] | None:
+        if not model.kv_shareable:  # separate KV streams: a partial copy is not possible
+            return None
+        best = None
+        for other in self.slots:
+            if other is slot or not other.tokens or other.transferring:
+                continue
+            n = min(common_prefix(other.tokens, target), max_keep)
+            if n and (best is None or n > best[1]) and prefix_intact(model, other.id, n):
+                best = (other.id, n)
+        return best
+
+    def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int) -> None:
+        """The slot is about to lose tokens: keep its state in RAM. Loading a state back costs a
+        copy of a few KiB per token; recomputing even a few tokens costs a forward pass each."""
+        held = len(slot.tokens)
+        if self.host is None or not self.params.cache_prompt or held - kept < MIN_SHARED_PREFIX:
+            return
+        if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
+            return
+        if not self.host.fits(model.state_seq_size(slot.id) + 4 * held):  # before copying it out
+            self.host.stats.refused += 1
+            return
+        self.host.put(self.model_key, slot.tokens, bytes(model.state_seq_get(slot.id)),
+                      pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa)
+
+    def _keep_own(self, model: ModelBackend, slot: Slot, target: list[int], own: int, max_keep: int) -> int:
+        n = own
+        if self.params.cache_reuse > 0 and own < len(slot.tokens) and model.can_shift:
+            moves, n = plan_chunk_reuse(slot.tokens, target, own, self.params.cache_reuse)
+            for head_c, head_p, size in moves:
+                model.seq_rm(slot.id, head_p, head_c)
+                model.seq_add(slot.id, head_c, head_c + size, head_p - head_c)
+            self.stats.chunks_shifted += len(moves)
+            n = min(n, max_keep)
+        if n < len(slot.tokens):
+            model.seq_rm(slot.id, n, -1)
+        return n
+
+    def _restore(self, model: ModelBackend, slot: Slot, state: bytes, n: int) -> int:
+        try:
+            restore_state(model, slot.id, state)
+        except Exception as e:  # not the client's doing: the prompt is computed instead
+            log.warning("the RAM tier's state for slot %d was refused (%s); computing the prompt", slot.id, e)
+            model.seq_clear(slot.id)
+            return 0
+        model.seq_rm(slot.id, n, -1)
+        if not prefix_intact(model, slot.id, n):
+            model.seq_clear(slot.id)
+            return 0
+        return n
+
+
+def prefix_intact(model: ModelBackend, seq: int, n: int) -> bool:
+    """Does ``seq`` hold every cell a token at position ``n`` attends to?
+
+    All of ``[0, n)`` for full attention; from ``n - n_swa + 1`` on for a sliding window
+    (llama.cpp reuses the cells of positions that fell out of the window).
+    """
+    if n <= 0:
+        return True
+    pos_min = model.seq_pos_min(seq)
+    if pos_min < 0 or model.seq_pos_max(seq) < n - 1:
+        return False
+    return serves(pos_min, n, model.n_swa)
+
+
+def plan_chunk_reuse(cached: list[int], prompt: list[int], n_past: int,
+                     min_chunk: int) -> tuple[list[tuple[int, int, int]], int]:
+    """llama-server's ``--cache-reuse`` walk: after the common prefix, find chunks of at least
+    ``min_chunk`` cached tokens that match the prompt where it continues, skipping cached
+    tokens that do not. Returns the moves ``(cache pos, prompt pos, length)`` — each one is
+    ``seq_rm(prompt pos, cache pos)`` then ``seq_add`` by ``prompt pos - cache pos`` — and
+    the prompt tokens then held."""
+    head_c = head_p = n_past
+    moves: list[tuple[int, int, int]] = []
+    while head_c < len(cached) and head_p < len(prompt):
+        n = 0
+        while (head_c + n < len(cached) and head_p + n < len(prompt)
+               and cached[head_c + n] == prompt[head_p + n]):
+            n += 1
+        if n >= min_chunk:
+            moves.append((head_c, head_p, n))
+            head_c += n
+            head_p += n
+        else:
+            head_c += 1
+    return moves, head_p

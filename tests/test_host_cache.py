@@ -1,0 +1,67 @@
+"""The RAM tier's bookkeeping (no model): prefix matching, obsolete and duplicate entries,
+the byte limit, LRU eviction and model keys; and llama-server's --cache-reuse walk."""
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.host_cache import HostCache, common_prefix
+from engine.prompt_cache import plan_chunk_reuse
+
+
+def naive_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_is_the_longest_common_prefix(a, b):
+    assert common_prefix(a, b) == naive_prefix(a, b)
+    assert common_prefix(a, a + b) == len(a)
+
+
+def test_best_entry_takes_and_obsolete_entries():
+    h = HostCache(limit_bytes=None)
+    assert h.put("m", [1, 2, 3], b"abc")
+    assert not h.put("m", [1, 2], b"ab")  # already held by a longer entry
+    assert h.put("m", [1, 2, 3, 4, 5], b"abcde") and len(h) == 1  # [1,2,3] was a prefix of it: dropped
+    assert h.put("m", [1, 9], b"x") and h.put("other", [1, 2, 3, 4, 5, 6], b"y")
+    eid, n = h.best("m", [1, 2, 3, 4, 7])
+    assert n == 4 and h.entries[eid].tokens == [1, 2, 3, 4, 5]
+    assert h.best("m", [7]) is None
+    before = h.n_bytes
+    assert h.take(eid).state == b"abcde" and h.n_bytes == before - (5 + 4 * 5)
+    h.keep_only("m")
+    assert [e.model_key for e in h.entries.values()] == ["m"] and h.stats.invalidated == 1
+
+
+def test_limit_evicts_the_oldest_and_refuses_the_oversized():
+    size = 100 + 4 * 2  # state + tokens
+    h = HostCache(limit_bytes=3 * size)
+    for i in range(5):
+        assert h.put("m", [i, i], bytes(100))
+    assert [e.tokens[0] for e in h.entries.values()] == [2, 3, 4]
+    assert h.stats.evictions == 2 and h.n_bytes == 3 * size
+    assert not h.put("m", [9], bytes(4 * size)) and h.stats.refused == 1 and len(h) == 3
+
+
+def test_chunk_reuse_walk_skips_dropped_cache_tokens():
+    cached = [1, 2, 3, 7, 7, 4, 5, 6, 8, 9]
+    prompt = [1, 2, 3, 4, 5, 6, 10]
+    moves, n = plan_chunk_reuse(cached, prompt, 3, min_chunk=3)
+    assert moves == [(5, 3, 3)] and n == 6  # [4, 5, 6] moved from position 5 to 3
+    assert plan_chunk_reuse(cached, prompt, 3, min_chunk=4) == ([], 3)
+
+
+def test_sliding_window_entries_serve_only_prefixes_whose_window_they_hold():
+    h = HostCache(limit_bytes=None)
+    long = list(range(100))
+    assert h.put("m", long, b"s", pos_min=80, n_swa=16)  # cells of positions 80..99 only
+    assert h.best("m", long + [1000], n_swa=16) == (next(iter(h.entries)), 100)
+    assert h.best("m", long[:96] + [1000], n_swa=16) == (next(iter(h.entries)), 96)  # needs 81.. : held
+    assert h.best("m", long[:90] + [1000], n_swa=16) is None  # needs cells from 75: gone
+    # a shorter entry is not made obsolete by a longer one that no longer holds its window
+    assert h.put("m", long[:50], b"p", pos_min=30, n_swa=16) and len(h) == 2
+    assert h.best("m", long[:50] + [7], n_swa=16)[1] == 50

@@ -1,0 +1,179 @@
+"""The prompt cache step by step on the scripted backend: the slot's own prefix, prefixes
+shared across slots, chunks shifted into place (--cache-reuse), the RAM tier, sliding
+windows, reloads, and --no-cache-prompt. The scripted model's next token depends on every
+token in the KV, and a decode that would attend to a missing cell fails: a wrong reuse
+shows as a different continuation or an error. (The same on the real model:
+test_prompt_cache_llama.)"""
+from __future__ import annotations
+
+import pytest
+
+from engine.jobs import GenJob
+from engine.model_params import ModelParams
+from engine.sampling import GREEDY
+from tests.engine_env import run, scripted_engine
+from tests.scripted_backend import FIRST_BYTE, HOLE, ScriptedFactory
+
+SYSTEM = "You are a terse assistant. " * 2  # 54 bytes: 55 tokens with BOS
+
+
+def checksum(kv: list[int]) -> int:
+    """Next token: a letter that depends on every token in the KV and on its length."""
+    return FIRST_BYTE + ord("a") + (sum(t * (i + 1) for i, t in enumerate(kv) if t != HOLE) + len(kv)) % 26
+
+
+def factory(**kw) -> ScriptedFactory:
+    return ScriptedFactory(script=checksum, **kw)
+
+
+async def gen(engine, slot, prompt, n=6):
+    return await run(engine, GenJob(slot, prompt=prompt, n_predict=n, sampling=GREEDY))
+
+
+def params(n_slots: int = 2, **kw) -> ModelParams:
+    """The prompt cache's settings (cache_prompt, cache_reuse) are the model's, as CONFIGURE sets them."""
+    return ModelParams("model-a", n_ctx=256, n_slots=n_slots, n_batch=32, **kw)
+
+
+def one_slot(**cfg):
+    return scripted_engine(n_slots=1, n_ctx_slot=256, backend=factory(), **cfg)
+
+
+async def replaced(engine, prompt):
+    """``prompt`` runs on slot 0, then another conversation takes the slot."""
+    first = await gen(engine, 0, prompt)
+    await gen(engine, 0, "another conversation entirely, long enough to count")
+    return first
+
+
+@pytest.mark.asyncio
+async def test_second_slot_copies_the_shared_system_prompt():
+    async with scripted_engine(n_ctx_slot=256, backend=factory()) as env:
+        eng = env.engine
+        await gen(eng, 0, SYSTEM + "Ann: hi")
+        res = await gen(eng, 1, SYSTEM + "Bob: hello")
+        assert res.cached_tokens == len(SYSTEM) + 1  # BOS + the system prompt, from slot 0
+        assert eng.cache.stats.from_shared == 1
+    async with scripted_engine(backend=factory(), model=params(cache_prompt=False)) as env:
+        uncached = await gen(env.engine, 1, SYSTEM + "Bob: hello")
+        assert uncached.cached_tokens == 0
+    assert res.text == uncached.text and res.tokens == uncached.tokens
+
+
+@pytest.mark.asyncio
+async def test_no_sharing_without_a_unified_kv_or_past_a_sliding_window():
+    async with scripted_engine(n_ctx_slot=256, backend=factory(kv_shareable=False)) as env:
+        await gen(env.engine, 0, SYSTEM + "a")
+        assert (await gen(env.engine, 1, SYSTEM + "b")).cached_tokens == 0
+    # a window of 16: slot 0 has moved past the system prompt's last 16 cells, so copying
+    # its prefix would leave the new tokens attending to cells that are gone
+    async with scripted_engine(n_ctx_slot=256, backend=factory(n_swa=16)) as env:
+        await gen(env.engine, 0, SYSTEM + "user one: a long first question", n=20)
+        res = await gen(env.engine, 1, SYSTEM + "user two: b")
+        assert res.cached_tokens == 0 and res.stop_reason == "length"
+        # its own prefix likewise: the slot forgot what the new prompt would keep
+        res = await gen(env.engine, 0, SYSTEM + "user three")
+        assert res.cached_tokens == 0 and res.stop_reason == "length"
+        # a continuation needs only the window: it is kept
+        res = await run(env.engine, GenJob(0, n_predict=3))
+        assert res.cached_tokens == res.prompt_tokens - 1
+
+
+@pytest.mark.asyncio
+async def test_cache_reuse_shifts_matching_chunks_into_place():
+    head, middle, tail = "system: be brief\n", "assistant: an old turn to drop\n", "user: the question that stays\n"
+    async with scripted_engine(backend=factory(), model=params(cache_reuse=8)) as env:
+        eng = env.engine
+        await gen(eng, 0, head + middle + tail, n=1)
+        res = await gen(eng, 0, head + tail + "more")
+        assert res.cached_tokens == 1 + len(head) + len(tail)  # the tail chunk moved up, not recomputed
+        assert eng.cache.stats.chunks_shifted == 1
+        assert env.model.kv[0][:res.prompt_tokens] == env.model.tokenize(head + tail + "more")
+    async with scripted_engine(n_ctx_slot=256, backend=factory()) as env:  # cache_reuse off
+        await gen(env.engine, 0, head + middle + tail, n=1)
+        plain = await gen(env.engine, 0, head + tail + "more")
+        assert plain.cached_tokens == 1 + len(head)
+    assert plain.text == res.text
+
+
+@pytest.mark.asyncio
+async def test_no_cache_prompt_recomputes_prompts_but_continues_sessions():
+    async with scripted_engine(backend=factory(), model=params(cache_prompt=False)) as env:
+        eng = env.engine
+        first = await gen(eng, 0, SYSTEM + "q")
+        again = await gen(eng, 0, SYSTEM + "q")
+        assert again.cached_tokens == 0 and again.text == first.text
+        await gen(eng, 1, SYSTEM + "q")
+        assert eng.cache.stats.hits == 0 and eng.cache.host.stats.saves == 0  # the RAM tier is not used
+        cont = await run(eng, GenJob(0, n_predict=2))  # a DECODE continues the slot's KV
+        assert cont.cached_tokens == again.n_past
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_conversation_comes_back_from_the_ram_tier():
+    async with one_slot() as env:
+        eng = env.engine
+        conv_a = SYSTEM + "user A: tell me about cats\n"
+        first_a = await replaced(eng, conv_a)
+        turn_a = conv_a + first_a.text.decode() + "\nuser A: and dogs?\n"
+        assert len(eng.cache.host) == 1 and eng.cache.stats.from_host == 0
+        back = await gen(eng, 0, turn_a)
+        assert back.cached_tokens == first_a.n_past  # all of A's KV, loaded back
+        assert eng.cache.stats.from_host == 1 and eng.cache.host.stats.restores == 1
+        assert len(eng.cache.host) == 1  # the other conversation took A's place there
+    async with one_slot(cache_ram_mib=0) as env:
+        await replaced(env.engine, conv_a)
+        cold = await gen(env.engine, 0, turn_a)
+        assert cold.cached_tokens == 1  # only the BOS
+    assert back.text == cold.text
+
+
+@pytest.mark.asyncio
+async def test_ram_tier_entries_never_outlive_their_model():
+    async with one_slot() as env:
+        eng = env.engine
+        conv_a = SYSTEM + "user A: cats"
+        await replaced(eng, conv_a)
+        assert len(eng.cache.host) == 1
+        out = await eng.configure({"model_path": "b"})
+        await eng.wait_reload(out.reload_ticket)
+        assert len(eng.cache.host) == 0 and eng.cache.host.stats.invalidated == 1
+        back = await gen(eng, 0, conv_a + " and dogs")
+        assert back.cached_tokens == 0 and eng.cache.stats.from_host == 0
+
+
+@pytest.mark.asyncio
+async def test_ram_tier_is_bounded_and_evicts_the_oldest():
+    async with one_slot() as env:
+        eng = env.engine
+        eng.cache.host.limit_bytes = 3 * (16 + 4 * 70) + 4 * 70  # room for about three 70-token conversations
+        for i in range(6):
+            await gen(eng, 0, f"conversation {i}: " + "x" * 50, n=1)
+        host = eng.cache.host
+        assert 0 < len(host) <= 4 and host.n_bytes <= host.limit_bytes and host.stats.evictions >= 1
+        oldest = await gen(eng, 0, "conversation 0: " + "x" * 50 + " again")
+        assert oldest.cached_tokens < 16  # evicted: recomputed
+
+
+@pytest.mark.asyncio
+async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
+    async with one_slot(slot_save_path=str(tmp_path)) as env:
+        eng = env.engine
+        host = eng.cache.host
+        host.limit_bytes = 2 * (16 + 8 * 85)  # two conversations (state + tokens) in RAM, and on disk
+        convs = [SYSTEM + f"user {c}: tell me about {c}" for c in "ABC"]
+        firsts = [await gen(eng, 0, c) for c in convs]
+        await gen(eng, 0, "another conversation entirely, long enough to count")
+        assert host.stats.spilled >= 1 and len(host.spilled) >= 1
+        files = list(host.disk.dir.iterdir())
+        assert len(files) == len(host.spilled) and host.disk.dir.parent == tmp_path
+        back = await gen(eng, 0, convs[0] + firsts[0].text.decode())  # A: the oldest, spilled to disk
+        assert back.cached_tokens == firsts[0].n_past and not files[0].exists()
+        out = await eng.configure({"model_path": "b"})
+        await eng.wait_reload(out.reload_ticket)
+        assert not host.spilled and not list(host.disk.dir.iterdir()) and eng.cache.info().disk_bytes == 0
+        private = host.disk.dir
+    assert not private.exists() and list(tmp_path.iterdir()) == []  # the engine stopped: nothing left
+    async with one_slot(cache_ram_mib=0) as env:
+        cold = await gen(env.engine, 0, convs[0] + firsts[0].text.decode())
+    assert back.text == cold.text

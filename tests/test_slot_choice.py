@@ -1,0 +1,73 @@
+"""A job that names no slot, step by step on the scripted backend: the actor picks the slot
+when it admits the job (prompt similarity, then least recently used), so a burst spreads
+over every slot; when all are busy the job waits in one shared, bounded queue.
+(Over HTTP with the real model: test_prompt_cache_llama.)"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.jobs import BadInput, EngineBusy, GenJob
+from engine.slot_choice import choose_slot
+from engine.slots import Slot
+from tests.engine_env import run, scripted_engine
+from tests.scripted_backend import until
+
+
+@pytest.mark.asyncio
+async def test_a_burst_spreads_over_every_slot_then_queues():
+    async with scripted_engine(n_slots=4, slot_queue=2) as env:
+        eng, gate = env.engine, env.factory.decode_gate
+        gate.close()
+        jobs = [eng.submit(GenJob(None, prompt=f"chat {i}", n_predict=2)) for i in range(12)]
+        await until(lambda: gate.waiting == 1, "the first step")
+        assert sorted(s.job_id is not None for s in eng.snapshots) == [True] * 4
+        assert len(eng.scheduler.unassigned) == 8  # 2 per slot
+        extra = eng.submit(GenJob(None, prompt="one too many", n_predict=2))  # handled after this step
+        gate.open()
+        with pytest.raises(EngineBusy, match="all 4 slots are busy"):
+            await extra.result()
+        results = await asyncio.gather(*(j.result() for j in jobs))
+        assert {r.slot for r in results} == {0, 1, 2, 3}
+        assert all(j.slot == r.slot for j, r in zip(jobs, results))
+
+
+@pytest.mark.asyncio
+async def test_a_returning_conversation_finds_its_slot_else_the_least_recently_used():
+    async with scripted_engine(n_slots=3) as env:
+        eng = env.engine
+        a = await run(eng, GenJob(None, prompt="apples are red, first turn", n_predict=2))
+        b = await run(eng, GenJob(None, prompt="bananas are yellow, first turn", n_predict=2))
+        assert (a.slot, b.slot) == (0, 1)  # empty slots are the least recently used
+        back = await run(eng, GenJob(None, prompt="bananas are yellow, first turn" + "xy" + " and more",
+                                     n_predict=2))
+        assert back.slot == b.slot and back.cached_tokens > 20
+        new = await run(eng, GenJob(None, prompt="something else", n_predict=2))
+        assert new.slot == 2
+        other = await run(eng, GenJob(None, prompt="yet another thing", n_predict=2))
+        assert other.slot == a.slot  # slot 0 was used least recently
+        pinned = await run(eng, GenJob(2, prompt="bananas are yellow, first turn and more", n_predict=2))
+        assert pinned.slot == 2  # an explicit slot is honoured
+        with pytest.raises(BadInput, match="names no slot"):
+            eng.submit(GenJob(None, n_predict=2))
+
+
+def test_choose_slot_by_similarity_threshold_then_lru():
+    slots = [Slot(0, tokens=[1, 2, 3, 4], last_used=5), Slot(1, tokens=[1, 2, 9, 9], last_used=3),
+             Slot(2, tokens=[], last_used=4)]
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert choose_slot(slots, prompt, 0.4).id == 0  # 4/8 = 0.5 > 0.4
+    assert choose_slot(slots, prompt, 0.5).id == 1  # not strictly above: least recently used
+    assert choose_slot(slots, prompt, 0.0).id == 1  # similarity off
+    assert choose_slot(slots, None, 0.4).id == 1
+    # with prefixes copied between slots, only a slot the prompt continues is picked by similarity
+    assert choose_slot(slots, prompt, 0.4, shareable=True).id == 0  # the prompt continues slot 0
+    slots[0].tokens = [1, 2, 3, 4] + [7] * 20  # another conversation sharing a 4-token "system prompt"
+    assert choose_slot(slots, prompt + [9] * 30, 0.05, shareable=True).id == 1  # LRU, slot 0 kept
+    assert choose_slot(slots, prompt + [9] * 30, 0.05, shareable=False).id == 0  # llama-server's choice
+    slots[1].transferring = True
+    assert choose_slot(slots, prompt, 0.5).id == 2
+    for s in slots:
+        s.job = object()
+    assert choose_slot(slots, prompt, 0.4) is None
