@@ -35,6 +35,7 @@ from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
+from .rpc_allow import RpcAllowList
 from .sampling import SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving
 from .slots import Slot, SlotSnapshot
@@ -57,6 +58,8 @@ class EngineConfig:
     drain_timeout: float = 300.0
     resolve_model: Callable[[str], Any] = str
     defaults: dict[str, Any] = field(default_factory=dict)  # T1 parameters
+    # ggml RPC servers a CONFIGURE ``rpc_servers`` may name (engine.rpc_allow)
+    rpc_allow: RpcAllowList = field(default_factory=RpcAllowList)
     backend: BackendFactory = field(default_factory=LlamaFactory)
     # how the drain timeout is scheduled (None: the event loop's call_later)
     call_later: Callable[[float, Callable[[], None]], Any] | None = None
@@ -439,7 +442,10 @@ class Engine:
 
     # ------------------------------------------------------------------ configure
     async def _on_configure(self, msg: Configure) -> ConfigureOutcome:
-        c = tiers.classify(dict(msg.cfg))  # ConfigError propagates: whole request refused
+        cfg = dict(msg.cfg)
+        refused = self.cfg.rpc_allow.screen(cfg)
+        c = tiers.classify(cfg)  # ConfigError propagates: whole request refused
+        c.rejected_keys.update(refused)
         new_params = self.params.derive(c.staged, self.cfg.resolve_model) if c.staged else None  # ValueError
         if c.t1:
             self.t1.update(c.t1)

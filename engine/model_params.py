@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from .rpc_allow import rpc_server_list
 from .tiers import T4_CTX_PARAMS, T4_MODEL_PARAMS, model_path_of
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -56,10 +57,7 @@ class ModelParams:
                     raise ValueError("n_gpu_layers must be an integer")
                 p = replace(p, n_gpu_layers=v)
             elif key == "rpc_servers":
-                servers = v.split(",") if isinstance(v, str) else v
-                if not isinstance(servers, list) or not all(isinstance(s, str) for s in servers):
-                    raise ValueError("rpc_servers must be a string 'host:port,...' or a list of them")
-                servers = tuple(s.strip() for s in servers if s.strip())
+                servers = rpc_server_list(v)
                 p = replace(p, rpc_servers=servers, n_gpu_layers=p.n_gpu_layers or (999 if servers else 0))
             elif key in T4_CTX_PARAMS:
                 ctx[T4_CTX_PARAMS[key]] = v

@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     g.add_argument("--rpc-servers", default="",
                    help="offload layers to ggml RPC servers HOST:PORT,... (default: none)")
+    g.add_argument("--rpc-allow", action="append", default=[], metavar="HOST:PORT,...",
+                   help="ggml RPC servers a CONFIGURE 'rpc_servers' may also name, besides those of --rpc-servers "
+                        "(repeatable; default: none). Any other is refused: a server that misbehaves aborts "
+                        "llama.cpp, and an allowed one still can")
     g.add_argument("--n-gpu-layers", type=int, default=None, help="layers to offload (default: all with --rpc-servers)")
     g.add_argument("--no-low-priority", action="store_true",
                    help="do not lower the inference thread's priority (by default it runs at nice 19 so the "
@@ -104,6 +108,7 @@ def build_app(args: argparse.Namespace):
     from engine.actor import EngineConfig
     from engine.model_files import resolve_model
     from engine.model_params import ModelParams
+    from engine.rpc_allow import RpcAllowList, rpc_server_list
 
     from .app import App
 
@@ -115,14 +120,18 @@ def build_app(args: argparse.Namespace):
     with model_errors():
         model = resolve(args.model)
 
-    servers = tuple(s.strip() for s in args.rpc_servers.split(",") if s.strip())
+    servers = rpc_server_list(args.rpc_servers)
+    try:
+        rpc_allow = RpcAllowList(servers + tuple(s for a in args.rpc_allow for s in rpc_server_list(a)))
+    except ValueError as e:
+        raise UsageError(f"--rpc-servers / --rpc-allow: {e}; give HOST:PORT,...") from None
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (999 if servers else 0)
     params = ModelParams(model, n_ctx_slot=args.ctx, n_slots=args.slots, n_batch=args.batch,
                          n_threads=args.threads, n_gpu_layers=ngl, rpc_servers=servers)
     ecfg = EngineConfig(model=params, aliases=aliases, low_priority=not args.no_low_priority,
                         slot_queue=args.slot_queue, reload_policy=args.reload_policy,
                         reload_mode=args.reload_mode, drain_timeout=args.drain_timeout, resolve_model=resolve,
-                        token_budget=args.batch)
+                        token_budget=args.batch, rpc_allow=rpc_allow)
     scfg = ServerConfig(host=args.host, port=args.port, loop=args.loop, max_connections=args.max_connections,
                         allow=[ipaddress.ip_network(a, strict=False) for a in args.allow],
                         first_bytes_timeout=args.first_bytes_timeout, idle_timeout=args.idle_timeout,
