@@ -14,9 +14,9 @@ reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``id
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
            ``aliases``, ``model_aliases()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
-           (cancel with ``job.cancel()``), ``state_get(slot)``, ``state_put(slot, tokens,
-           state)``, ``erase(slot)``, ``configure(cfg)``, ``swap_model(alias)``,
-           ``wait_reload(ticket)``, ``set_expert_mode(mode)``
+           (cancel with ``job.cancel()``), ``submit_admitted(job)``, ``state_get(slot)``,
+           ``state_put(slot, tokens, state)``, ``erase(slot)``, ``configure(cfg)``,
+           ``swap_model(alias)``, ``wait_reload(ticket)``, ``set_expert_mode(mode)``
 """
 from __future__ import annotations
 
@@ -231,6 +231,16 @@ class Engine:
         self._require_actor()
         job.done = asyncio.get_running_loop().create_future()
         self.post(Submit(job))
+        return job
+
+    async def submit_admitted(self, job: GenJob) -> GenJob:
+        """``submit``, then wait until the actor has taken the job (running, or queued while a
+        reload drains): a refusal (EngineBusy for a busy slot and ``job.wait`` False) is raised
+        here instead of failing ``job.result()`` later."""
+        self.submit(job)
+        await self._call(Wake())  # the mailbox is FIFO: the Submit before it has been handled
+        if job.done.done() and not job.done.cancelled() and job.done.exception() is not None:
+            raise job.done.exception()
         return job
 
     async def state_get(self, slot: int) -> StateOut:

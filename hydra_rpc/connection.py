@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import Awaitable, Callable
 
@@ -55,6 +56,8 @@ class HydraConnection(asyncio.BufferedProtocol):
         self._high_water = RECV_BUFFER
         self.clock = ReadClock(cfg.idle_timeout, cfg.stall_timeout, cfg.min_rate, cfg.min_rate_window)
         self.peer_gone = asyncio.Event()
+        self.closed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # see Request.closed
+        self._reset = False
         self.transport: asyncio.Transport | None = None
         self.in_request = False
         self.stopping = False  # set by a graceful shutdown: finish this request, then close
@@ -93,6 +96,7 @@ class HydraConnection(asyncio.BufferedProtocol):
         return True  # keep the transport open: the responses still go out
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._reset = self._reset or exc is not None
         self._eof = self._lost = True
         self.peer_gone.set()
         self._wake()
@@ -221,7 +225,10 @@ class HydraConnection(asyncio.BufferedProtocol):
                 self._timer.cancel()
                 self._timer = None
             if self.transport is not None:
+                self._reset = self._reset or (not self._lost and _socket_error(self.transport))
                 self.transport.close()
+            if not self.closed.done():
+                self.closed.set_result(self._reset)
 
     async def _refuse(self, e: FrameTooLarge) -> None:
         """A frame the decoder refused: one ERROR, then skip it (or close, when it is too big)."""
@@ -244,9 +251,9 @@ class HydraConnection(asyncio.BufferedProtocol):
             if handler is None:
                 await resp.send(Status.ERROR, {"error": f"unknown opcode 0x{h.op:02x}"})
             else:
-                body = Body(self, start.payload_len)
-                await self._run(handler, Request(h, start.key, trace, body, self.peer, self.conn_id, self.peer_gone),
-                                resp)
+                req = Request(h, start.key, trace, Body(self, start.payload_len), self.peer, self.conn_id,
+                              self.peer_gone, self.closed)
+                await self._run(handler, req, resp)
             await self.skip_payload()
 
     async def _run(self, handler: Handler, req: Request, resp: ResponseWriter) -> None:
@@ -276,6 +283,16 @@ class HydraConnection(asyncio.BufferedProtocol):
 
     def _request(self, h, key: bytes, trace: bytes, resp: ResponseWriter) -> "_RequestScope":
         return _RequestScope(self, h, key, trace, resp)
+
+
+def _socket_error(transport: asyncio.BaseTransport) -> bool:
+    """A reset the kernel recorded but nobody read: our reply reached a socket the peer had
+    already closed (its FIN came first, so reading stopped at the end of the stream)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+    except OSError:
+        return False
 
 
 class _RequestScope:
