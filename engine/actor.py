@@ -10,7 +10,7 @@ The public face — all the wire layer (``hydra_rpc``) uses:
 
 lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
-           ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
+           ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``max_state_size``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
            ``aliases``, ``model_aliases()``
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
@@ -89,6 +89,7 @@ class Engine:
         self.expert_mode = "solo"
         self.snapshots: tuple[SlotSnapshot, ...] = ()
         self.identity = ModelIdentity()
+        self._max_state_size = 0
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
         self.loader: concurrent.futures.ThreadPoolExecutor | None = None
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -176,6 +177,11 @@ class Engine:
     @property
     def n_vocab(self) -> int:
         return self.identity.n_vocab
+
+    @property
+    def max_state_size(self) -> int:
+        """The largest state one slot of the live model and context can hold (bytes)."""
+        return self._max_state_size
 
     @property
     def state_chunk_size(self) -> int:
@@ -301,7 +307,13 @@ class Engine:
         self._require_actor()
         fut = asyncio.get_running_loop().create_future()
         self._mailbox.put_nowait((message, fut))
-        return await fut
+        try:
+            return await fut
+        finally:
+            # A refusal's traceback holds this frame, the frame the future, the future the
+            # refusal: a cycle that would keep the caller's frames (a STATE_PUT's buffer) alive
+            # until the cyclic GC happens to run.
+            message = fut = None
 
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
@@ -358,6 +370,9 @@ class Engine:
                 reply.set_exception(e)
             elif reply is None:
                 log.exception("engine message %s failed", type(message).__name__)
+            # The exception's traceback holds this frame: it must hold neither the reply (which
+            # holds the exception: a cycle) nor the message (a STATE_PUT's state).
+            message = reply = None
             return
         if reply is not None and not reply.done():
             reply.set_result(result)
@@ -485,6 +500,7 @@ class Engine:
         old, self.model, self.params = self.model, model, params
         if model is not None:
             self.identity = ModelIdentity.of(model.identity, model.n_vocab)
+            self._max_state_size = model.max_state_size(params.n_ctx_slot)
             self._state_buf.clear()
             for slot in self.slots:  # a new context holds no sequences
                 slot.tokens, slot.tail, slot.state_size = [], [], 0

@@ -24,7 +24,7 @@ from engine.jobs import EngineBusy, GenJob
 from engine.model_params import ModelParams
 
 from .engine_meta import identity_meta
-from .handlers import BlobRejected, restore_kv_blob, select_model
+from .handlers import BlobRejected, check_kv_blob_size, restore_kv_blob, select_model
 from .wire import PeerGone, Request, ResponseWriter
 
 log = logging.getLogger("hydra_rpc.decode_v3")
@@ -74,7 +74,8 @@ class DecodeV3:
             if seg.id == "prompt":
                 prompt = await body.read_exactly(seg.len)
             else:
-                kv = lazy_buffer(seg.len)  # ≤ 4 GiB (validated); memory follows what arrives
+                check_kv_blob_size(self.engine, seg.len, "kv segment", "v3.kv_len")
+                kv = lazy_buffer(seg.len)  # memory follows what arrives
                 await body.read_into(kv)
         await body.drain(5.0)  # nothing should be left; sums were validated
         V3.validate_kv_segment(kv, len(kv))

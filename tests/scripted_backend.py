@@ -172,6 +172,9 @@ class ScriptedBackend:
     def state_seq_size(self, seq: int) -> int:
         return _STATE_HEAD + 4 * len(self.kv[seq])
 
+    def max_state_size(self, n_tokens: int) -> int:
+        return _STATE_HEAD + 4 * n_tokens
+
     def state_seq_get(self, seq: int) -> bytes:
         kv = self.kv[seq]
         return STATE_MAGIC + struct.pack(f"<II{len(kv)}i", self.serial, len(kv), *kv)

@@ -110,6 +110,7 @@ class LoadedModel:
             self._logit_idx: dict[int, int] = {}
             self._identity = read_identity(model, self._vocab, path, self._n_vocab)
             self.chat = ChatTemplate(chat_template_source(model), self._identity["architecture"])
+            self._state_growth = self._measure_state_growth()
         except BaseException:
             self.close()
             raise
@@ -366,6 +367,24 @@ class LoadedModel:
         return make_sampler(params, self)
 
     # ---- state -------------------------------------------------------------------------
+    def _measure_state_growth(self) -> tuple[int, int]:
+        """(state bytes of a one-token sequence, bytes each further token adds), measured on
+        sequence 0 while the context is new and empty. The KV layout (layers, cache types,
+        V transposed or not, sliding windows, recurrent state) is the model's business: the
+        state llama.cpp writes for one and for two tokens tells it without knowing any of it."""
+        sizes = []
+        for pos in (0, 1):
+            self.decode([BatchItem(0, [self.bos], pos, False)])
+            sizes.append(self.state_seq_size(0))
+        self.seq_clear(0)
+        return sizes[0], max(0, sizes[1] - sizes[0])
+
+    def max_state_size(self, n_tokens: int) -> int:
+        """The largest state :meth:`state_seq_get` can return for a sequence of ``n_tokens``
+        (an upper bound: a sliding-window cache stops growing at its window)."""
+        one, per_token = self._state_growth
+        return one + per_token * max(0, n_tokens - 1)
+
     def state_seq_size(self, seq: int) -> int:
         return int(L.llama_state_seq_get_size(self._ctx_handle(), self._check_seq(seq)))
 
@@ -403,13 +422,17 @@ class LoadedModel:
         n_bytes = len(data) if not isinstance(data, memoryview) else data.nbytes
         if not n_bytes:
             return 0
+        # No ctypes.cast of a ctypes object: it links the object and its cast in a reference cycle
+        # (each keeps the other in ``_objects``), and the cycle would keep the caller's buffer
+        # — hundreds of MiB — alive until the cyclic GC runs. A bytes object is cast by address
+        # (kept alive by ``data`` during the call); a c_uint8 array passes as the pointer itself.
         if isinstance(data, bytes):
-            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+            src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
         else:
             mv = memoryview(data).cast("B")
             if mv.readonly:
                 mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
-            src = ctypes.cast((ctypes.c_uint8 * n_bytes).from_buffer(mv), ctypes.POINTER(ctypes.c_uint8))
+            src = (ctypes.c_uint8 * n_bytes).from_buffer(mv)
         clear_llama_errors()
         n = int(L.llama_state_seq_set_data(ctx, src, n_bytes, seq))
         if n == 0:
