@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.actor import Engine, EngineConfig
 
 from .config import ServerConfig
+from .conn_budget import ConnectionBudget, open_fds, raise_nofile_limit
 from .decode_v3_handler import DecodeV3
 from .handlers import Handlers
 from .server import HydraServer
@@ -24,6 +25,12 @@ class App:
     server: HydraServer | None = None
     http: object | None = None
     extras: dict = field(default_factory=dict)
+    budget: ConnectionBudget = field(init=False)  # open connections of both ports
+    nofile: int = field(init=False)  # the open-files limit in force
+
+    def __post_init__(self) -> None:
+        self.nofile = raise_nofile_limit()
+        self.budget = ConnectionBudget.for_fd_limit(self.server_cfg.max_connections, self.nofile, open_fds())
 
     async def start(self) -> None:
         """HTTP first (so ``/health`` says 503 while the first model loads), then the
@@ -45,7 +52,7 @@ class App:
         handlers = Handlers(self.engine, decode_v3=dv3.handle)
         self.extras["decode_results"] = dv3.results
         self.server = HydraServer(self.server_cfg, handlers.table(),
-                                  on_request=metrics.observe_request if metrics else None)
+                                  on_request=metrics.observe_request if metrics else None, budget=self.budget)
         if self.server_cfg.ggml_rpc_embedded:
             self.server.passthrough.start_embedded()
         await self.server.start()

@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--port", type=int, default=9503, help="engine port (0: pick a free one and print it)")
     n.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="event loop implementation")
     n.add_argument("--max-connections", type=int, default=1024,
-                   help="open engine-port connections; one more gets BUSY and a close")
+                   help="open connections, engine port and HTTP together (lowered if the open-files limit needs "
+                        "it); one more gets BUSY and a close (HTTP: 503)")
     n.add_argument("--allow", action="append", default=[], metavar="CIDR",
                    help="allowed client networks, repeatable (default: any)")
     n.add_argument("--first-bytes-timeout", type=float, default=10.0,
@@ -178,6 +179,14 @@ async def serve(args: argparse.Namespace) -> int:
         if failure is None:
             raise
         raise failure from e
+    budget = app.budget
+    limit = f"at most {budget.max_connections} connections, engine port and HTTP together (open-files limit {app.nofile})"
+    if budget.max_connections < args.max_connections:
+        announce(f"hydra-rpc: {limit}: --max-connections {args.max_connections} lowered to leave descriptors for "
+                 "the server itself; raise the limit (ulimit -n) for more", level="WARNING",
+                 max_connections=budget.max_connections, nofile=app.nofile)
+    else:
+        announce(f"hydra-rpc: {limit}", max_connections=budget.max_connections, nofile=app.nofile)
     host, port = app.address
     announce(f"hydra-rpc listening on {host}:{port}", stream=sys.stdout, host=host, port=port)
     if app.http is not None:
