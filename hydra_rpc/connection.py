@@ -29,7 +29,7 @@ from codec.enums import Status, op_name, status_name
 from codec.errors import BadMagic, FrameTooLarge, RemoteProtocolError
 
 from .config import ServerConfig
-from .deadlines import IDLE, ReadClock
+from .deadlines import IDLE, ClockTimer, ReadClock
 from .logs import log_request
 from .wire import Body, PeerGone, Request, ResponseWriter
 
@@ -64,7 +64,7 @@ class HydraConnection(asyncio.BufferedProtocol):
         self.requests = 0
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future | None = None  # the serving task waits here for bytes
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = ClockTimer(self.clock, self._deadline_passed)
         self._eof = False  # nothing more will arrive
         self._lost = False  # the transport is gone
         self._read_paused = False
@@ -104,9 +104,7 @@ class HydraConnection(asyncio.BufferedProtocol):
             if not fut.done():
                 fut.set_exception(PeerGone("client went away during the response"))
         self._drain_waiters.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -142,7 +140,7 @@ class HydraConnection(asyncio.BufferedProtocol):
             raise PeerGone("client closed the connection" if self.decoder.at_boundary and not self.decoder.buffered
                            else "client closed the connection mid-frame")
         self.clock.wait(self._loop.time(), idle=self.decoder.at_boundary and not self.decoder.buffered)
-        self._arm()
+        self._timer.arm()
         if self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()
@@ -153,20 +151,7 @@ class HydraConnection(asyncio.BufferedProtocol):
             self._waiter = None
             self.clock.stop(self._loop.time())
 
-    def _arm(self) -> None:
-        at = self.clock.next_check()
-        if at is None or (self._timer is not None and self._timer.when() <= at):
-            return  # an earlier timer re-arms when it fires
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_at(at, self._on_timer, at)
-
-    def _on_timer(self, at: float) -> None:
-        self._timer = None
-        reason = self.clock.expired(max(at, self._loop.time()))
-        if reason is None:
-            self._arm()
-            return
+    def _deadline_passed(self, reason: str) -> None:
         log.info("closing: %s", self.clock.describe(reason), extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
         if reason == IDLE:
             self.transport.close()
@@ -221,9 +206,7 @@ class HydraConnection(asyncio.BufferedProtocol):
         except (CloseConnection, PeerGone, ConnectionError, TimeoutError):
             pass
         finally:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._timer.cancel()
             if self.transport is not None:
                 self._reset = self._reset or (not self._lost and _socket_error(self.transport))
                 self.transport.close()

@@ -29,7 +29,7 @@ from codec.limits import HYDRA_MAX_PROMPT_BYTES
 
 from .config import ServerConfig
 from .conn_budget import Acceptor, ConnectionBudget
-from .deadlines import IDLE, ReadClock
+from .deadlines import IDLE, ClockTimer, ReadClock
 from .http_openai import error_body
 
 log = logging.getLogger("hydra_rpc.http")
@@ -44,7 +44,7 @@ def max_body_for(n_ctx_slot: int) -> int:
     return min(HYDRA_MAX_PROMPT_BYTES, max(MIN_MAX_BODY, n_ctx_slot * BODY_BYTES_PER_TOKEN))
 
 
-def _refusal(max_connections: int) -> bytes:
+def _refusal_bytes(max_connections: int) -> bytes:
     body = json.dumps(error_body(503, f"connection limit of {max_connections} reached; retry later")).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -58,7 +58,6 @@ class HttpLimits:
         self.budget = budget
         self.max_body = max_body
         self._guards: dict[Any, _Guard] = {}  # aiohttp's RequestHandler → the guard around it
-        self.refused = 0
 
     def site(self, runner: web.BaseRunner, host: str, port: int) -> "LimitedSite":
         return LimitedSite(runner, host, port, self)
@@ -122,7 +121,8 @@ class _Guard(asyncio.Protocol):
         cfg = limits.cfg
         self.clock = ReadClock(cfg.first_bytes_timeout, cfg.stall_timeout, cfg.min_rate, cfg.min_rate_window)
         self._loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = ClockTimer(self.clock, self._deadline_passed)
+        self._refusal: asyncio.TimerHandle | None = None
         self._gone = False
 
     # ---------------------------------------------------------------- transport → aiohttp
@@ -130,9 +130,8 @@ class _Guard(asyncio.Protocol):
         self.transport = transport
         limits = self.limits
         if limits.budget.over_limit:
-            limits.refused += 1
-            transport.write(_refusal(limits.budget.max_connections))
-            self._timer = self._loop.call_later(REFUSAL_LINGER, transport.close)
+            transport.write(_refusal_bytes(limits.budget.max_connections))
+            self._refusal = self._loop.call_later(REFUSAL_LINGER, transport.close)
             return
         self.inner = self._make_handler()
         limits._guards[self.inner] = self
@@ -144,7 +143,7 @@ class _Guard(asyncio.Protocol):
             return  # refused: what it sends is not read
         self.clock.received(len(data), self._loop.time())
         if self.clock.waiting:
-            self._arm()  # the first byte of a request turns the idle deadline into stall and rate
+            self._timer.arm()  # the first byte of a request turns the idle deadline into stall and rate
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -157,8 +156,9 @@ class _Guard(asyncio.Protocol):
         if self._gone:
             return
         self._gone = True
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
+        if self._refusal is not None:
+            self._refusal.cancel()
         self.limits.budget.closed()
         if self.inner is not None:
             self.limits._guards.pop(self.inner, None)
@@ -182,7 +182,7 @@ class _Guard(asyncio.Protocol):
         now = self._loop.time()
         if reading:
             self.clock.wait(now, idle=False)
-            self._arm()
+            self._timer.arm()
         else:
             self.clock.stop(now)
 
@@ -197,21 +197,10 @@ class _Guard(asyncio.Protocol):
     # ---------------------------------------------------------------- deadlines
     def _wait(self, idle: bool) -> None:
         self.clock.wait(self._loop.time(), idle=idle)
-        self._arm()
+        self._timer.arm()
 
-    def _arm(self) -> None:
-        at = self.clock.next_check()
-        if at is None or self._gone or (self._timer is not None and self._timer.when() <= at):
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_at(at, self._on_timer, at)
-
-    def _on_timer(self, at: float) -> None:
-        self._timer = None
-        reason = self.clock.expired(max(at, self._loop.time()))
-        if reason is None:
-            self._arm()
+    def _deadline_passed(self, reason: str) -> None:
+        if self._gone:
             return
         peer = self.transport.get_extra_info("peername") or ("?", 0)
         log.info("closing HTTP connection from %s:%s: %s", peer[0], peer[1], self.clock.describe(reason))
