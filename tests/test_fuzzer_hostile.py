@@ -131,8 +131,8 @@ def test_slow_senders_the_target_never_cuts_are_a_finding(tmp_path):
 def test_slow_senders_are_cut_by_the_servers_minimum_rate(tmp_path, tiny_model_path):
     spawn = (f"{shlex.quote(sys.executable)} -m hydra_rpc.cli serve --model tiny --no-http --port {{port}} "
              "--stall-timeout 60 --min-rate 1024 --min-rate-window 2 --log-level WARNING")
-    p = fuzz("--target", "127.0.0.1:0", "--spawn", spawn, "--seed", "1", "--seconds", "8", "--slow-senders", "3",
-             "--slow-deadline", "30", "--out", str(tmp_path), "--json", timeout=150)
+    p = fuzz("--target", "127.0.0.1:0", "--spawn", spawn, "--seed", "1", "--index", "0", "--slow-senders", "3",
+             "--slow-deadline", "30", "--out", str(tmp_path), "--json", timeout=100)
     results = json.loads(p.stdout)
     assert not [f for f in results["findings"] if f["rule"] == "slow-sender"], results["findings"]
     assert results["slow_senders"]["cut_by_server"] >= 3, results["slow_senders"]
