@@ -301,6 +301,15 @@ def split_logits_tail(layout: KvBlobLayout, consumed: int, n_vocab: int) -> KvBl
     return layout
 
 
+def max_kv_blob_size(n_tokens: int, max_state: int, n_vocab: int) -> int:
+    """The largest blob a sequence of up to ``n_tokens`` can need: a v2/v3 header listing every
+    token, a checkpoint whose captures total at most ``max_state`` bytes, a state of at most
+    ``max_state`` bytes, and the n_vocab × 4 bytes of a logits tail. A receiver caps a blob's
+    length by it before allocating anything."""
+    head = _V23_HEAD.size + 4 * n_tokens + 1 + _CK_HEAD.size + _U64.size
+    return head + 2 * max_state + 4 * n_vocab
+
+
 # ---- encoder -------------------------------------------------------------------------------
 
 

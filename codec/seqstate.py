@@ -184,13 +184,23 @@ _K_HEAD = struct.Struct("<iQ")
 _VT_HEAD = struct.Struct("<iII")
 
 
+@dataclass(frozen=True, slots=True)
+class SeqField:
+    """Where one header field of a sequence state is (for tools that edit blobs in place)."""
+
+    name: str  # e.g. "n_stream", "cell_count", "cell 3 pos", "layer 0 K row_size"
+    offset: int
+    fmt: str  # its struct format, little-endian: "<I", "<i" or "<Q"
+
+
 class _Reader:
-    """Bounds-checked cursor; every length is checked against what is left first."""
+    """Bounds-checked cursor; every length is checked against what is left first. With
+    ``fields`` it records where each header field it reads is."""
 
-    __slots__ = ("buf", "off", "end")
+    __slots__ = ("buf", "off", "end", "fields")
 
-    def __init__(self, buf: Buffer) -> None:
-        self.buf, self.off, self.end = buf, 0, len(buf)
+    def __init__(self, buf: Buffer, fields: list[SeqField] | None = None) -> None:
+        self.buf, self.off, self.end, self.fields = buf, 0, len(buf), fields
 
     def left(self) -> int:
         return self.end - self.off
@@ -199,8 +209,10 @@ class _Reader:
         if n > self.left():
             raise Truncated(f"{what} needs {n} bytes at offset {self.off}, {self.left()} left", rule="seq.truncated")
 
-    def unpack(self, st: struct.Struct, what: str) -> tuple:
+    def unpack(self, st: struct.Struct, what: str, names: tuple[str, ...] = ()) -> tuple:
         self.need(st.size, what)
+        if self.fields is not None:
+            self.record(st.format[1:], names or (what,), self.off)
         v = st.unpack_from(self.buf, self.off)
         self.off += st.size
         return v
@@ -208,6 +220,11 @@ class _Reader:
     def skip(self, n: int, what: str) -> None:
         self.need(n, what)
         self.off += n
+
+    def record(self, codes: str, names: tuple[str, ...], off: int) -> None:
+        for code, name in zip(codes, names, strict=True):
+            self.fields.append(SeqField(name, off, "<" + code))
+            off += struct.calcsize("<" + code)
 
 
 def parse_seq_state(
@@ -219,17 +236,19 @@ def parse_seq_state(
     max_streams: int = MAX_STREAMS,
     cell_ext: bool = False,
     n_caches: int = 1,
+    fields: list[SeqField] | None = None,
 ) -> SeqStateSummary:
     """Summarise the sequence state at the start of ``buf`` (it may be followed by logits).
 
     Limits, checked before a claim sizes anything: ``max_cells`` cells per stream (the slot
     context), ``max_layers``, ``max_streams``, and positions in ``[0, max_pos)`` (default
     ``max_cells``). Raises :class:`Truncated` / :class:`MalformedPayload` (rule ``seq.*``).
+    ``fields``, when given, receives where each header field read so far is.
     """
     if max_cells < 0 or max_layers < 0 or n_caches < 1:
         raise LocalProtocolError("limits must be >= 0 and n_caches >= 1", rule="seq.limits")
-    r = _Reader(memoryview(buf).cast("B") if not isinstance(buf, bytes) else buf)
-    magic, seq_id = r.unpack(_PREFIX, "the magic and seq_id")
+    r = _Reader(memoryview(buf).cast("B") if not isinstance(buf, bytes) else buf, fields)
+    magic, seq_id = r.unpack(_PREFIX, "the magic and seq_id", ("magic", "seq_id"))
     if magic != SEQ_STATE_MAGIC:
         raise MalformedPayload(
             f"KV state lacks llama.cpp's sequence-state magic 0x{SEQ_STATE_MAGIC:08x} (got 0x{magic:08x}): "
@@ -258,6 +277,10 @@ def _parse_stream(r: _Reader, max_cells: int, max_layers: int, max_pos: int, cel
         raise MalformedPayload(f"{cells} cells > {max_cells}, the slot context", rule="seq.cells")
     words = 6 if cell_ext else 3  # pos, n_seq_id, [x, y, tok,] seq_id
     r.need(4 * words * cells, f"{cells} cell records")
+    if r.fields is not None:
+        names = ("pos", "n_seq_id", "x", "y", "tok", "seq_id") if cell_ext else ("pos", "n_seq_id", "seq_id")
+        for i in range(cells):
+            r.record("iIiiii" if cell_ext else "iIi", tuple(f"cell {i} {n}" for n in names), r.off + 4 * words * i)
     recs = np.frombuffer(r.buf, dtype="<i4", count=words * cells, offset=r.off).reshape(cells, words)
     r.off += 4 * words * cells
     if (recs[:, 1] != 1).any():
@@ -268,26 +291,27 @@ def _parse_stream(r: _Reader, max_cells: int, max_layers: int, max_pos: int, cel
     pos_min, pos_max = int(pos.min()), int(pos.max())
     if pos_min < 0 or pos_max >= max_pos:
         raise MalformedPayload(f"positions {pos_min}..{pos_max} outside 0..{max_pos - 1}", rule="seq.pos")
-    v_trans, n_layer = r.unpack(_TWO_U32, "v_trans and n_layer")
+    v_trans, n_layer = r.unpack(_TWO_U32, "v_trans and n_layer", ("v_trans", "n_layer"))
     if v_trans > 1:
         raise MalformedPayload(f"v_trans {v_trans} is not 0 or 1", rule="seq.v_trans")
     if n_layer > max_layers:
         raise MalformedPayload(f"{n_layer} layers > {max_layers}", rule="seq.n_layer")
     k = []
     for il in range(n_layer):
-        k_type, row = r.unpack(_K_HEAD, f"layer {il} K header")
+        k_type, row = r.unpack(_K_HEAD, f"layer {il} K header", (f"layer {il} K type", f"layer {il} K row_size"))
         _check_rows(r, row, cells, f"layer {il} K")
         r.skip(row * cells, f"layer {il} K data")
         k.append((k_type, row))
     layers = []
     for il in range(n_layer):
         if v_trans:
-            v_type, el, n_embd = r.unpack(_VT_HEAD, f"layer {il} V header")
+            v_type, el, n_embd = r.unpack(_VT_HEAD, f"layer {il} V header",
+                                          (f"layer {il} V type", f"layer {il} V el_size", f"layer {il} V n_embd"))
             _check_rows(r, el * n_embd, cells, f"layer {il} V")
             r.skip(el * n_embd * cells, f"layer {il} V data")
             layers.append(LayerTypes(k[il][0], k[il][1], v_type, el, n_embd))
         else:
-            v_type, row = r.unpack(_K_HEAD, f"layer {il} V header")
+            v_type, row = r.unpack(_K_HEAD, f"layer {il} V header", (f"layer {il} V type", f"layer {il} V row_size"))
             _check_rows(r, row, cells, f"layer {il} V")
             r.skip(row * cells, f"layer {il} V data")
             layers.append(LayerTypes(k[il][0], k[il][1], v_type, row))

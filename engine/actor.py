@@ -10,14 +10,15 @@ The public face — all the wire layer (``hydra_rpc``) uses:
 
 lifecycle  ``check()``, ``start()``, ``stop()``
 reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
-           ``kv_cache`` (KvCacheInfo: what a restore must match), ``n_slots``, ``n_ctx_slot``, ``n_vocab``, ``snapshots``/``snapshot(slot)``,
+           ``kv_cache`` (KvCacheInfo: what a restore must match), ``n_slots``, ``n_ctx_slot``, ``n_vocab``,
+           ``max_state_size``, ``snapshots``/``snapshot(slot)``,
            ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
            ``aliases``, ``model_states()``, ``cache.info()`` (the prompt cache),
            ``queued_unassigned`` (jobs naming no slot, waiting for any)
 requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
            (cancel with ``job.cancel()``; ``job.slot`` None: the engine picks the slot; a stream
            writer reports a client that is not reading with ``job.set_client_blocked()``),
-           ``state_get(slot)``, ``state_put(slot, tokens, state)``, ``erase(slot)``
+           ``submit_admitted(job)``, ``state_get(slot)``, ``state_put(slot, tokens, state)``, ``erase(slot)``
            (slot files: ``engine.slot_files``), ``configure(cfg)``, ``swap_model(alias)``,
            ``wait_reload(ticket)``, ``set_expert_mode(mode)``
 """
@@ -44,6 +45,7 @@ from .model_params import ModelParams, resolve_path
 from .prompt_cache import PromptCache
 from .rates import RateWindow, rate
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
+from .rpc_allow import RpcAllowList
 from .sampling import SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving, fail
 from .slots import Slot, SlotSnapshot
@@ -67,6 +69,8 @@ class EngineConfig:
     drain_timeout: float = 300.0
     resolve_model: Callable[[str], Any] = str
     defaults: dict[str, Any] = field(default_factory=dict)  # T1 parameters
+    # ggml RPC servers a CONFIGURE ``rpc_servers`` may name (engine.rpc_allow)
+    rpc_allow: RpcAllowList = field(default_factory=RpcAllowList)
     backend: BackendFactory = field(default_factory=LlamaFactory)
     # how the drain timeout is scheduled (None: the event loop's call_later)
     call_later: Callable[[float, Callable[[], None]], Any] | None = None
@@ -195,6 +199,11 @@ class Engine:
         return self.identity.n_vocab
 
     @property
+    def max_state_size(self) -> int:
+        """The largest state one slot of the live model and context can hold (bytes)."""
+        return self.kv_cache.max_state_size if self.kv_cache is not None else 0
+
+    @property
     def state_chunk_size(self) -> int:
         """Bytes per write of a state transfer (T1 ``state_chunk_size``)."""
         return int(self.t1["state_chunk_size"])
@@ -274,6 +283,16 @@ class Engine:
         self.post(Submit(job))
         return job
 
+    async def submit_admitted(self, job: GenJob) -> GenJob:
+        """``submit``, then wait until the actor has taken the job (running, or queued while a
+        reload drains): a refusal (EngineBusy for a busy slot and ``job.wait`` False) is raised
+        here instead of failing ``job.result()`` later."""
+        self.submit(job)
+        await self._call(Wake())  # the mailbox is FIFO: the Submit before it has been handled
+        if job.done.done() and not job.done.cancelled() and job.done.exception() is not None:
+            raise job.done.exception()
+        return job
+
     async def state_get(self, slot: int) -> StateOut:
         return await self._call(StateGet(slot))
 
@@ -338,7 +357,13 @@ class Engine:
         self._require_actor()
         fut = asyncio.get_running_loop().create_future()
         self._mailbox.put_nowait((message, fut))
-        return await fut
+        try:
+            return await fut
+        finally:
+            # A refusal's traceback holds this frame, the frame the future, the future the
+            # refusal: a cycle that would keep the caller's frames (a STATE_PUT's buffer) alive
+            # until the cyclic GC happens to run.
+            message = fut = None
 
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
@@ -398,6 +423,9 @@ class Engine:
                 reply.set_exception(e)
             elif reply is None:
                 log.exception("engine message %s failed", type(message).__name__)
+            # The exception's traceback holds this frame: it must hold neither the reply (which
+            # holds the exception: a cycle) nor the message (a STATE_PUT's state).
+            message = reply = None
             return
         if reply is not None and not reply.done():
             reply.set_result(result)
@@ -511,6 +539,7 @@ class Engine:
     async def _on_configure(self, msg: Configure) -> ConfigureOutcome:
         c = tiers.classify(dict(msg.cfg))
         self._refuse_unfit_kv(c)
+        self._refuse_unlisted_rpc(c)
         new_params = self.params.derive(c.staged, self.cfg.resolve_model) if c.staged else None
         if c.t1:
             self.t1.update(c.t1)
@@ -537,6 +566,13 @@ class Engine:
             why = build_problem(p, self.kv_cache if "model" not in c.staged else None, available_memory())
             for key in asked if why else ():
                 c.reject(key, why)
+
+    def _refuse_unlisted_rpc(self, c: tiers.Classified) -> None:
+        """``rpc_servers`` naming a server off the start-up allow-list goes to ``rejected_keys``
+        (see ``engine.rpc_allow``)."""
+        why = self.cfg.rpc_allow.refusal(c.staged["rpc_servers"]) if "rpc_servers" in c.staged else None
+        if why:
+            c.reject("rpc_servers", why)
 
     # ------------------------------------------------------------------ for the Reloader
     def quiescent(self) -> bool:

@@ -3,10 +3,14 @@
 Copying a multi-hundred-MiB state into fresh memory pays a page fault per page (on this
 machine kind ~110 ms at 256 MiB, and very variable under a VM); a buffer whose pages are
 already resident does not. The price is that the largest buffer used so far stays
-allocated. A transfer that finds the buffer leased gets a fresh one of its own.
+allocated — so a buffer above ``idle_keep`` bytes is dropped once it has been idle for
+``idle_after`` seconds: back-to-back transfers keep it, one large transfer an hour ago does
+not hold its memory until the next. A transfer that finds the buffer leased gets a fresh
+one of its own.
 """
 from __future__ import annotations
 
+import asyncio
 import mmap
 from typing import Callable
 
@@ -18,7 +22,7 @@ def lazy_buffer(n: int) -> Buffer:
 
     A length field is a claim, not a fact: a 70-byte request saying "4 GiB follow" must
     cost neither 4 GiB of RAM nor seconds of zero-filling; an anonymous mapping reserves
-    address space only.
+    address space only (and gives its pages back to the system when dropped).
     """
     if n < (1 << 20):
         return bytearray(n)
@@ -27,27 +31,50 @@ def lazy_buffer(n: int) -> Buffer:
 
 
 class LeasedBuffer:
-    def __init__(self, make: Callable[[int], Buffer] = lazy_buffer, keep_max: int = 8 << 30):
+    def __init__(self, make: Callable[[int], Buffer] = lazy_buffer, keep_max: int = 8 << 30,
+                 idle_keep: int = 64 << 20, idle_after: float = 10.0):
         self._make = make
         self._buf: Buffer | None = None
         self._leased = False
+        self._idle_timer: asyncio.TimerHandle | None = None
         self.keep_max = keep_max  # never retain more than this
+        self.idle_keep = idle_keep  # retained however long it is idle
+        self.idle_after = idle_after
+
+    @property
+    def retained(self) -> int:
+        """Bytes held between transfers."""
+        return len(self._buf) if self._buf is not None else 0
 
     def lease(self, size: int) -> tuple[memoryview, Callable[[], None]]:
         """A writable view of ``size`` bytes and the function that gives it back."""
         if self._leased or size > self.keep_max:
             return memoryview(self._make(size)), _noop
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if self._buf is None or len(self._buf) < size:
             self._buf = None  # drop the smaller one first: never hold both
             self._buf = self._make(size)
         self._leased = True
+        return memoryview(self._buf)[:size], self._release
 
-        def release() -> None:
-            self._leased = False
-
-        return memoryview(self._buf)[:size], release
+    def _release(self) -> None:
+        self._leased = False
+        if self.retained <= self.idle_keep:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop to wait on: do not keep it at all
+            self._buf = None
+            return
+        self._idle_timer = loop.call_later(self.idle_after, self.clear)
 
     def clear(self) -> None:
+        """Drop the retained buffer, unless a transfer holds it now."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if not self._leased:
             self._buf = None
 

@@ -1,7 +1,10 @@
 """Results of merged DECODE v3 requests, kept for ``GET /v1/decode/{id}``.
 
 Bounded like the C++ (``HYDRA_DECODE_RESULT_TTL_S`` = 300 s, ``HYDRA_DECODE_RESULT_MAX`` =
-1024): the oldest entry is evicted first; expired entries disappear on access.
+1024): the oldest entry is evicted first; expired entries disappear on access. A job whose
+entry is evicted while it runs is cancelled: nobody can read its result any more. A job also
+stops after ``budget`` seconds (``HYDRA_DECODE_BUDGET_S``, default 120 s, at most the TTL),
+so a detached generation cannot hold its slot longer than that whoever asked for it.
 """
 from __future__ import annotations
 
@@ -26,11 +29,21 @@ class DecodeEntry:
     n_past_after_restore: int = 0
     model: str = ""
 
+    def stop(self, why: str) -> bool:
+        """Cancel the job if it still runs (its partial result stays readable); True if it did."""
+        if self.state != "running" or self.job.cancelled:
+            return False
+        self.job.cancel()
+        self.error = why
+        return True
+
 
 class DecodeResults:
-    def __init__(self, ttl: float | None = None, max_entries: int | None = None):
+    def __init__(self, ttl: float | None = None, max_entries: int | None = None, budget: float | None = None):
         self.ttl = ttl if ttl is not None else float(os.environ.get("HYDRA_DECODE_RESULT_TTL_S", 300))
         self.max_entries = max_entries or int(os.environ.get("HYDRA_DECODE_RESULT_MAX", 1024))
+        budget = budget if budget is not None else float(os.environ.get("HYDRA_DECODE_BUDGET_S", 120))
+        self.budget = min(budget, self.ttl)
         self._ids = itertools.count(1)
         self._entries: OrderedDict[int, DecodeEntry] = OrderedDict()
 
@@ -41,7 +54,7 @@ class DecodeResults:
         self._expire()
         self._entries[entry.id] = entry
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._entries.popitem(last=False)[1].stop("evicted: more than the newest results are kept")
 
     def get(self, decode_id: int) -> DecodeEntry | None:
         self._expire()
@@ -56,4 +69,4 @@ class DecodeResults:
             first = next(iter(self._entries.values()))
             if now - first.created <= self.ttl:
                 break
-            self._entries.popitem(last=False)
+            self._entries.popitem(last=False)[1].stop("expired")

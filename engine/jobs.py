@@ -92,6 +92,9 @@ class GenJob:
     # Serve only on this model config (a request that named a model or a config); if another
     # one is live when the job is admitted, it fails with ModelChanged. None: whatever is live.
     params: ModelParams | None = None
+    # False: never wait in the slot's queue — a busy slot refuses it with EngineBusy (a merged
+    # DECODE runs detached from its client; the C++ answers it "slot is busy")
+    wait: bool = True
     id: int = field(default_factory=lambda: next(_job_ids))
     # runtime, owned by the actor / inference thread
     # (model, tokens): the input tokenized before a slot was chosen; used if that model still serves

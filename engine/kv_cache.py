@@ -105,6 +105,15 @@ class KvCacheInfo:
     layout: KvLayout | None = None  # None: a memory llama.cpp lays out otherwise (recurrent)
     n_ctx_train: int = 0
     head_dim: tuple[int, int] = (0, 0)  # K, V elements per attention head (0: unknown)
+    # (bytes of a one-token sequence state, bytes each further token adds), measured at load
+    state_growth: tuple[int, int] = (0, 0)
+
+    @property
+    def max_state_size(self) -> int:
+        """The largest sequence state one slot can hold, in bytes (an upper bound: a
+        sliding-window cache stops growing at its window); 0 when not measured."""
+        one, per_token = self.state_growth
+        return one + per_token * max(0, self.n_ctx_slot - 1) if one else 0
 
     def fit_problem(self, type_k: str, type_v: str, n_cells: int, available: int) -> str | None:
         """Why a context of this model with these cache types and ``n_cells`` cells cannot be

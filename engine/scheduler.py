@@ -69,7 +69,9 @@ class Scheduler:
         if job.cancelled:
             fail(job, asyncio.CancelledError())
         elif slot.busy or slot.queue or not serving.open:
-            if len(slot.queue) >= self.slot_queue:
+            if not job.wait and (slot.busy or slot.queue):
+                fail(job, EngineBusy(f"slot {slot.id} is busy"))
+            elif len(slot.queue) >= self.slot_queue:
                 fail(job, EngineBusy(f"slot {slot.id} is busy and its queue is full"))
             else:
                 slot.queue.append(job)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.actor import Engine, EngineConfig
 
 from .config import ServerConfig
+from .conn_budget import ConnectionBudget, open_fds, raise_nofile_limit
 from .decode_v3_handler import DecodeV3
 from .handlers import Handlers
 from .server import HydraServer
@@ -26,6 +27,12 @@ class App:
     extras: dict = field(default_factory=dict)
     info_extra: dict = field(default_factory=dict)  # INFO keys of the process (ignored_args)
     ggml_rpc: object | None = None  # the --ggml-rpc-port server
+    budget: ConnectionBudget = field(init=False)  # open connections of both ports
+    nofile: int = field(init=False)  # the open-files limit in force
+
+    def __post_init__(self) -> None:
+        self.nofile = raise_nofile_limit()
+        self.budget = ConnectionBudget.for_fd_limit(self.server_cfg.max_connections, self.nofile, open_fds())
 
     async def start(self) -> None:
         """HTTP first (so ``/health`` says 503 while the first model loads), then the
@@ -48,7 +55,7 @@ class App:
         self.extras["put_buffer"] = handlers.put_buffer  # HTTP PUT /slots/{id}/state shares it
         self.extras["decode_results"] = dv3.results
         self.server = HydraServer(self.server_cfg, handlers.table(),
-                                  on_request=metrics.observe_request if metrics else None)
+                                  on_request=metrics.observe_request if metrics else None, budget=self.budget)
         if self.server_cfg.ggml_rpc_embedded or self.server_cfg.ggml_rpc_port is not None:
             await self.server.passthrough.start_embedded()
         if self.server_cfg.ggml_rpc_port is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import Awaitable, Callable
 
@@ -28,7 +29,7 @@ from codec.enums import Status, op_name, status_name
 from codec.errors import BadMagic, FrameTooLarge, RemoteProtocolError
 
 from .config import ServerConfig
-from .deadlines import IDLE, ReadClock
+from .deadlines import IDLE, ClockTimer, ReadClock
 from .logs import log_request
 from .wire import Body, PeerGone, Request, ResponseWriter
 
@@ -55,13 +56,15 @@ class HydraConnection(asyncio.BufferedProtocol):
         self._high_water = RECV_BUFFER
         self.clock = ReadClock(cfg.idle_timeout, cfg.stall_timeout, cfg.min_rate, cfg.min_rate_window)
         self.peer_gone = asyncio.Event()
+        self.closed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # see Request.closed
+        self._reset = False
         self.transport: asyncio.Transport | None = None
         self.in_request = False
         self.stopping = False  # set by a graceful shutdown: finish this request, then close
         self.requests = 0
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future | None = None  # the serving task waits here for bytes
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = ClockTimer(self.clock, self._deadline_passed)
         self._eof = False  # nothing more will arrive
         self._lost = False  # the transport is gone
         self._read_paused = False
@@ -93,6 +96,7 @@ class HydraConnection(asyncio.BufferedProtocol):
         return True  # keep the transport open: the responses still go out
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._reset = self._reset or exc is not None
         self._eof = self._lost = True
         self.peer_gone.set()
         self._wake()
@@ -100,9 +104,7 @@ class HydraConnection(asyncio.BufferedProtocol):
             if not fut.done():
                 fut.set_exception(PeerGone("client went away during the response"))
         self._drain_waiters.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -138,7 +140,7 @@ class HydraConnection(asyncio.BufferedProtocol):
             raise PeerGone("client closed the connection" if self.decoder.at_boundary and not self.decoder.buffered
                            else "client closed the connection mid-frame")
         self.clock.wait(self._loop.time(), idle=self.decoder.at_boundary and not self.decoder.buffered)
-        self._arm()
+        self._timer.arm()
         if self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()
@@ -149,20 +151,7 @@ class HydraConnection(asyncio.BufferedProtocol):
             self._waiter = None
             self.clock.stop(self._loop.time())
 
-    def _arm(self) -> None:
-        at = self.clock.next_check()
-        if at is None or (self._timer is not None and self._timer.when() <= at):
-            return  # an earlier timer re-arms when it fires
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_at(at, self._on_timer, at)
-
-    def _on_timer(self, at: float) -> None:
-        self._timer = None
-        reason = self.clock.expired(max(at, self._loop.time()))
-        if reason is None:
-            self._arm()
-            return
+    def _deadline_passed(self, reason: str) -> None:
         log.info("closing: %s", self.clock.describe(reason), extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
         if reason == IDLE:
             self.transport.close()
@@ -217,11 +206,12 @@ class HydraConnection(asyncio.BufferedProtocol):
         except (CloseConnection, PeerGone, ConnectionError, TimeoutError):
             pass
         finally:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._timer.cancel()
             if self.transport is not None:
+                self._reset = self._reset or (not self._lost and _socket_error(self.transport))
                 self.transport.close()
+            if not self.closed.done():
+                self.closed.set_result(self._reset)
 
     async def _refuse(self, e: FrameTooLarge) -> None:
         """A frame the decoder refused: one ERROR, then skip it (or close, when it is too big)."""
@@ -244,9 +234,9 @@ class HydraConnection(asyncio.BufferedProtocol):
             if handler is None:
                 await resp.send(Status.ERROR, {"error": f"unknown opcode 0x{h.op:02x}"})
             else:
-                body = Body(self, start.payload_len)
-                await self._run(handler, Request(h, start.key, trace, body, self.peer, self.conn_id, self.peer_gone),
-                                resp)
+                req = Request(h, start.key, trace, Body(self, start.payload_len), self.peer, self.conn_id,
+                              self.peer_gone, self.closed)
+                await self._run(handler, req, resp)
             await self.skip_payload()
 
     async def _run(self, handler: Handler, req: Request, resp: ResponseWriter) -> None:
@@ -276,6 +266,16 @@ class HydraConnection(asyncio.BufferedProtocol):
 
     def _request(self, h, key: bytes, trace: bytes, resp: ResponseWriter) -> "_RequestScope":
         return _RequestScope(self, h, key, trace, resp)
+
+
+def _socket_error(transport: asyncio.BaseTransport) -> bool:
+    """A reset the kernel recorded but nobody read: our reply reached a socket the peer had
+    already closed (its FIN came first, so reading stopped at the end of the stream)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+    except OSError:
+        return False
 
 
 class _RequestScope:

@@ -17,6 +17,9 @@ timer at :meth:`ReadClock.next_check` and asks :meth:`ReadClock.expired` when it
 """
 from __future__ import annotations
 
+import asyncio
+from typing import Callable
+
 IDLE, STALLED, TOO_SLOW = "idle", "stalled", "too slow"
 
 
@@ -88,3 +91,34 @@ class ReadClock:
         if reason == STALLED:
             return f"no byte of a started frame for {self.stall:g}s"
         return f"a frame arriving slower than {self.min_rate:g} bytes/s over {self.window:g}s"
+
+
+class ClockTimer:
+    """The one loop timer of a connection's :class:`ReadClock`: armed for the clock's next check,
+    it calls ``on_expired(reason)`` when a deadline has passed (and re-arms when none has)."""
+
+    def __init__(self, clock: ReadClock, on_expired: Callable[[str], None]):
+        self.clock, self.on_expired = clock, on_expired
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        at = self.clock.next_check()
+        if at is None or (self._handle is not None and self._handle.when() <= at):
+            return  # an earlier timer re-arms when it fires
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = self._loop.call_at(at, self._fire, at)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self, at: float) -> None:
+        self._handle = None
+        reason = self.clock.expired(max(at, self._loop.time()))
+        if reason is None:
+            self.arm()
+        else:
+            self.on_expired(reason)

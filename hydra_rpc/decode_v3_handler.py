@@ -9,6 +9,7 @@ desyncs; the connection loop here drains whatever a failed rule left unread).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -23,8 +24,10 @@ from engine.jobs import EngineBusy, GenJob
 from engine.model_params import ModelParams
 
 from .engine_meta import identity_meta
-from .handlers import BlobRejected, restore_kv_blob, select_model
-from .wire import Request, ResponseWriter
+from .handlers import BlobRejected, check_kv_blob_size, restore_kv_blob, select_model
+from .wire import PeerGone, Request, ResponseWriter
+
+log = logging.getLogger("hydra_rpc.decode_v3")
 
 CAP_NAMES = ["MTP", "VISION", "REASONING", "TOOL_USE", "CODE"]
 
@@ -74,7 +77,8 @@ class DecodeV3:
             if seg.id == "prompt":
                 prompt = await body.read_exactly(seg.len)
             else:
-                kv = lazy_buffer(seg.len)  # ≤ 4 GiB (validated); memory follows what arrives
+                check_kv_blob_size(self.engine, seg.len, "kv segment", "v3.kv_len")
+                kv = lazy_buffer(seg.len)  # memory follows what arrives
                 await body.read_into(kv)
         await body.drain(5.0)  # nothing should be left; sums were validated
         V3.validate_kv_segment(kv, len(kv))
@@ -111,7 +115,7 @@ class DecodeV3:
         n_past = self.engine.snapshot(slot).n_past
         job = self._job(slot, prompt_obj, choice.params)
         try:
-            self.engine.submit(job)
+            await self.engine.submit_admitted(job)  # never queued: a busy slot answers BUSY, as the C++
         except EngineBusy as e:
             await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
                                           "error_code": "BUSY", "retry_after_ms": e.retry_after_ms})
@@ -121,9 +125,17 @@ class DecodeV3:
         task = asyncio.create_task(self._collect(entry))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # Nobody can fetch a result whose decode_request_id never reached its client: stop the job
+        # when the client left before the reply, or reset the connection with the reply unread.
+        if req.peer_gone.is_set():
+            self._orphaned(entry, "the client closed the connection before the reply")
+            raise PeerGone("client went away before its merged DECODE was answered")
         await resp.send(Status.OK, {"valid": True, "match": match, "decode_request_id": decode_id,
                                     "n_past_after_restore": n_past, "restore_slot_ms": round(restore_ms, 3),
                                     "config_generation": self.engine.generation})
+        if req.closed is not None:
+            req.closed.add_done_callback(
+                lambda f: f.result() and self._orphaned(entry, "the client reset the connection with the reply unread"))
 
     def _job(self, slot: int, p: dict[str, Any], params: ModelParams | None) -> GenJob:
         # the prompt's own sampling object wins over the generation keys merged into the prompt
@@ -140,13 +152,21 @@ class DecodeV3:
         if not isinstance(messages, list):
             messages = None
         return GenJob(slot, messages=messages, prompt=prompt, n_predict=n_predict,
-                      sampling=self.engine.sampling_for(fields), stop=stop, params=params)
+                      sampling=self.engine.sampling_for(fields), stop=stop, params=params, wait=False)
+
+    def _orphaned(self, entry: DecodeEntry, why: str) -> None:
+        if entry.stop(f"stopped: {why}"):
+            log.info("merged DECODE %d stopped: %s", entry.id, why)
 
     async def _collect(self, entry: DecodeEntry) -> None:
+        budget = asyncio.get_running_loop().call_later(
+            self.results.budget, entry.stop, f"stopped: its time budget of {self.results.budget:g} s was spent")
         try:
             entry.result = await entry.job.result()
             entry.state = "cancelled" if entry.result.stop_reason == "cancelled" else "done"
         except asyncio.CancelledError:
-            entry.state, entry.error = "cancelled", "cancelled"
+            entry.state, entry.error = "cancelled", entry.error or "cancelled"
         except Exception as e:
             entry.state, entry.error = "failed", str(e)
+        finally:
+            budget.cancel()

@@ -17,7 +17,7 @@ from codec.enums import Op, Status
 from codec.errors import CodecError, MalformedPayload
 from codec.hashing import Xxh3Stream
 from codec.limits import HYDRA_MAX_PROMPT_BYTES
-from codec.kvblob import KvBlobLayout, encode_kv_blob_header, parse_kv_blob, split_logits_tail
+from codec.kvblob import KvBlobLayout, encode_kv_blob_header, max_kv_blob_size, parse_kv_blob, split_logits_tail
 from engine.actor import Engine
 from engine.buffers import LeasedBuffer
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
@@ -87,7 +87,8 @@ class Handlers:
         slot = self.slot(req)
         if req.body.length == 0:
             raise MalformedPayload("STATE_PUT needs a KV blob", rule="state_put.empty")
-        buf, release = self.put_buffer.lease(req.body.length)  # length checked against the cap already
+        check_kv_blob_size(self.engine, req.body.length, "STATE_PUT payload", "state_put.size")
+        buf, release = self.put_buffer.lease(req.body.length)
         try:
             await req.body.read_into(buf)
             t0 = time.perf_counter()
@@ -261,6 +262,21 @@ async def select_model(engine: Engine, alias: Any, hydra_config: Any) -> ModelCh
     if hydra_config is not None and not isinstance(hydra_config, dict):
         raise MalformedPayload("hydra_config must be an object", rule="prefill.hydra_config")
     return await engine.select_model(alias if isinstance(alias, str) else None, hydra_config)
+
+
+def kv_blob_cap(engine: Engine) -> int:
+    """The largest KV blob this model and context can produce: a longer one is refused before a
+    byte of it is stored (STATE_PUT payload, DECODE v3 kv segment, HTTP state PUT)."""
+    return max_kv_blob_size(engine.n_ctx_slot, engine.max_state_size, engine.n_vocab)
+
+
+def check_kv_blob_size(engine: Engine, size: int, what: str, rule: str) -> None:
+    cap = kv_blob_cap(engine)
+    if size > cap:
+        raise MalformedPayload(
+            f"{what} of {size} bytes: the largest KV blob this model can produce with {engine.n_ctx_slot} tokens "
+            f"per slot is {cap} bytes (a state of at most {engine.max_state_size}, header, checkpoint, logits)",
+            rule=rule)
 
 
 class BlobRejected(Exception):

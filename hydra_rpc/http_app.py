@@ -31,10 +31,10 @@ from typing import Any
 
 from aiohttp import web
 
-from codec.limits import HYDRA_MAX_PROMPT_BYTES
 from engine.jobs import EngineBusy
 
 from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
+from .http_limits import HttpLimits, max_body_for
 from .http_openai import (
     FINISH_REASON,
     ApiError,
@@ -64,8 +64,6 @@ try:
 except Exception:  # running from a checkout that is not installed
     IMPL_VERSION = "0.0.0+local"
 
-# Bodies above this are refused with 413; HYDRA_HTTP_MAX_BODY overrides (bytes).
-DEFAULT_MAX_BODY = HYDRA_MAX_PROMPT_BYTES
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
@@ -94,11 +92,13 @@ class HttpSide:
 
 async def start_http(app: Any, host: str, port: int) -> HttpSide:
     """Bind the HTTP side (port 0 picks a free port) on the running loop."""
-    max_body = int(os.environ.get("HYDRA_HTTP_MAX_BODY", DEFAULT_MAX_BODY))
+    max_body = int(os.environ.get("HYDRA_HTTP_MAX_BODY", max_body_for(app.engine_cfg.model)))
     metrics = app.extras.get("metrics")
     if metrics is None:  # app.py makes one when metrics.py imports; keep /metrics working regardless
         metrics = app.extras["metrics"] = Metrics()
     webapp = build_web_app(app, metrics, max_body)
+    limits = HttpLimits(app.server_cfg, app.budget, max_body)  # connections, deadlines, body size
+    webapp.middlewares.append(limits.middleware)
     cfg = getattr(app, "server_cfg", None)
     grace = getattr(cfg, "shutdown_timeout", 10.0)
     # handler_cancellation: a client that disconnects while its request waits (in a slot's
@@ -107,7 +107,7 @@ async def start_http(app: Any, host: str, port: int) -> HttpSide:
                            shutdown_timeout=grace, logger=_OneLineErrors(log, {}),
                            keepalive_timeout=getattr(cfg, "http_timeout", 75.0))
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True, shutdown_timeout=grace)
+    site = limits.site(runner, host, port)
     try:
         await site.start()
     except BaseException:

@@ -5,7 +5,8 @@
 
 Both are the binary port's transfers behind another door: GET copies the state with the same
 engine call and sends the same blob as STATE_GET; PUT receives into the same resident buffer
-as STATE_PUT, under the same size cap, and restores with the same function
+as STATE_PUT, under the same size caps (the frame limit and the largest blob this model can
+produce, ``handlers.kv_blob_cap``), and restores with the same function
 (``handlers.restore_kv_blob``). The body is streamed in both directions, never read whole by
 aiohttp. Also here: the slot id of a ``/slots/{id}…`` path, shared with ``http_app``.
 """
@@ -24,7 +25,8 @@ from engine.buffers import LeasedBuffer
 from engine.jobs import EngineBusy
 
 from .engine_meta import identity_meta
-from .handlers import KV_VERSION, BlobRejected, restore_kv_blob
+from .handlers import KV_VERSION, BlobRejected, kv_blob_cap, restore_kv_blob
+from .http_limits import reading_body, streams_body
 from .http_openai import ApiError, json_response, require_ready
 
 OCTETS = "application/octet-stream"
@@ -93,6 +95,7 @@ class StateRoutes:
         finally:
             out.release()
 
+    @streams_body
     async def put_state(self, request: web.Request) -> web.Response:
         eng = self.engine
         slot = slot_of(request, eng)
@@ -103,7 +106,7 @@ class StateRoutes:
                                 f"{eng.identity.model_hash[:16]}…",
                            extra={"restored": False, "model_match": False, **identity_meta(eng.identity)})
         length = request.content_length
-        cap = self._limits().payload_cap(Op.STATE_PUT)
+        cap = min(self._limits().payload_cap(Op.STATE_PUT), kv_blob_cap(eng))
         if length is None:
             raise ApiError(411, "PUT /slots/{id}/state needs a Content-Length")
         if length > cap:
@@ -113,7 +116,8 @@ class StateRoutes:
         self._require_idle(slot)  # before reading what could be gigabytes
         buf, release = self._buffer().lease(length)  # memory follows what arrives (engine.buffers)
         try:
-            await _receive(request, buf)
+            with reading_body(request):  # under the HTTP side's read deadlines
+                await _receive(request, buf)
             t0 = time.perf_counter()
             try:
                 layout, consumed = await restore_kv_blob(eng, slot, buf)

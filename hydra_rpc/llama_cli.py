@@ -12,15 +12,18 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from engine.actor import EngineConfig
 from engine.executors import PRIO_NICE, set_thread_nice
 from engine.model_params import ModelParams
+from engine.rpc_allow import RpcAllowList
 
 from .llama_args import APPLIED, ARGS, status
 from .llama_argv import LlamaEngineSettings
 from .logs import announce
+from .usage import UsageError
 
 #: serve's v1 names → (the llama.cpp argument they stand for now, what to say)
 DEPRECATED = {
@@ -111,12 +114,19 @@ def t1_defaults(s: LlamaEngineSettings) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in s.t1.items()}
 
 
-def engine_config(s: LlamaEngineSettings, model_path: str, **kw: Any) -> EngineConfig:
-    """The engine for these settings (``kw``: EngineConfig's own fields, e.g. aliases)."""
+def engine_config(s: LlamaEngineSettings, model_path: str, rpc_allow: Sequence[str] = (), **kw: Any) -> EngineConfig:
+    """The engine for these settings (``kw``: EngineConfig's own fields, e.g. aliases). A
+    CONFIGURE ``rpc_servers`` may name the ``--rpc`` servers and those of ``rpc_allow``
+    (``HOST:PORT,...`` each). Raises UsageError for one that is not HOST:PORT."""
     nice = PRIO_NICE[s.prio_batch] if s.prio_batch else None
+    extra = [e.strip() for a in rpc_allow for e in a.split(",") if e.strip()]
+    try:
+        allow = RpcAllowList((*s.rpc_servers, *extra))
+    except ValueError as e:
+        raise UsageError(f"--rpc / --rpc-allow: {e}; give HOST:PORT,...") from None
     return EngineConfig(model=model_params(s, model_path), defaults=t1_defaults(s), token_budget=s.n_batch,
                         thread_nice=nice, slot_prompt_similarity=s.slot_prompt_similarity, cache_ram_mib=s.cache_ram,
-                        slot_save_path=s.slot_save_path, **kw)
+                        slot_save_path=s.slot_save_path, rpc_allow=allow, **kw)
 
 
 def apply_process_priority(s: LlamaEngineSettings) -> None:

@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-low-priority", action="store_true",
                    help="do not lower the inference thread's priority (by default it runs at nice 19 so the "
                         "event loop preempts it; it then also yields to any other busy process on the host)")
+    g.add_argument("--rpc-allow", action="append", default=[], metavar="HOST:PORT,...",
+                   help="ggml RPC servers a CONFIGURE 'rpc_servers' may also name, besides those of --rpc "
+                        "(repeatable; default: none). Any other is refused: a server that misbehaves aborts "
+                        "llama.cpp, and an allowed one still can")
     g.add_argument("--slot-queue", type=int, default=8,
                    help="generation requests waiting per busy slot (0: answer BUSY at once)")
     r = p.add_argument_group("reloads")
@@ -67,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--port", type=int, default=9503, help="engine port (0: pick a free one and print it)")
     n.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="event loop implementation")
     n.add_argument("--max-connections", type=int, default=1024,
-                   help="open engine-port connections; one more gets BUSY and a close")
+                   help="open connections, engine port and HTTP together (lowered if the open-files limit needs "
+                        "it); one more gets BUSY and a close (HTTP: 503)")
     n.add_argument("--allow", action="append", default=[], metavar="CIDR",
                    help="allowed client networks, repeatable (default: any)")
     n.add_argument("--first-bytes-timeout", type=float, default=10.0,
@@ -130,9 +135,9 @@ def build_app(args: argparse.Namespace):
 
     with model_errors():
         model = resolve(args.model)
-    ecfg = engine_config(settings, model, aliases=aliases, resolve_model=resolve, low_priority=not args.no_low_priority,
-                         slot_queue=args.slot_queue, reload_policy=args.reload_policy, reload_mode=args.reload_mode,
-                         drain_timeout=args.drain_timeout)
+    ecfg = engine_config(settings, model, rpc_allow=args.rpc_allow, aliases=aliases, resolve_model=resolve,
+                         low_priority=not args.no_low_priority, slot_queue=args.slot_queue,
+                         reload_policy=args.reload_policy, reload_mode=args.reload_mode, drain_timeout=args.drain_timeout)
     scfg = ServerConfig(host=args.host, port=args.port, loop=args.loop, max_connections=args.max_connections,
                         allow=[ipaddress.ip_network(a, strict=False) for a in args.allow],
                         first_bytes_timeout=args.first_bytes_timeout, idle_timeout=args.idle_timeout,
@@ -189,6 +194,7 @@ async def run_app(app, startup_failure, banner: str | None = None) -> int:
         if failure is None:
             raise
         raise failure from e
+    announce_connection_budget(app)
     host, port = app.address
     announce(f"hydra-rpc listening on {host}:{port}", stream=sys.stdout, host=host, port=port)
     if app.http is not None:
@@ -213,6 +219,17 @@ async def run_app(app, startup_failure, banner: str | None = None) -> int:
         loop.remove_signal_handler(sig)
     announce("hydra-rpc: stopped")
     return 0
+
+
+def announce_connection_budget(app) -> None:
+    budget, asked = app.budget, app.server_cfg.max_connections
+    limit = f"at most {budget.max_connections} connections, engine port and HTTP together (open-files limit {app.nofile})"
+    if budget.max_connections < asked:
+        announce(f"hydra-rpc: {limit}: --max-connections {asked} lowered to leave descriptors for "
+                 "the server itself; raise the limit (ulimit -n) for more", level="WARNING",
+                 max_connections=budget.max_connections, nofile=app.nofile)
+    else:
+        announce(f"hydra-rpc: {limit}", max_connections=budget.max_connections, nofile=app.nofile)
 
 
 def run_loop(main, loop: str) -> int:

@@ -24,6 +24,7 @@ from codec.enums import Status
 from codec.framing import MAGIC_BYTES
 
 from .config import ServerConfig
+from .conn_budget import Acceptor, ConnectionBudget
 from .connection import Handler, HydraConnection
 from .passthrough import GgmlPassthrough
 from .wire import ResponseWriter
@@ -86,7 +87,7 @@ class _Accepted(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         if self.task is None:
-            self.server.connections.pop(self.conn_id, None)
+            self.server.forget(self.conn_id)
 
     def _silent(self) -> None:
         log.info("closed %s: sent nothing within %.0fs", self.peer, self.server.cfg.first_bytes_timeout)
@@ -101,12 +102,14 @@ class _Accepted(asyncio.BufferedProtocol):
 
 
 class HydraServer:
-    def __init__(self, cfg: ServerConfig, handlers: dict[int, Handler],
-                 on_request: Callable | None = None):
+    def __init__(self, cfg: ServerConfig, handlers: dict[int, Handler], on_request: Callable | None = None,
+                 budget: ConnectionBudget | None = None):
         self.cfg = cfg
         self.handlers = handlers
         self.on_request = on_request
-        self._server: asyncio.base_events.Server | None = None
+        # shared with the HTTP side when there is one (App); else this port's own
+        self.budget = budget or ConnectionBudget(cfg.max_connections, cfg.max_connections + 64)
+        self._server: Acceptor | None = None
         self._ids = itertools.count(1)
         self.connections: dict[int, _Accepted] = {}
         self.passthrough = GgmlPassthrough(cfg)
@@ -123,13 +126,16 @@ class HydraServer:
         return host, port
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Accepted(self), self.cfg.host, self.cfg.port,
-                                                backlog=1024, reuse_address=True)
+        self._server = Acceptor.listen(self.cfg.host, self.cfg.port, lambda: _Accepted(self), self.budget)
+
+    def forget(self, conn_id: int) -> None:
+        """A connection is gone: its place in the budget frees (once)."""
+        if self.connections.pop(conn_id, None) is not None:
+            self.budget.closed()
 
     def _dispatch(self, acc: _Accepted, head: bytes) -> None:
         transport = acc.transport
-        over_limit = len(self.connections) > self.cfg.max_connections
+        over_limit = self.budget.over_limit
         if head[:2] == MAGIC_BYTES:
             self.stats["hydra"] += 1
             conn = HydraConnection(self.cfg, self.handlers, acc.conn_id, acc.peer, self.on_request)
@@ -138,7 +144,7 @@ class HydraServer:
             if over_limit:
                 self.stats["refused_limit"] += 1
                 acc.task = asyncio.ensure_future(ResponseWriter(conn).send(
-                    Status.BUSY, {"error": f"connection limit of {self.cfg.max_connections} reached; retry later"}))
+                    Status.BUSY, {"error": f"connection limit of {self.budget.max_connections} reached; retry later"}))
             else:
                 conn.decoder.feed(head)
                 acc.conn = conn
@@ -172,7 +178,7 @@ class HydraServer:
         return self.passthrough.handle(reader, writer, head[:1], peer)
 
     def _finished(self, acc: _Accepted, task: asyncio.Task) -> None:
-        self.connections.pop(acc.conn_id, None)
+        self.forget(acc.conn_id)
         if not task.cancelled() and task.exception() is not None and not isinstance(
                 task.exception(), (ConnectionError, TimeoutError)):
             log.error("connection %d failed", acc.conn_id, exc_info=task.exception())

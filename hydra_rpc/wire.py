@@ -128,6 +128,10 @@ class Request:
     conn_id: int = 0
     # set by the connection when the peer disconnects; long handlers watch it
     peer_gone: asyncio.Event = field(default_factory=asyncio.Event)
+    # resolved when the connection has ended: True if the peer reset it, i.e. it did not take
+    # everything we sent (a client that closes with our reply unread) — work left running for
+    # it (a merged DECODE) has nobody to report to
+    closed: asyncio.Future | None = None
 
     @property
     def op(self) -> int:

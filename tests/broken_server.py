@@ -11,6 +11,9 @@ docs/protocol.md §3, so a fuzzer run against it must find exactly these:
 3. **crash** — a DECODE v3 frame whose control-header hash does not match aborts the
    process (SIGABRT, like an uncaught exception in a detached std::thread).
 
+With ``--fragile-config`` it also dies like llama.cpp on a CONFIGURE or PREFILL
+``hydra_config`` whose ``flash_attn`` is not one of its values (``{"flash_attn": 7}``).
+
 Standalone on purpose (stdlib + xxhash, no project imports), so nothing the fuzzer tests
 leaks into it. Usage: ``python tests/broken_server.py --port 0`` prints
 ``broken-server listening on HOST:PORT``.
@@ -55,7 +58,25 @@ def abort_like_cpp() -> None:
     os.abort()
 
 
+FRAGILE_CONFIG = False
+FLASH_ATTN_VALUES = ("on", "off", "auto", -1, 0, 1, True, False)
+
+
+def config_of(op: int, payload: bytes) -> dict:
+    try:
+        body = json.loads(payload or b"{}")
+    except ValueError:
+        return {}
+    if op == 0x42 and isinstance(body, dict):
+        body = body.get("hydra_config")
+    return body if isinstance(body, dict) else {}
+
+
 def answer(op: int, key: bytes, payload: bytes) -> bytes:
+    if FRAGILE_CONFIG and op in (0x40, 0x42):
+        fa = config_of(op, payload).get("flash_attn", "auto")
+        if not any(fa == v and type(fa) is type(v) for v in FLASH_ATTN_VALUES):
+            abort_like_cpp()  # llama.cpp asserts on the flash_attn_type enum
     if op == 0x41:
         return response(OK, {"engine": "broken-server", "version": "E1", "capabilities": []})
     slot = slot_of(key)
@@ -126,7 +147,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--fragile-config", action="store_true")
     args = ap.parse_args()
+    FRAGILE_CONFIG = args.fragile_config
     try:
         asyncio.run(main(args.host, args.port))
     except KeyboardInterrupt:

@@ -123,7 +123,7 @@ class ScriptedBackend:
         its share of them without a unified cache (no padding: tests count exact limits)."""
         p = self.params
         return KvCacheInfo(p.cache_type_k, p.cache_type_v, p.flash_attn, p.kv_unified, p.n_ctx,
-                           p.n_ctx if p.kv_unified else p.n_ctx // p.n_slots)
+                           p.n_ctx if p.kv_unified else p.n_ctx // p.n_slots, state_growth=(_STATE_HEAD + 4, 4))
 
     @property
     def identity(self) -> dict[str, Any]:

@@ -67,6 +67,18 @@ def test_prompt_cache_arguments_reach_the_engine(tmp_path):
         serve_settings(serve_args("--slot-prompt-similarity", "1.5"), env={})
 
 
+def test_the_rpc_allow_list_is_rpc_plus_rpc_allow():
+    from hydra_rpc.llama_cli import engine_config
+    from hydra_rpc.usage import UsageError
+
+    args = serve_args("--rpc", "127.0.0.1:50052", "--rpc-allow", "10.0.0.1:1,10.0.0.2:2", "--rpc-allow", "h:3")
+    allow = engine_config(serve_settings(args, env={}), "m", rpc_allow=args.rpc_allow).rpc_allow
+    assert allow.refusal(("127.0.0.1:50052", "10.0.0.2:2", "H:3")) is None
+    assert "1.2.3.4:5" in allow.refusal(("1.2.3.4:5",))
+    with pytest.raises(UsageError, match="--rpc-allow.*HOST:PORT"):
+        engine_config(serve_settings(serve_args(), env={}), "m", rpc_allow=["no-port"])
+
+
 def test_serve_refuses_what_llama_server_refuses():
     from hydra_rpc.usage import UsageError
 

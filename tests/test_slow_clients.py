@@ -29,9 +29,12 @@ async def closed_by_server(c: HydraClient, deadline: float) -> bool:
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_state_put_at_a_steady_megabyte_per_second_is_served(tiny_model_path):
-    """8 MiB at 1 MiB/s with --stall-timeout 2: the old total deadline cut this after ~2 s."""
+    """8 MiB at 1 MiB/s with --stall-timeout 2: the old total deadline cut this after ~2 s.
+    (--ctx-size 32768, one pool each slot may fill: a STATE_PUT is capped by the largest blob
+    the model's slot can produce.)"""
     size, step = 8 << 20, 64 << 10
-    with serving("--model", "tiny", "--no-http", "--stall-timeout", "2", "--log-level", "WARNING") as sp:
+    with serving("--model", "tiny", "--no-http", "--ctx-size", "32768", "--stall-timeout", "2",
+                 "--log-level", "WARNING") as sp:
         async with await HydraClient.connect(sp.host, sp.port) as c:
             await c.send_raw(encode_request_header(Op.STATE_PUT, 1, size, 0) + b"0")
             start = time.monotonic()

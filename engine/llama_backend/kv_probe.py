@@ -32,16 +32,24 @@ def llama_cpp_build() -> str:
         return "llama-cpp-python"
 
 
-def probe_layout(m: "LoadedModel") -> KvLayout | None:
-    """The layout of ``m``'s sequence states (seq 0 is used and left empty); None for a memory
-    the seq-state parser does not know (recurrent and hybrid models)."""
+def probe(m: "LoadedModel") -> tuple[KvLayout | None, tuple[int, int]]:
+    """Seq 0 written with one token, then two (and left empty): the layout of ``m``'s sequence
+    states (None for a memory the seq-state parser does not know: recurrent and hybrid models),
+    and how they grow — (bytes of a one-token state, bytes each further token adds). Sizes are
+    measured, not computed, so they hold for any memory (a recurrent state does not grow)."""
     tok = m.bos if m.bos >= 0 else 0
     m.seq_clear(0)
     try:
         m.decode([BatchItem(0, [tok], 0, logits_last=False)])
         blob = bytes(m.state_seq_get(0))
+        m.decode([BatchItem(0, [tok], 1, logits_last=False)])
+        growth = (len(blob), max(0, m.state_seq_size(0) - len(blob)))
     finally:
         m.seq_clear(0)
+    return _layout(blob, m.n_ctx_slot), growth
+
+
+def _layout(blob: bytes, n_ctx_slot: int) -> KvLayout | None:
     for cell_ext in (False, True):
         for n_caches in (1, 2):
             try:
@@ -49,7 +57,7 @@ def probe_layout(m: "LoadedModel") -> KvLayout | None:
             except CodecError:
                 continue
             if summary.size == len(blob) and all(c.filled for c in summary.caches):
-                return KvLayout.from_probe(summary, cell_ext, m.n_ctx_slot)
+                return KvLayout.from_probe(summary, cell_ext, n_ctx_slot)
     return None
 
 
@@ -57,7 +65,7 @@ def describe(m: "LoadedModel", environ: dict[str, str]) -> KvCacheInfo:
     """``m``'s KV cache for INFO / STATE_META and restores."""
     c = m.cparams
     type_k, type_v = ggml_type_name(int(c.type_k)), ggml_type_name(int(c.type_v))
-    layout = probe_layout(m)
+    layout, growth = probe(m)
     rotation, heads = (False, False), (0, 0)
     n_head_kv = int(L.llama_model_n_head_kv(m.model_handle))
     if layout is not None and n_head_kv > 0:
@@ -72,4 +80,5 @@ def describe(m: "LoadedModel", environ: dict[str, str]) -> KvCacheInfo:
     return KvCacheInfo(type_k=type_k, type_v=type_v, flash_attn=_FLASH_ATTN.get(int(c.flash_attn_type), "auto"),
                        kv_unified=bool(c.kv_unified), n_ctx=m.n_ctx, n_ctx_slot=m.n_ctx_slot, rope=rope,
                        rotation=rotation, build=llama_cpp_build(), layout=layout,
-                       n_ctx_train=int(L.llama_model_n_ctx_train(m.model_handle)), head_dim=heads)
+                       n_ctx_train=int(L.llama_model_n_ctx_train(m.model_handle)), head_dim=heads,
+                       state_growth=growth)

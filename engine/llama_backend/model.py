@@ -479,13 +479,17 @@ class LoadedModel:
         n_bytes = len(data) if not isinstance(data, memoryview) else data.nbytes
         if not n_bytes:
             return 0
+        # No ctypes.cast of a ctypes object: it links the object and its cast in a reference cycle
+        # (each keeps the other in ``_objects``), and the cycle would keep the caller's buffer
+        # — hundreds of MiB — alive until the cyclic GC runs. A bytes object is cast by address
+        # (kept alive by ``data`` during the call); a c_uint8 array passes as the pointer itself.
         if isinstance(data, bytes):
-            src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+            src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
         else:
             mv = memoryview(data).cast("B")
             if mv.readonly:
                 mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
-            src = ctypes.cast((ctypes.c_uint8 * n_bytes).from_buffer(mv), ctypes.POINTER(ctypes.c_uint8))
+            src = (ctypes.c_uint8 * n_bytes).from_buffer(mv)
         clear_llama_errors()
         n = int(L.llama_state_seq_set_data(ctx, src, n_bytes, seq))
         if n == 0:

@@ -8,9 +8,12 @@ Layout (each module is small enough to read in one sitting):
                    truncation, pipelining, slow-loris dribbling, abrupt closes, havoc);
 * ``payload_mutators`` — payload-aware ones (JSON structure, every DECODE v3 rule, KV blobs,
                    SWAP_QUANT, dialect boundaries), lengths and hashes kept valid;
+* ``config_mutators`` — every CONFIGURE / ``hydra_config`` key, values by type and range;
 * ``schedule``   — ``case_at(seed, index)``: which case has which index (cheap decisive
                    cases first); pure, so a seed and an index address one case forever;
-* ``stateful``   — seeded step programs over a model of the slots, with invariants;
+* ``stateful``   — seeded step programs over a model of the slots, with invariants (and
+                   real KV blobs with one field inside the state region changed);
+* ``slow``       — ``--slow-senders``: background dribblers a server must cut;
 * ``target``     — connecting to the target and, with ``--spawn``, running and restarting it
                    (exit code/signal and peak RSS come from here);
 * ``responses``  — reading Hydra responses (incl. PIN piece streams) under deadlines;

@@ -55,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--slots", type=int, default=2, help="slot ids the cases may use: 0..N-1 (default 2)")
     r.add_argument("--max-rss-growth", type=int, default=1024, metavar="MB",
                    help="with --spawn: a jump of the target's peak RSS above this in one case is a finding")
+    r.add_argument("--slow-senders", type=int, default=0, metavar="N",
+                   help="keep N connections dribbling a request at one byte a second while the cases run; one the "
+                        "target has not closed after --slow-deadline seconds is a finding (default 0: off)")
+    r.add_argument("--slow-deadline", type=float, default=120.0, metavar="S",
+                   help="seconds a dribbling connection may stay open (default 120)")
     r.add_argument("--list", action="store_true", help="print the cases (index, phase, generator, digest) and exit")
     o = p.add_argument_group("findings")
     o.add_argument("--out", type=Path, default=Path("fuzz-findings"),
@@ -118,7 +123,8 @@ async def _main(args: argparse.Namespace) -> int:
     cfg = RunConfig(deadline=args.deadline, slots=args.slots, max_rss_growth_mb=args.max_rss_growth)
     opts = Options(seed=seed, cases=args.cases, seconds=seconds, start=args.start, only=args.index,
                    protocol=protocol, out=args.out, minimize=not args.no_minimize,
-                   minimize_seconds=args.minimize_seconds, cfg=cfg)
+                   minimize_seconds=args.minimize_seconds, cfg=cfg, slow_senders=args.slow_senders,
+                   slow_deadline=args.slow_deadline)
     target = None if protocol == "codec" else _target(args)
     progress = _progress(args, args.cases or (len(args.index) if args.index else None), seconds)
     runner = Runner(opts, target, progress)

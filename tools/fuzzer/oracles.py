@@ -249,29 +249,52 @@ async def after_case(target: Target, baseline: Baseline, deadline: float, out: O
                              f"({rss_before // 1024} → {after // 1024} MiB)")
 
 
-async def _liveness(target: Target, baseline: Baseline, deadline: float, out: Outcome) -> None:
-    info = target.exit_info()
-    if info is not None:
-        out.exit = info
-        out.fail("crash", f"the target exited: {info}")
-        return
-    try:
-        r = await probe_info(target, deadline)
-    except (ConnectionRefusedError, ConnectionResetError) as e:
-        await asyncio.sleep(0.1)  # a dying process closes its sockets before it can be reaped
-        info = target.exit_info()
-        out.exit = info
-        out.fail("crash", f"the target exited: {info}" if info else f"the target port refuses connections: {e}")
-        return
-    except (OSError, TimeoutError, Closed, Stalled, Malformed) as e:
-        await asyncio.sleep(0.1)
+DYING_GRACE = 15.0  # a spawned target that stopped answering may be dying (llama.cpp prints a backtrace first)
+RELOAD_SETTLE = 60.0  # how long a reload the case started may take before the verdict
+
+
+async def _died(target: Target, out: Outcome, grace: float) -> bool:
+    """Did the spawned target exit (waiting up to ``grace`` for it)? Records the crash."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + (grace if target.spawn else 0.1)
+    while True:
         info = target.exit_info()
         if info is not None:
             out.exit = info
             out.fail("crash", f"the target exited: {info}")
-        else:
-            out.fail("liveness", f"INFO on a fresh connection failed: {type(e).__name__}: {e}")
+            return True
+        if loop.time() >= end:
+            return False
+        await asyncio.sleep(0.1)
+
+
+def _reload_pending(r: Resp) -> bool:
+    reload = r.meta.get("reload") if isinstance(r.meta, dict) else None
+    return isinstance(reload, dict) and reload.get("state") in ("loading", "draining")
+
+
+async def _liveness(target: Target, baseline: Baseline, deadline: float, out: Outcome) -> None:
+    """A fresh connection's INFO answers as at the start. A reload the case started (CONFIGURE,
+    hydra_config) is waited for first: a value that kills the process at build time is this
+    case's finding, not the next one's."""
+    if await _died(target, out, 0.0):
         return
+    loop = asyncio.get_running_loop()
+    settle_until = loop.time() + RELOAD_SETTLE
+    while True:
+        try:
+            r = await probe_info(target, deadline)
+        except (ConnectionRefusedError, ConnectionResetError) as e:
+            if not await _died(target, out, DYING_GRACE):
+                out.fail("crash", f"the target port refuses connections: {e}")
+            return
+        except (OSError, TimeoutError, Closed, Stalled, Malformed) as e:
+            if not await _died(target, out, DYING_GRACE):
+                out.fail("liveness", f"INFO on a fresh connection failed: {type(e).__name__}: {e}")
+            return
+        if not (target.spawn and _reload_pending(r)) or loop.time() >= settle_until:
+            break
+        await asyncio.sleep(0.1)
     if not baseline.matches(r):
         out.fail("liveness", f"INFO on a fresh connection got {status_name(r.status)} "
                              f"(meta {r.meta_raw[:100]!r}), at the start it got {baseline.describe()}")

@@ -46,6 +46,8 @@ class Options:
     minimize_attempts: int = 200
     cfg: RunConfig = field(default_factory=RunConfig)
     replay_cmd: str = "hydra-rpc fuzz --replay"
+    slow_senders: int = 0  # background dribblers (tools.fuzzer.slow)
+    slow_deadline: float = 120.0
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Runner:
         # swallowed by Python 3.11's asyncio.wait_for when the awaited thing finishes at the same moment
         self.coverage = Coverage(opts.protocol, opts.cfg.slots, opts.start)
         self.generations: dict[str, int | None] = {}  # a live target's config_generation before/after
+        self.slow_stats: dict[str, Any] | None = None
         self.t0 = time.monotonic()
         # The cases just before the current one: a finding that needs the state they left
         # behind is replayed with them (boofuzz keeps "the N passing cases before a failure").
@@ -120,6 +123,30 @@ class Runner:
             from .ggml_mode import take_ggml_baseline
 
             self.baseline = await take_ggml_baseline(self.target, self.opts.cfg.deadline)
+        slow = None
+        if self.opts.slow_senders and self.target is not None and self.opts.protocol == "hydra":
+            from .slow import SlowSenders
+
+            slow = SlowSenders(self.target, self.opts.slow_senders, deadline=self.opts.slow_deadline)
+            slow.start()
+        try:
+            await self._cases(t0)
+            if slow is not None:
+                await slow.settle()
+        finally:
+            if slow is not None:
+                await slow.stop()
+                self.slow_stats = slow.stats.to_json()
+                if slow.stats.overstayed:
+                    self._slow_finding(slow)
+        fuzzing = time.monotonic() - t0
+        await self._generation_after()
+        await self.minimize_all()  # after the case budget: --seconds bounds the fuzzing itself
+        self.progress.update(self.cases_run, self.phase, self.by_class, force=True)
+        self.progress.close()
+        return self.results(fuzzing, time.monotonic() - t0)
+
+    async def _cases(self, t0: float) -> None:
         indexes = iter(self.opts.only) if self.opts.only is not None else _count(self.opts.start)
         for i in indexes:
             if self.stop_requested:
@@ -145,12 +172,22 @@ class Runner:
                 await self._on_finding(case, out)
             self.recent.append(i)
             self.progress.update(self.cases_run, self.phase, self.by_class)
-        fuzzing = time.monotonic() - t0
-        await self._generation_after()
-        await self.minimize_all()  # after the case budget: --seconds bounds the fuzzing itself
-        self.progress.update(self.cases_run, self.phase, self.by_class, force=True)
-        self.progress.close()
-        return self.results(fuzzing, time.monotonic() - t0)
+
+    def _slow_finding(self, slow) -> None:
+        from .slow import slow_case
+
+        case = slow_case(self.opts.seed, slow.interval)
+        longest = max(slow.stats.overstayed)
+        failure = Failure("hang", f"{len(slow.stats.overstayed)} connection(s) dribbling a request at one byte every "
+                                  f"{slow.interval:g} s stayed open past {slow.deadline:g} s (the longest "
+                                  f"{longest:.0f} s): no minimum-rate deadline cut them", "slow-sender")
+        out = Outcome(failures=[failure], sent=[m.data for m in case.messages])
+        finding = Finding(signature(case, failure), failure, case, count=len(slow.stats.overstayed),
+                          original_bytes=case.size, found_after_s=time.monotonic() - self.t0)
+        self.findings[finding.sig] = finding
+        self.by_class["hang"] += 1
+        finding.file = self._write(finding, case, case, out, 0, 0.0,
+                                   unconfirmed="seen over a whole run, not re-run or minimized")
 
     async def _generation_after(self) -> None:
         """A live (not spawned) target keeps what the CONFIGURE cases did to it: say how much."""
@@ -222,7 +259,8 @@ class Runner:
             finding = Finding(sig, failure, case, indexes=[case.index], original_bytes=case.size,
                               found_after_s=time.monotonic() - self.t0)
             self.findings[sig] = finding
-            finding.file = self._write(finding, case, case, out, 0, 0.0, unconfirmed=True)
+            finding.file = self._write(finding, case, case, out, 0, 0.0,
+                                       unconfirmed="not re-run or minimized: the target did not recover after it")
             self.stopped_early = (f"the target stopped answering after case {case.seed}/{case.index} "
                                   f"({failure.oracle}) and did not recover")
             self.progress.message(f"[{case.seed}/{case.index}] FINDING {failure.oracle} via {case.generator} "
@@ -323,7 +361,7 @@ class Runner:
         return small, last["out"], m.attempts, time.monotonic() - t0
 
     def _write(self, finding: Finding, original: Case, case: Case, out: Outcome, attempts: int, secs: float,
-               unconfirmed: bool = False) -> str | None:
+               unconfirmed: str = "") -> str | None:
         if self.opts.out is None:
             return None
         self.opts.out.mkdir(parents=True, exist_ok=True)
@@ -342,7 +380,7 @@ class Runner:
                 "why": "if the case alone does not reproduce, the state these cases left behind may matter",
             }
         if unconfirmed:
-            doc["unconfirmed"] = "not re-run or minimized: the target did not recover after it"
+            doc["unconfirmed"] = unconfirmed
         if finding.failure.oracle == "crash" and self.target is not None:
             doc["target_log_tail"] = self.target.log_tail()
         path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
@@ -363,6 +401,7 @@ class Runner:
             "budget": {"seconds": self.opts.seconds, "cases": self.opts.cases},
             "coverage": self.coverage.report(self.stopped_by, self.cases_run / elapsed if elapsed else 0.0),
             "config_generation": self.generations if t and not t.spawn else None,
+            "slow_senders": self.slow_stats,
         }
 
 

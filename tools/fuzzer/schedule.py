@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import config_mutators as CM
 from . import mutators as M
 from . import payload_mutators as PM
 from . import stateful
@@ -45,13 +46,13 @@ class _Families:
         self.sweep_order: list[M.Family] = [
             M.OpSweep(), M.LengthLie("payload_len", huge=True), PM.V3Rules(), PM.KvBlobCorruption(),
             M.Truncate(), M.LengthLie("payload_len"), M.Key(), M.LengthLie("key_len"), M.LengthLie("trace_len"),
-            PM.JsonStructure(), M.Magic(), M.Flags(), M.Trace(), PM.SwapQuant(), PM.Dialect(),
+            PM.JsonStructure(), CM.ConfigValues(), M.Magic(), M.Flags(), M.Trace(), PM.SwapQuant(), PM.Dialect(),
             M.Pipeline(templates), M.Dribble(), M.Abrupt(),
         ]
         self.random_only: list[M.Family] = [M.Havoc(), M.RandomPayload()]
         # Random-phase weights: structure-aware families get more turns than blind havoc.
         self.weights = {"op.sweep": 2, "payload_len.huge": 1, "v3.rules": 3, "kvblob": 3, "truncate": 2,
-                        "payload_len.lie": 3, "key": 2, "key_len.lie": 1, "trace_len.lie": 1, "json": 5,
+                        "payload_len.lie": 3, "key": 2, "key_len.lie": 1, "trace_len.lie": 1, "json": 5, "config.values": 3,
                         "magic": 1, "flags": 1, "trace": 1, "swap_quant": 1, "dialect": 2, "pipeline": 3,
                         "dribble": 1, "abrupt": 2, "havoc": 5, "payload.random": 3}
 

@@ -19,12 +19,18 @@ time. Running it keeps a model — the n_past each slot must have — and checks
 * ``decode.n_past``  a continuing DECODE never moves n_past backwards;
 * ``v3.restore``     a DECODE v3 with a kv segment restores the blob's n_past;
 * ``info.answers``   INFO answers as it did at the start.
+
+``put_mutated`` restores a real blob with one field *inside* its KV state region changed — a
+cell position, a cell or stream count, a layer's row size (located with ``codec.seqstate``):
+a size or a position inside a payload is a claim the server must check before it allocates
+or loops by it. Its reply may be anything defined; the target must live, answer and not bloat.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import struct
 from typing import Any
 
 from codec import decode_v3 as V3
@@ -34,6 +40,7 @@ from codec.errors import CodecError
 from codec.framing import encode_request
 from codec.hashing import kv_hash_str
 from codec.kvblob import parse_kv_blob_header
+from codec.seqstate import SeqField, parse_seq_state
 
 from .cases import Outcome
 from .oracles import Baseline, Hang, SentFrame, Slow, await_reply, judge
@@ -43,8 +50,13 @@ from .target import Target
 TEXTS = ("hi", "tell me a story", "1 2 3 4", "ünïcödé ✓", "x" * 40)
 T1_BODIES = ({"n_predict": 4}, {"sampling": {"temp": 0.7, "top_k": 20}}, {"seed": 7}, {"state_chunk_size": 65536})
 KINDS = ("prefill", "meta", "get", "put", "decode", "decode_v3", "configure", "info", "meta_during_decode",
-         "prefill_e1")
-WEIGHTS = (4, 3, 3, 4, 3, 1, 1, 1, 1, 1)
+         "prefill_e1", "put_mutated")
+WEIGHTS = (4, 3, 3, 4, 3, 1, 1, 1, 1, 1, 2)
+# Fields of a sequence state a mutation may change (codec.seqstate names), and values to put
+# there; a value is wrapped to the field's width.
+STATE_FIELDS = ("cell -1 pos", "cell 0 pos", "cell_count", "n_stream", "cell 0 n_seq_id", "cell 0 seq_id",
+                "n_layer", "v_trans", "layer 0 K row_size", "layer 0 V row_size", "layer 0 K type", "magic")
+STATE_VALUES = (-1, 0, 1, 2**20, 2**26, 2**31 - 1, 2**32 - 1, 2**40, 2**63)
 
 
 class _Stop(Exception):
@@ -77,6 +89,11 @@ def generate_program(rng: random.Random, slots: int) -> list[dict[str, Any]]:
             if not blobs:
                 continue
             steps.append({"op": kind, "slot": s, "blob": rng.choice(blobs)})
+        elif kind == "put_mutated":
+            if not blobs:
+                continue
+            steps.append({"op": kind, "slot": s, "blob": rng.choice(blobs), "field": rng.choice(STATE_FIELDS),
+                          "value": rng.choice(STATE_VALUES)})
         elif kind == "decode":
             steps.append({"op": kind, "slot": s, "mode": rng.choice(("frames", "e1", "pin")),
                           "n_predict": rng.randint(1, 3)})
@@ -252,6 +269,15 @@ class _Run:
             self.invariant("put.n_past", f"STATE_PUT of blob {st['blob']} (n_past {n}) answered n_past {got}")
         self.learn(s, n, f"STATE_PUT of {st['blob']}")
 
+    async def put_mutated(self, st: dict[str, Any]) -> None:
+        s = st["slot"]
+        blob, _ = self.blobs.get(st["blob"], (None, None))
+        mutated = mutate_state_field(blob, st["field"], st["value"]) if blob is not None else None
+        if mutated is None:
+            return  # no such field in this blob (no cells, another layout): nothing to send
+        await self.request(Op.STATE_PUT, str(s).encode(), mutated)
+        self.learn(s, None, f"STATE_PUT of {st['blob']} with {st['field']} = {st['value']}")
+
     async def decode(self, st: dict[str, Any]) -> None:
         s, k = st["slot"], st["n_predict"]
         if st["mode"] == "e1":
@@ -310,6 +336,30 @@ class _Run:
                 self.learn(s, None, "side DECODE (no reply)")
         finally:
             await side.close()
+
+
+def mutate_state_field(blob: bytes, field: str, value: int) -> bytes | None:
+    """``blob`` (a KV blob) with one header field of its state region set to ``value`` (wrapped to
+    the field's width); ``cell -1`` is the last cell. None when the state has no such field."""
+    try:
+        _, state_at = parse_kv_blob_header(blob)
+    except CodecError:
+        return None
+    fields: list[SeqField] = []
+    try:
+        parse_seq_state(memoryview(blob)[state_at:], max_cells=1 << 31, max_pos=1 << 31, fields=fields)
+    except CodecError:
+        pass  # the fields read before the error are located all the same
+    if field.startswith("cell -1 "):
+        cells = [f for f in fields if f.name.startswith("cell ") and f.name.endswith(field[8:])]
+        found = cells[-1] if cells else None
+    else:
+        found = next((f for f in fields if f.name == field), None)
+    if found is None:
+        return None
+    width = struct.calcsize(found.fmt)
+    at = state_at + found.offset
+    return blob[:at] + (value % (1 << 8 * width)).to_bytes(width, "little") + blob[at + width:]
 
 
 async def run_program(program: list[dict[str, Any]], target: Target, baseline: Baseline, cfg) -> Outcome:
