@@ -31,7 +31,8 @@ from typing import Any, Callable, Mapping
 from . import tiers
 from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
-from .executors import make_inference_executor, make_loader_executor
+from .compute_threads import ComputeThreads, usable_cores
+from .executors import make_inference_executor, make_loader_executor, promote_loop_thread, thread_policy
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
@@ -50,7 +51,12 @@ log = logging.getLogger("engine.actor")
 class EngineConfig:
     model: ModelParams
     aliases: dict[str, str] = field(default_factory=dict)
-    low_priority: bool = True  # inference and loader threads at nice 19
+    # thread priorities (engine/executors.py): the event loop under SCHED_RR where permitted;
+    # inference and loader at nice 0, or ``thread_nice``, or nice 19 with ``low_priority``
+    loop_realtime: bool = False
+    low_priority: bool = False
+    thread_nice: int | None = None
+    adapt_threads: bool = True  # fewer compute threads while other processes or a load need cores
     time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
     token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
     slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once
@@ -96,6 +102,8 @@ class Engine:
         self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats)
         self._task: asyncio.Task | None = None
         self._state_buf = LeasedBuffer(bytearray)
+        self.priorities: dict[str, str] = {}  # thread → scheduling, as set at start (INFO ``priorities``)
+        self.compute_threads: ComputeThreads | None = None
         self._stopping = False
         self.reloader = Reloader(self, cfg.backend, mode=cfg.reload_mode, drain_timeout=cfg.drain_timeout,
                                  call_later=cfg.call_later)
@@ -113,8 +121,17 @@ class Engine:
 
     async def start(self) -> None:
         """Load the first model (off-loop) and start the actor task."""
-        self._infer = make_inference_executor(low_priority=self.cfg.low_priority)
-        self.loader = make_loader_executor(low_priority=self.cfg.low_priority)
+        if self.cfg.loop_realtime:
+            error = promote_loop_thread()
+            if error:
+                log.warning("the event loop stays at the normal scheduling policy (SCHED_RR not permitted: %s); "
+                            "STATE_META may wait for a core while every core decodes", error)
+        self.priorities["event_loop"] = thread_policy()
+        self._infer = make_inference_executor(self.cfg.low_priority, self.cfg.thread_nice)
+        self.loader = make_loader_executor(self.cfg.low_priority, self.cfg.thread_nice)
+        loop = asyncio.get_running_loop()
+        for name, ex in (("inference", self._infer), ("loader", self.loader)):
+            self.priorities[name] = await loop.run_in_executor(ex, thread_policy)
         self.startup_stage = "loading_model"
         t0 = time.perf_counter()
         try:
@@ -124,6 +141,8 @@ class Engine:
             self.startup_stage, self.startup_error = "failed", str(e)
             raise
         self.install(model, self.params)
+        if self.cfg.adapt_threads:
+            self.compute_threads = ComputeThreads(model.n_threads, usable_cores())
         self.startup_stage = "ready"
         log.info("model loaded in %.0f ms: %s", (time.perf_counter() - t0) * 1000, self.identity.model_name)
         self._task = asyncio.create_task(self._run(), name="engine-actor")
@@ -163,7 +182,7 @@ class Engine:
 
     @property
     def reload(self) -> ReloadStatus:
-        return self.reloader.status
+        return self.reloader.live_status()
 
     @property
     def n_slots(self) -> int:
@@ -202,7 +221,8 @@ class Engine:
             devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity,
             slot_states=tuple(s.state for s in self.snapshots),
             steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
-            tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now))
+            tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now),
+            priorities=tuple(self.priorities.items()))
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -335,8 +355,9 @@ class Engine:
                 await self._handle(*item)
                 del item
                 continue
+            threads = self._threads_for_step()
             try:
-                await loop.run_in_executor(self._infer, self._step, running)
+                await loop.run_in_executor(self._infer, self._step, running, threads)
             except Exception as e:  # a failed batched decode fails the jobs in it
                 log.error("decode step failed: %s", e)
                 for r in running:
@@ -380,7 +401,16 @@ class Engine:
     async def _on_wake(self, _: Wake) -> None:
         return None
 
-    def _step(self, running: list[Running]) -> None:
+    def _threads_for_step(self) -> int | None:
+        if self.compute_threads is None or self.model is None:
+            return None
+        self.compute_threads.configured = self.model.n_threads  # the live model's, across reloads
+        shadow_loading = self.reloader.status.state is ReloadState.LOADING
+        return self.compute_threads.want(loading=shadow_loading)
+
+    def _step(self, running: list[Running], threads: int | None = None) -> None:
+        if threads is not None:
+            self.model.set_threads(threads)
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
         budget = min(self.cfg.token_budget, self.model.n_batch)
         run_step(self.model, running, n_ctx_slot=self.params.n_ctx_slot, token_budget=budget,

@@ -7,7 +7,7 @@ one thread at a time (the inference thread, or the loader thread while building)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .sampling import SamplerParams
 
@@ -53,6 +53,13 @@ class ModelBackend(Protocol):
     def token_to_piece(self, tok: int, special: bool = False) -> bytes: ...
     def is_eog(self, tok: int) -> bool: ...
 
+    @property
+    def n_threads(self) -> int:
+        """Compute threads the context was created with (the most ``set_threads`` may ask for)."""
+
+    def set_threads(self, n: int) -> None:
+        """Compute threads for the next decodes (``ComputeThreads`` lowers it on a busy host)."""
+
     def decode(self, items: Sequence[BatchItem]) -> None: ...
     def logits(self, seq: int) -> "np.ndarray": ...
     def make_sampler(self, params: SamplerParams | None = None) -> Any:
@@ -78,8 +85,9 @@ class BackendFactory(Protocol):
     def check(self) -> None:
         """Raise RuntimeError when this backend cannot run here (checked before serving)."""
 
-    def build(self, params: "ModelParams") -> ModelBackend:
-        """Load a model and create its context (loader thread; blocking)."""
+    def build(self, params: "ModelParams", progress: "Callable[[float], None] | None" = None) -> ModelBackend:
+        """Load a model and create its context (loader thread; blocking). ``progress`` is called
+        with the share of the model's tensor bytes loaded so far (0..1), from the loader thread."""
 
     def devices(self, params: "ModelParams") -> list[str]:
         """The compute devices a model built from ``params`` runs on (INFO ``devices``)."""
@@ -93,7 +101,7 @@ class LlamaFactory:
 
         check_rpc_support()  # a wheel built without GGML_RPC is a broken install
 
-    def build(self, params: "ModelParams") -> ModelBackend:
+    def build(self, params: "ModelParams", progress: "Callable[[float], None] | None" = None) -> ModelBackend:
         from .llama_backend import LoadedModel
 
         if params.rpc_servers:
@@ -104,7 +112,7 @@ class LlamaFactory:
         return LoadedModel(params.model_path, n_ctx=params.n_ctx_slot * params.n_slots, n_seq_max=params.n_slots,
                            n_batch=params.n_batch, n_threads=params.n_threads, n_gpu_layers=params.n_gpu_layers,
                            extra_model_params=dict(params.model_params) or None,
-                           extra_ctx_params=dict(params.ctx_params) or None)
+                           extra_ctx_params=dict(params.ctx_params) or None, progress=progress)
 
     def devices(self, params: "ModelParams") -> list[str]:
         """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""

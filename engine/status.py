@@ -75,6 +75,15 @@ class ReloadStatus:
     load_ms: float = 0.0
     swap_ms: float = 0.0
     keys: tuple[str, ...] = ()
+    progress: float = 0.0  # share of the target's tensor bytes loaded (llama.cpp's progress callback)
+    model_bytes: int = 0  # size of the target file
+
+    @property
+    def load_stage(self) -> str:
+        """tensors (reading and repacking weights), context (creating the KV cache), or done."""
+        if self.state is not ReloadState.LOADING:
+            return "done" if self.load_ms else ""
+        return "context" if self.progress >= 1.0 else "tensors"
 
     @property
     def pending(self) -> bool:
@@ -101,6 +110,7 @@ class EngineInfo:
     slot_states: tuple[str, ...]  # per slot: idle | prefill | decode | transfer
     steps_per_s: float  # engine-wide, over the last seconds (engine.rates)
     tokens_per_s: float
+    priorities: tuple[tuple[str, str], ...] = ()  # thread → scheduling (engine.executors.thread_policy)
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rpc-servers", default="",
                    help="offload layers to ggml RPC servers HOST:PORT,... (default: none)")
     g.add_argument("--n-gpu-layers", type=int, default=None, help="layers to offload (default: all with --rpc-servers)")
+    g.add_argument("--loop-priority", choices=["realtime", "normal"], default="realtime",
+                   help="the event-loop thread's scheduling: realtime (SCHED_RR where permitted, else a warning "
+                        "and normal; default) answers status requests at once while every core decodes, on a "
+                        "busy host too")
+    g.add_argument("--low-priority", action="store_true",
+                   help="run inference and model loads at nice 19 (the event loop then preempts them without "
+                        "real-time scheduling, but so does every other busy process on the host): for a "
+                        "dedicated host where SCHED_RR is not permitted")
+    g.add_argument("--fixed-threads", action="store_true",
+                   help="always decode with --threads compute threads (by default a step uses fewer while other "
+                        "processes, or a model load, keep cores busy)")
     g.add_argument("--no-low-priority", action="store_true",
-                   help="do not lower the inference thread's priority (by default it runs at nice 19 so the "
-                        "event loop preempts it; it then also yields to any other busy process on the host)")
+                   help="deprecated, no effect: inference runs at the normal priority by default now")
     g.add_argument("--slot-queue", type=int, default=8,
                    help="generation requests waiting per busy slot (0: answer BUSY at once)")
     r = p.add_argument_group("reloads")
@@ -121,7 +131,8 @@ def build_app(args: argparse.Namespace):
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (999 if servers else 0)
     params = ModelParams(model, n_ctx_slot=args.ctx, n_slots=args.slots, n_batch=args.batch,
                          n_threads=args.threads, n_gpu_layers=ngl, rpc_servers=servers)
-    ecfg = EngineConfig(model=params, aliases=aliases, low_priority=not args.no_low_priority,
+    ecfg = EngineConfig(model=params, aliases=aliases, low_priority=args.low_priority,
+                        loop_realtime=args.loop_priority == "realtime", adapt_threads=not args.fixed_threads,
                         slot_queue=args.slot_queue, reload_policy=args.reload_policy,
                         reload_mode=args.reload_mode, drain_timeout=args.drain_timeout, resolve_model=resolve,
                         token_budget=args.batch)

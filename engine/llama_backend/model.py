@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import Any, Literal, Sequence, overload
+from typing import Any, Callable, Literal, Sequence, overload
 
 import numpy as np
 
@@ -42,6 +42,15 @@ def _set_fields(params: Any, extra: dict[str, Any] | None, struct_name: str) -> 
         setattr(params, k, v)
 
 
+def _report(progress: Callable[[float], None], share: float) -> bool:
+    """llama.cpp's progress callback: never abort the load, and never let an exception into C."""
+    try:
+        progress(float(share))
+    except Exception:  # pragma: no cover - a reporting bug must not fail the load
+        pass
+    return True
+
+
 class LoadedModel:
     """The KV cache is unified (``kv_unified=True``): the sequences share ``n_ctx`` cells and
     each one may grow up to ``n_ctx`` tokens as long as the total fits.
@@ -60,6 +69,7 @@ class LoadedModel:
         n_gpu_layers: int = 0,
         extra_model_params: dict[str, Any] | None = None,
         extra_ctx_params: dict[str, Any] | None = None,
+        progress: Callable[[float], None] | None = None,
     ) -> None:
         self._model = None
         self._ctx = None
@@ -74,6 +84,9 @@ class LoadedModel:
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
         _set_fields(mparams, extra_model_params, "llama_model_params")
+        if progress is not None:
+            callback = L.llama_progress_callback(lambda share, _user: _report(progress, share))
+            mparams.progress_callback = callback  # referenced until the load returns
         clear_llama_errors()
         model = L.llama_model_load_from_file(os.fsencode(path), mparams)
         if not model:
@@ -105,6 +118,7 @@ class LoadedModel:
             self._n_batch = int(L.llama_n_batch(ctx))
             self._n_seq_max = int(L.llama_n_seq_max(ctx))
             self.n_threads = nt
+            self._threads_now = nt
             # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
             self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
             self._logit_idx: dict[int, int] = {}
@@ -187,6 +201,13 @@ class LoadedModel:
     def identity(self) -> dict[str, Any]:
         """See :func:`engine.llama_backend.identity.read_identity`."""
         return dict(self._identity)
+
+    def set_threads(self, n: int) -> None:
+        """Compute threads for the following decodes (prefill and generation alike)."""
+        n = max(1, min(int(n), self.n_threads))
+        if n != self._threads_now:
+            L.llama_set_n_threads(self._ctx_handle(), n, n)
+            self._threads_now = n
 
     # ---- tokenization ------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
