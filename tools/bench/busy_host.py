@@ -5,6 +5,9 @@ log shippers in production; here busy loops) run for the whole scenario. Candida
 server with its default priorities streams a PIN decode with compute threads on every core
 while a poller asks STATE_META about the decoding slot every few ms. Baseline, same run,
 same contention: the bare llama-cpp-python loop at the normal priority. Runs interleave.
+The poller is a process of its own under SCHED_RR where permitted: it stands in for a client
+on another host, whose reads this host's CPU-bound processes do not delay (a normal-priority
+client here measures its own wait for a core as much as the server's).
 
 Contrast variants (no budget, full runs only) show what each part of the scheme gives under
 the same load: ``--fixed-threads`` (compute threads on every core whatever else runs),
@@ -17,11 +20,9 @@ import asyncio
 import subprocess
 import sys
 
-from codec.enums import Op
-
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
 from .procs import HydraServer, run_worker
-from .traffic import Poller, latencies, messages_for, pin_decode, rate_timeline
+from .traffic import messages_for, pin_decode, rate_timeline
 
 NAME = "busy-host"
 POLL_INTERVAL = 0.002
@@ -59,18 +60,18 @@ async def _server_round(ctx: BenchContext, flags: list[str], seconds: float) -> 
     args = ["--model", ctx.models.busy, "--slots", "2", "--ctx", str(CTX), "--threads", str(ctx.threads), *flags]
     with HydraServer(args, label=f"server {' '.join(flags) or '(defaults)'}") as srv:
         await pin_decode(srv.host, srv.port, 0, 16, messages_for(0))  # warm-up
-        stop = asyncio.Event()
-        poller = Poller(srv.host, srv.port, [(Op.STATE_META, "0")], POLL_INTERVAL)
         t0 = now()
-        polling = asyncio.create_task(poller.run(stop))
-        run = await pin_decode(srv.host, srv.port, 0, CTX - 256, messages_for(0), until=now() + seconds)
-        stop.set()
-        polls = await polling
-    run.check(CTX - 256)
-    lat = latencies(polls, run.times[0], run.times[-1])
+        decoding = asyncio.create_task(pin_decode(srv.host, srv.port, 0, CTX - 256, messages_for(0), seconds=seconds))
+        # the poller outlasts any prefill: only its polls sent while tokens flowed count
+        polled = await run_worker("pollers", {"host": srv.host, "port": srv.port, "n": 1, "interval": POLL_INTERVAL,
+                                              "seconds": seconds + 6, "slots": 1, "index0": 0, "of": 1,
+                                              "realtime": True, "timeline": True}, timeout=seconds * 10 + 60)
+        run = (await decoding).check(CTX - 256)
+    polls = polled["polls"]
+    lat = [ms for t, ms, st in polls if run.times[0] <= t < run.times[-1] and st == 0]
     return {"decode_rate": run.decode_rate(), "tokens": run.tokens, "meta_ms": summarize(lat),
-            "meta_failed": sum(1 for p in polls if p.status != 0), "meta_samples": [round(x, 4) for x in lat],
-            "tokens_per_s": rate_timeline(run.times, t0)}
+            "meta_failed": sum(1 for t, _ms, st in polls if run.times[0] <= t < run.times[-1] and st != 0),
+            "meta_samples": [round(x, 4) for x in lat], "tokens_per_s": rate_timeline(run.times, t0)}
 
 
 async def run(ctx: BenchContext) -> Result:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .common import Result
+from .common import Result, percentile
 
 STATUS_OK = 0
 
@@ -31,8 +31,7 @@ def _ms_axis(ax, which: str = "y", label: str = "latency (ms)") -> None:
 
 
 def _p99(values: list[float]) -> float | None:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(0.99 * (len(v) - 1) + 0.5))] if v else None
+    return percentile(values, 99)  # as the tables compute it
 
 
 def _cdf(ax, values: list[float], label: str, color: str | None = None) -> None:

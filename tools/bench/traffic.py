@@ -56,11 +56,13 @@ class PinRun:
 
 
 async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: list | None, *,
-                     until: float | None = None, stop: asyncio.Event | None = None) -> PinRun:
+                     until: float | None = None, stop: asyncio.Event | None = None,
+                     seconds: float | None = None) -> PinRun:
     """PIN DECODE ``{"n_predict", "messages"}``: head ``OK,0,0`` then ``[u32 len][piece]`` until EOF.
 
-    ``until`` (a ``now()`` value) or ``stop`` ends the stream early: closing the connection is
-    how a PIN client cancels, and the server must then free the slot before its next step.
+    ``until`` (a ``now()`` value), ``seconds`` after the first piece, or ``stop`` ends the
+    stream early: closing the connection is how a PIN client cancels, and the server must then
+    free the slot before its next step.
     """
     c = await HydraClient.connect(host, port)
     run = PinRun(slot, now())
@@ -75,6 +77,8 @@ async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: 
         async for _piece in c.pin_pieces():
             t = now()
             run.times.append(t)
+            if seconds is not None and until is None:
+                until = t + seconds
             if (until is not None and t >= until) or (stop is not None and stop.is_set()):
                 break
     finally:
