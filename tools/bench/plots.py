@@ -131,7 +131,9 @@ def slots_scaling(res: Result, plt) -> object:
 def reload_stall(res: Result, plt) -> object:
     runs = res.samples["runs"]
     variants = list(dict.fromkeys(r["variant"] for r in runs))
-    fig, axes = plt.subplots(len(variants), 1, figsize=(12, 3.6 * len(variants)), sharex=True, squeeze=False)
+    defaults = res.samples.get("defaults") or []
+    n = len(variants) + (1 if defaults else 0)
+    fig, axes = plt.subplots(n, 1, figsize=(12, 3.8 * n), squeeze=False)
     for ax, v in zip(axes[:, 0], variants):
         r = next(x for x in runs if x["variant"] == v)
         p = r["polls"]
@@ -139,7 +141,7 @@ def reload_stall(res: Result, plt) -> object:
             pts = [(t, ms) for t, ms, g, st in zip(p["t"], p["ms"], p["generation"], p["status"])
                    if g == gen and st == STATUS_OK]
             ax.scatter([x for x, _ in pts], [y for _, y in pts], s=4, color=color,
-                       label=f"INFO/META latency, config_generation {gen}")
+                       label=f"INFO/META round trip, config_generation {gen}")
         bad = [(t, ms) for t, ms, st in zip(p["t"], p["ms"], p["status"]) if st != STATUS_OK]
         if bad:
             ax.scatter([x for x, _ in bad], [y for _, y in bad], s=12, marker="x", color="r", label="failed poll")
@@ -147,27 +149,52 @@ def reload_stall(res: Result, plt) -> object:
         busy = [(t, ms) for t, ms, st, _g in rq if st == 4]
         if busy:
             ax.scatter([x for x, _ in busy], [y for _, y in busy], s=10, marker="|", color="#a37",
-                       label="E1 DECODE answered BUSY")
+                       label="E1 DECODE answered BUSY (its latency)")
         served = [(t, ms) for t, ms, st, _g in rq if st == STATUS_OK]
         ax.scatter([x for x, _ in served], [y for _, y in served], s=10, marker="^", color="#777",
-                   label="E1 DECODE served (latency)")
-        ax.set_yscale("log")
-        ax.set_ylabel("ms")
-        ax.axhline(10, color="r", ls="--", lw=0.8)
+                   label="E1 DECODE served (its latency)")
+        ax.axhline(10, color="r", ls="--", lw=0.9, label="budget: INFO/META p99 < 10 ms")
+        _ms_axis(ax, "y", "latency (ms)")
         for name, t in r["marks"].items():
             ax.axvline(t, color="k", lw=0.6, ls=":")
             ax.annotate(name.replace("_", " "), (t, 1), xycoords=("data", "axes fraction"), fontsize=7,
                         rotation=90, va="top", ha="right")
         t2 = ax.twinx()
         tl = r["tokens_per_s"]
-        t2.plot([x for x, _ in tl], [y for _, y in tl], color="#a73", lw=1.2)
-        t2.set_ylabel("old-config decode tok/s", color="#a73")
+        t2.plot([x for x, _ in tl], [y for _, y in tl], color="#a73", lw=1.2,
+                label="old-config decode tok/s (100 ms bins, right axis)")
+        t2.set_ylabel("decode tokens/s", color="#a73")
+        t2.set_ylim(bottom=0)
         load = r.get("load_ms") or 0
-        ax.set_title(f"{v}: T3 reload at t=0 (load {load:.0f} ms, swap at {r['marks']['swapped']:.2f} s)",
+        what = "blocking emulation of the C++ (baseline)" if v == "blocking" else f"--reload-policy {v}, --threads 1"
+        ax.set_title(f"{what}: T3 reload at t=0 (load {load:.0f} ms, swap at {r['marks']['swapped']:.2f} s)",
                      fontsize=10)
-        ax.legend(fontsize=7, loc="upper left", markerscale=2)
-    axes[-1, 0].set_xlabel("seconds since CONFIGURE")
+        ax.set_xlabel("seconds since the CONFIGURE")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = t2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left", markerscale=2)
+    if defaults:
+        _reload_defaults(axes[-1, 0], defaults[0], res.summary.get("defaults") or {})
     return fig
+
+
+def _reload_defaults(ax, r: dict, s: dict) -> None:
+    """Default flags: the decode's tok/s through the load, the chats fired during it."""
+    tl = r["tokens_per_s"]
+    ax.plot([x for x, _ in tl], [y for _, y in tl], color="#a73", lw=1.2, label="old-config decode tok/s (100 ms bins)")
+    before = r["tok_s_before"]
+    ax.axhline(before, color="#777", ls=":", lw=1, label=f"before the CONFIGURE: {before:.0f} tok/s (baseline)")
+    ax.axhline(0.75 * before, color="r", ls="--", lw=0.9, label="budget: ≥ 75 % of before during the load")
+    ax.axvspan(0, r["marks"]["load_end"], color="#fc8", alpha=0.3,
+               label=f"the load: {r['load_decode_ms']:.0f} ms (idle: {r['load_idle_ms']:.0f} ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_xlabel("seconds since the CONFIGURE")
+    idle = sorted(r["chat_idle_ms"])[len(r["chat_idle_ms"]) // 2]
+    chats = ", ".join(f"{ms:.0f}" for ms in r["chat_during_ms"])
+    ax.set_title(f"default flags ({s.get('model', '').rsplit('/', 1)[-1]}): decode through a reload; chats during "
+                 f"another reload took {chats} ms (idle {idle:.0f} ms; budget ≤ 1.5× idle)", fontsize=10)
+    ax.legend(fontsize=7, loc="lower left")
 
 
 def state_transfer(res: Result, plt) -> object:
