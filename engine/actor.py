@@ -32,7 +32,7 @@ from . import tiers
 from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
 from .compute_threads import ComputeThreads, usable_cores
-from .executors import make_inference_executor, make_loader_executor, promote_loop_thread, thread_policy
+from .executors import start_workers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
@@ -121,17 +121,8 @@ class Engine:
 
     async def start(self) -> None:
         """Load the first model (off-loop) and start the actor task."""
-        if self.cfg.loop_realtime:
-            error = promote_loop_thread()
-            if error:
-                log.warning("the event loop stays at the normal scheduling policy (SCHED_RR not permitted: %s); "
-                            "STATE_META may wait for a core while every core decodes", error)
-        self.priorities["event_loop"] = thread_policy()
-        self._infer = make_inference_executor(self.cfg.low_priority, self.cfg.thread_nice)
-        self.loader = make_loader_executor(self.cfg.low_priority, self.cfg.thread_nice)
-        loop = asyncio.get_running_loop()
-        for name, ex in (("inference", self._infer), ("loader", self.loader)):
-            self.priorities[name] = await loop.run_in_executor(ex, thread_policy)
+        self._infer, self.loader, self.priorities = await start_workers(
+            self.cfg.loop_realtime, self.cfg.low_priority, self.cfg.thread_nice)
         self.startup_stage = "loading_model"
         t0 = time.perf_counter()
         try:

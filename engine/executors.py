@@ -16,6 +16,7 @@ The scheme (docs/architecture.md, 'Priorities'; measurements in docs/performance
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -76,6 +77,25 @@ def _single_thread(name: str, nice: int | None) -> concurrent.futures.ThreadPool
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=None if nice is None else _init_thread,
         initargs=() if nice is None else (nice,))
+
+
+async def start_workers(loop_realtime: bool, low_priority: bool = False, nice: int | None = None
+                        ) -> tuple[concurrent.futures.ThreadPoolExecutor, concurrent.futures.ThreadPoolExecutor,
+                                   dict[str, str]]:
+    """On the event-loop thread: promote it (``loop_realtime``), then start the inference and
+    loader threads; returns them and what each thread got (INFO ``thread_priorities``)."""
+    if loop_realtime:
+        error = promote_loop_thread()
+        if error:
+            log.warning("the event loop stays at the normal scheduling policy (SCHED_RR not permitted: %s); "
+                        "STATE_META may wait for a core while every core decodes", error)
+    infer = make_inference_executor(low_priority, nice)
+    loader = make_loader_executor(low_priority, nice)
+    loop = asyncio.get_running_loop()
+    got = {"event_loop": thread_policy()}
+    for name, ex in (("inference", infer), ("loader", loader)):
+        got[name] = await loop.run_in_executor(ex, thread_policy)
+    return infer, loader, got
 
 
 def make_loader_executor(low_priority: bool = False, nice: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
