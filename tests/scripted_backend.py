@@ -128,7 +128,7 @@ class ScriptedBackend:
 
     # ---- the step
     n_threads = 2
-    threads_now = 2
+    threads_now: int | None = None  # what the engine last asked for (None: never)
 
     def set_threads(self, n: int) -> None:
         self.threads_now = n

@@ -1,6 +1,8 @@
 """ComputeThreads: the step's thread count follows the cores other processes leave free."""
 from __future__ import annotations
 
+import pytest
+
 from engine.compute_threads import SAMPLE_S, ComputeThreads, OtherLoad
 
 
@@ -61,3 +63,29 @@ def test_a_shadow_load_takes_one_thread_never_the_last() -> None:
 def test_unreadable_proc_changes_nothing() -> None:
     ct = ComputeThreads(4, 4, OtherLoad(read=lambda: None), clock=iter(range(0, 100)).__next__)
     assert {ct.want(False) for _ in range(10)} == {4}
+
+
+@pytest.mark.asyncio
+async def test_steps_give_a_shadow_load_one_thread_and_take_it_back():
+    from engine.jobs import GenJob
+    from tests.engine_env import long_generation, run, scripted_engine
+    from tests.scripted_backend import until
+
+    async with scripted_engine(n_ctx_slot=4096) as env:
+        eng, f = env.engine, env.factory
+        quiet = OtherLoad(read=lambda: (0.0, 0.0))  # no other process on this "host"
+        eng.compute_threads = ComputeThreads(2, 2, quiet)
+        old = env.model
+        gen = await long_generation(eng, 0)
+        assert old.threads_now == 2
+        f.build_gate.close()
+        await eng.configure({"model_path": "model-b"})
+        await until(lambda: f.build_gate.waiting == 1, "the shadow build")
+        steps = eng.stats["steps"]
+        await until(lambda: eng.stats["steps"] > steps + 1, "steps while it loads")
+        assert old.threads_now == 1
+        f.build_gate.open()
+        gen.cancel()
+        await until(lambda: eng.model is not old, "the swap")
+        await run(eng, GenJob(1, prompt="after", n_predict=2))
+        assert eng.model.threads_now == 2

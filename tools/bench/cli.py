@@ -157,9 +157,9 @@ def _to_docs(runs: list[list], out: Path, n: int) -> None:
     (combined over the runs with --runs) into docs/performance.md."""
     from .report import combined_table, replace_table, table
 
-    for i in range(n):
-        src = out / f"run-{i + 1}" if n > 1 else out
-        dst = DOCS_IMAGES / f"run-{i + 1}" if n > 1 else DOCS_IMAGES
+    dirs = [(out / f"run-{i + 1}", DOCS_IMAGES / f"run-{i + 1}") for i in range(n)] if n > 1 else []
+    dirs.append((dirs[-1][0] if dirs else out, DOCS_IMAGES))  # the last run's charts are the page's
+    for src, dst in dirs:
         dst.mkdir(parents=True, exist_ok=True)
         for f in [*src.glob("*.png"), src / "summary.md"]:
             if f.is_file():

@@ -6,6 +6,7 @@
   ``endpoint`` (directly, or through our port's passthrough).
 * ``raw-peer``: a plain blocking-socket peer that sends or swallows N bytes on request: the
   "raw loopback copy" baseline of state-transfer.
+* ``echo-server``: a minimal uvloop echo server, the floor of per-request server CPU.
 * ``pollers``: N STATE_META pollers (the connections scenario runs several of these, since one
   Python process cannot issue thousands of requests a second without queueing them itself).
 
@@ -181,6 +182,29 @@ def raw_peer(p: dict[str, Any]) -> None:
                     conn.sendall(b"\x01")
 
 
+def echo_server(_p: dict[str, Any]) -> None:
+    """The floor of a request's server CPU: a minimal uvloop server that writes back whatever
+    arrives (one ``data_received`` → one ``write``), until killed."""
+    import asyncio
+
+    import uvloop
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.transport.write(data)
+
+    async def serve() -> None:
+        srv = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+        print(f"{READY_PREFIX}{srv.sockets[0].getsockname()[1]}", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     data = b""
     while len(data) < n:
@@ -196,8 +220,8 @@ MODES = {"bare-decode": bare_decode, "ggml-client": ggml_client, "pollers": poll
 
 def main(argv: list[str]) -> int:
     mode, params = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
-    if mode == "raw-peer":
-        raw_peer(params)
+    if mode in ("raw-peer", "echo-server"):
+        (raw_peer if mode == "raw-peer" else echo_server)(params)
         return 0
     out = MODES[mode](params)
     print(RESULT_PREFIX + json.dumps(out), flush=True)
