@@ -36,7 +36,8 @@ from codec.errors import CodecError
 from . import tiers
 from .backend import BackendFactory, LlamaFactory, ModelBackend
 from .buffers import LeasedBuffer
-from .executors import make_inference_executor, make_loader_executor
+from .compute_threads import ComputeThreads, usable_cores
+from .executors import start_workers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .kv_cache import KV_SHAPE_KEYS, KvCacheInfo, KvStateMismatch, build_problem, restore_state
 from .kv_layout import available_memory
@@ -59,8 +60,12 @@ log = logging.getLogger("engine.actor")
 class EngineConfig:
     model: ModelParams
     aliases: dict[str, str] = field(default_factory=dict)
-    low_priority: bool = True  # inference and loader threads at nice 19
-    thread_nice: int | None = None  # instead: this nice value (llama.cpp's --prio-batch)
+    # thread priorities (engine/executors.py): the event loop under SCHED_RR where permitted;
+    # inference and loader at nice 0, or ``thread_nice``, or nice 19 with ``low_priority``
+    loop_realtime: bool = False
+    low_priority: bool = False
+    thread_nice: int | None = None
+    adapt_threads: bool = True  # fewer compute threads while other processes or a load need cores
     time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
     token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
     slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once
@@ -115,6 +120,8 @@ class Engine:
         self.cache = PromptCache.build(self.slots, cfg.model, cfg.cache_ram_mib, cfg.slot_save_path)
         self._task: asyncio.Task | None = None
         self._state_buf = LeasedBuffer(bytearray)
+        self.priorities: dict[str, str] = {}  # thread → scheduling, as set at start (INFO ``priorities``)
+        self.compute_threads: ComputeThreads | None = None
         self._stopping = False
         self.reloader = Reloader(self, cfg.backend, mode=cfg.reload_mode, drain_timeout=cfg.drain_timeout,
                                  call_later=cfg.call_later)
@@ -132,8 +139,8 @@ class Engine:
 
     async def start(self) -> None:
         """Load the first model (off-loop) and start the actor task."""
-        self._infer = make_inference_executor(self.cfg.low_priority, self.cfg.thread_nice)
-        self.loader = make_loader_executor(self.cfg.low_priority, self.cfg.thread_nice)
+        self._infer, self.loader, self.priorities = await start_workers(
+            self.cfg.loop_realtime, self.cfg.low_priority, self.cfg.thread_nice)
         self.startup_stage = "loading_model"
         t0 = time.perf_counter()
         try:
@@ -143,6 +150,8 @@ class Engine:
             self.startup_stage, self.startup_error = "failed", str(e)
             raise
         self.install(model, self.params)
+        if self.cfg.adapt_threads:
+            self.compute_threads = ComputeThreads(model.n_threads, usable_cores())
         self.startup_stage = "ready"
         log.info("model loaded in %.0f ms: %s", (time.perf_counter() - t0) * 1000, self.identity.model_name)
         self._task = asyncio.create_task(self._run(), name="engine-actor")
@@ -183,7 +192,7 @@ class Engine:
 
     @property
     def reload(self) -> ReloadStatus:
-        return self.reloader.status
+        return self.reloader.live_status()
 
     @property
     def n_slots(self) -> int:
@@ -233,7 +242,8 @@ class Engine:
             slot_states=tuple(s.state for s in self.snapshots),
             steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
             tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now),
-            params=self.params, kv_cache=self.kv_cache, prompt_cache=self.cache.info())
+            params=self.params, kv_cache=self.kv_cache, prompt_cache=self.cache.info(),
+            priorities=tuple(self.priorities.items()))
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -385,8 +395,9 @@ class Engine:
                 await self._handle(*item)
                 del item
                 continue
+            threads = self._threads_for_step()
             try:
-                await loop.run_in_executor(self._infer, self._step, running)
+                await loop.run_in_executor(self._infer, self._step, running, threads)
             except Exception as e:  # a failed batched decode fails the jobs in it
                 log.error("decode step failed: %s", e)
                 for r in running:
@@ -433,7 +444,16 @@ class Engine:
     async def _on_wake(self, _: Wake) -> None:
         return None
 
-    def _step(self, running: list[Running]) -> None:
+    def _threads_for_step(self) -> int | None:
+        if self.compute_threads is None or self.model is None:
+            return None
+        self.compute_threads.configured = self.model.n_threads  # the live model's, across reloads
+        shadow_loading = self.reloader.status.state is ReloadState.LOADING
+        return self.compute_threads.want(loading=shadow_loading)
+
+    def _step(self, running: list[Running], threads: int | None = None) -> None:
+        if threads is not None:
+            self.model.set_threads(threads)
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
         budget = min(self.cfg.token_budget, self.model.n_batch)
         # --context-shift: llama-server keeps n_keep tokens and the BOS (and turns the shift off

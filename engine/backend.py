@@ -7,7 +7,7 @@ one thread at a time (the inference thread, or the loader thread while building)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .sampling import SamplerParams
 
@@ -57,6 +57,13 @@ class ModelBackend(Protocol):
     def token_to_piece(self, tok: int, special: bool = False) -> bytes: ...
     def is_eog(self, tok: int) -> bool: ...
 
+    @property
+    def n_threads(self) -> int:
+        """Compute threads the context was created with (the most ``set_threads`` may ask for)."""
+
+    def set_threads(self, n: int) -> None:
+        """Compute threads for the next decodes (``ComputeThreads`` lowers it on a busy host)."""
+
     def decode(self, items: Sequence[BatchItem]) -> None: ...
     def logits(self, seq: int) -> "np.ndarray": ...
     def make_sampler(self, params: SamplerParams | None = None) -> Any:
@@ -99,8 +106,9 @@ class BackendFactory(Protocol):
     def check(self) -> None:
         """Raise RuntimeError when this backend cannot run here (checked before serving)."""
 
-    def build(self, params: "ModelParams") -> ModelBackend:
-        """Load a model and create its context (loader thread; blocking)."""
+    def build(self, params: "ModelParams", progress: "Callable[[float], None] | None" = None) -> ModelBackend:
+        """Load a model and create its context (loader thread; blocking). ``progress`` is called
+        with the share of the model's tensor bytes loaded so far (0..1), from the loader thread."""
 
     def devices(self, params: "ModelParams") -> list[str]:
         """The compute devices a model built from ``params`` runs on (INFO ``devices``)."""
@@ -114,7 +122,7 @@ class LlamaFactory:
 
         check_rpc_support()  # a wheel built without GGML_RPC is a broken install
 
-    def build(self, params: "ModelParams") -> ModelBackend:
+    def build(self, params: "ModelParams", progress: "Callable[[float], None] | None" = None) -> ModelBackend:
         from .llama_backend.build import load
 
         if params.rpc_servers:
@@ -122,7 +130,7 @@ class LlamaFactory:
 
             for ep in params.rpc_servers:
                 register_rpc_server(ep)
-        return load(params)
+        return load(params, progress)
 
     def devices(self, params: "ModelParams") -> list[str]:
         """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""

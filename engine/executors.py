@@ -1,11 +1,22 @@
-"""The engine's two worker threads: inference (every llama.cpp call of the live model) and
-loader (building shadow models). Both run at nice 19 by default, so the event loop (nice 0)
-preempts them and a shadow load never outranks live generation. llama.cpp's priority levels
-(``--prio``, ``--prio-batch``) map onto nice values as llama.cpp's ``set_process_priority``
-maps them.
+"""Thread priorities, and the engine's two worker threads: inference (every llama.cpp call of
+the live model, and ggml's compute threads it starts) and loader (building shadow models).
+
+The scheme (docs/architecture.md, 'Priorities'; measurements in docs/performance.md):
+
+* The event-loop thread runs SCHED_RR (:func:`promote_loop_thread`) where the process may:
+  a request's wake-up then preempts any normal thread on the host at once — ggml's compute
+  threads and every other process alike — so STATE_META stays fast on an idle host with
+  decode on every core *and* on a busy one. ``SCHED_RESET_ON_FORK`` makes every thread and
+  process it starts begin at the normal policy again.
+* Inference and loader run at the normal priority (nice 0), or llama.cpp's ``--prio-batch``
+  level, so generation keeps its fair share of a busy host.
+* Where the real-time policy is not permitted (no CAP_SYS_NICE, RLIMIT_RTPRIO 0, or a cgroup
+  without real-time runtime), the loop stays at the normal policy and the caller is told;
+  ``low_priority`` (nice 19 for inference and loader) is the older scheme for a dedicated host.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -16,6 +27,8 @@ log = logging.getLogger("engine.executors")
 LOW_NICE = 19
 #: llama.cpp's ggml_sched_priority (low, normal, medium, high, realtime) → nice
 PRIO_NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}
+#: the event-loop thread's SCHED_RR priority: above every normal thread, far below the kernel's own
+LOOP_RT_PRIORITY = 10
 
 
 def set_thread_nice(nice: int) -> str | None:
@@ -25,6 +38,32 @@ def set_thread_nice(nice: int) -> str | None:
     except (PermissionError, OSError, AttributeError) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def promote_loop_thread(priority: int = LOOP_RT_PRIORITY) -> str | None:
+    """Put the calling thread under SCHED_RR at ``priority``; the error, or None when done.
+
+    With SCHED_RESET_ON_FORK: threads and processes started from it later (the inference and
+    loader threads, asyncio's default executor, ggml-RPC children) start at SCHED_OTHER, nice 0
+    or above, instead of inheriting the real-time policy.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(priority))
+    except (PermissionError, OSError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def thread_policy() -> str:
+    """The calling thread's scheduling, as INFO and the benchmark report it ("SCHED_RR 10", "nice 0")."""
+    try:
+        policy = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+        if policy in (os.SCHED_RR, os.SCHED_FIFO):
+            name = "SCHED_RR" if policy == os.SCHED_RR else "SCHED_FIFO"
+            return f"{name} {os.sched_getparam(0).sched_priority}"
+        return f"nice {os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}"
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        return "unknown"
 
 
 def _init_thread(nice: int) -> None:
@@ -40,17 +79,36 @@ def _single_thread(name: str, nice: int | None) -> concurrent.futures.ThreadPool
         initargs=() if nice is None else (nice,))
 
 
-def make_loader_executor(low_priority: bool = True, nice: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
+async def start_workers(loop_realtime: bool, low_priority: bool = False, nice: int | None = None
+                        ) -> tuple[concurrent.futures.ThreadPoolExecutor, concurrent.futures.ThreadPoolExecutor,
+                                   dict[str, str]]:
+    """On the event-loop thread: promote it (``loop_realtime``), then start the inference and
+    loader threads; returns them and what each thread got (INFO ``thread_priorities``)."""
+    if loop_realtime:
+        error = promote_loop_thread()
+        if error:
+            log.warning("the event loop stays at the normal scheduling policy (SCHED_RR not permitted: %s); "
+                        "STATE_META may wait for a core while every core decodes", error)
+    infer = make_inference_executor(low_priority, nice)
+    loader = make_loader_executor(low_priority, nice)
+    loop = asyncio.get_running_loop()
+    got = {"event_loop": thread_policy()}
+    for name, ex in (("inference", infer), ("loader", loader)):
+        got[name] = await loop.run_in_executor(ex, thread_policy)
+    return infer, loader, got
+
+
+def make_loader_executor(low_priority: bool = False, nice: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
     """A single-thread executor for building (shadow) models."""
     return _single_thread("hydra-loader", nice if nice is not None else LOW_NICE if low_priority else None)
 
 
-def make_inference_executor(low_priority: bool = True,
+def make_inference_executor(low_priority: bool = False,
                             nice: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
     """A single-thread executor for all model calls of one engine.
 
-    With ``low_priority`` the worker thread runs at nice 19 (Linux per-thread nice), so the
-    event loop stays responsive while ggml's compute threads, which inherit the nice value
-    when started from this thread, use every core. ``nice`` sets another value instead.
+    ggml's compute threads are started by this thread and inherit its priority. With
+    ``low_priority`` it runs at nice 19 (the event loop, at nice 0, then preempts it; so does
+    every other busy process on the host); ``nice`` sets another value instead.
     """
     return _single_thread("hydra-inference", nice if nice is not None else LOW_NICE if low_priority else None)

@@ -66,7 +66,7 @@ class TinyModelParams:
     n_head: int = 4
     n_head_kv: int = 2
     n_ff: int | None = None  # default 4 * n_embd
-    dtype: str = "f32"  # f32 | f16 | q8_0 (2-D matrices; norms stay f32)
+    dtype: str = "f32"  # f32 | f16 | q8_0 | q4_0 (2-D matrices; norms stay f32)
     seed: int = 1234
     context_length: int = 65536  # room for long-context tests: a slot is capped at the training context
     std: float = 0.5
@@ -78,14 +78,14 @@ class TinyModelParams:
         return self.n_ff or 4 * self.n_embd
 
     def validate(self) -> None:
-        if self.dtype not in ("f32", "f16", "q8_0"):
-            raise ValueError(f"dtype must be f32, f16 or q8_0, not {self.dtype!r}")
+        if self.dtype not in ("f32", "f16", "q8_0", "q4_0"):
+            raise ValueError(f"dtype must be f32, f16, q8_0 or q4_0, not {self.dtype!r}")
         if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
             raise ValueError("n_embd must be divisible by n_head, and n_head by n_head_kv")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError("head dimension (n_embd / n_head) must be even (RoPE)")
-        if self.dtype == "q8_0" and (self.n_embd % 32 or self.ff % 32):
-            raise ValueError("q8_0 needs n_embd and n_ff divisible by 32")
+        if self.dtype in ("q8_0", "q4_0") and (self.n_embd % 32 or self.ff % 32):
+            raise ValueError("q8_0 and q4_0 need n_embd and n_ff divisible by 32")
         if self.n_layer < 1:
             raise ValueError("n_layer must be >= 1")
 
@@ -107,6 +107,13 @@ VARIANTS: dict[str, TinyModelParams] = {
     "small": TinyModelParams(
         n_vocab=2048, n_embd=256, n_layer=4, n_head=8, n_head_kv=4, dtype="q8_0", seed=2718,
         name="hydra-tiny-small",
+    ),
+    # A load that takes about a second, for the same reason a real model's does: a large
+    # vocabulary (llama.cpp builds its token maps at load; Gemma 3 has 262,144 tokens) and
+    # q4_0 weights, repacked for the CPU at load. Generating it takes a minute (once, cached).
+    "large": TinyModelParams(
+        n_vocab=524288, n_embd=256, n_layer=8, n_head=4, n_head_kv=1, n_ff=1024, dtype="q4_0", seed=9090,
+        name="hydra-tiny-large",
     ),
 }
 
@@ -194,6 +201,7 @@ def write_tiny_gguf(out: str | os.PathLike[str], params: TinyModelParams = TinyM
         "f32": gguf.LlamaFileType.ALL_F32,
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     }[params.dtype]
     w.add_file_type(int(ftype))
 
@@ -223,8 +231,8 @@ def write_tiny_gguf(out: str | os.PathLike[str], params: TinyModelParams = TinyM
         elif params.dtype == "f16":
             w.add_tensor(name, a.astype(np.float16))
         else:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = gguf.GGMLQuantizationType[params.dtype.upper()]
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 
     s = params.std
     inv = 1.0 / np.sqrt(n_embd)
@@ -315,7 +323,7 @@ def ensure_gemma_270m(cache_dir: Path | None = None) -> Path:
     return target
 
 
-_SPECS = {"tiny": "a", "tiny-a": "a", "tiny-b": "b", "tiny-small": "small"}
+_SPECS = {"tiny": "a", "tiny-a": "a", "tiny-b": "b", "tiny-small": "small", "tiny-large": "large"}
 
 
 def resolve_model(spec: str) -> Path:

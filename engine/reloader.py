@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
@@ -71,7 +73,11 @@ class ReloadTicket:
     outcome: asyncio.Future  # result: None when live, else why not (no exception: nobody may wait)
     shadow: ModelBackend | None = None
     load_ms: float = 0.0
+    progress: float = 0.0  # written by the loader thread while it builds, read by INFO
     timer: Any = field(default=None, repr=False)
+
+    def set_progress(self, share: float) -> None:
+        self.progress = share
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,13 @@ class Reloader:
     def pending(self) -> bool:
         return self.current is not None
 
+    def live_status(self) -> ReloadStatus:
+        """``status`` with the progress the loader thread has reported so far."""
+        t = self.current
+        if t is not None and self.status.state is LOADING and t.progress != self.status.progress:
+            return replace(self.status, progress=t.progress)
+        return self.status
+
     @property
     def blocks_admission(self) -> bool:
         """Draining: in-flight work finishes, new generation work waits for the swap."""
@@ -137,7 +150,7 @@ class Reloader:
         inplace_drain = self.mode == "inplace" and self.host.model is not None
         self.status = ReloadStatus(state=DRAINING if inplace_drain else LOADING, generation=ticket.generation,
                                    target=params.model_path, tier=tier, started_at=time.time(),
-                                   keys=tuple(dict.fromkeys(keys)))
+                                   keys=tuple(dict.fromkeys(keys)), model_bytes=_size(params.model_path))
         if not inplace_drain:  # shadow; or in-place with no model left to free
             self._build(ticket)
         return ticket
@@ -161,7 +174,7 @@ class Reloader:
                 await asyncio.get_running_loop().run_in_executor(self.host.loader, model.close)
             return
         ticket.load_ms = msg.load_ms
-        self.status = replace(self.status, load_ms=msg.load_ms)
+        self.status = replace(self.status, load_ms=msg.load_ms, progress=1.0 if error is None else ticket.progress)
         if error is not None:
             log.warning("reload failed, still serving generation %d: %s", self.host.generations.live, error)
             self._end(ticket, FAILED, str(error))
@@ -203,7 +216,9 @@ class Reloader:
     # ------------------------------------------------------------------ transitions
     def _build(self, ticket: ReloadTicket) -> None:
         t0 = time.perf_counter()
-        fut = asyncio.get_running_loop().run_in_executor(self.host.loader, self.factory.build, ticket.params)
+        ticket.progress = 0.0
+        build = functools.partial(self.factory.build, ticket.params, progress=ticket.set_progress)
+        fut = asyncio.get_running_loop().run_in_executor(self.host.loader, build)
         fut.add_done_callback(lambda f: self.host.post(BuildDone(ticket, f, (time.perf_counter() - t0) * 1000)))
 
     def _swap(self, ticket: ReloadTicket, model: ModelBackend) -> None:
@@ -240,6 +255,13 @@ class Reloader:
             return
         self.host.install(model, self.host.params)
         self.host.admit_queued()
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # a missing file fails the build, which reports it
+        return 0
 
 
 async def wait_live(ticket: ReloadTicket) -> int:

@@ -105,6 +105,7 @@ class Slot:
     # a continuation feeds them first
     tail: list[int] = field(default_factory=list)
     state_size: int = 0
+    state_size_at: float = 0.0  # monotonic time state_size was last measured (the stepper's)
     operation: str = "idle"
     transferring: bool = False
     job: Any = None  # the generation job running here

@@ -75,6 +75,15 @@ class ReloadStatus:
     load_ms: float = 0.0
     swap_ms: float = 0.0
     keys: tuple[str, ...] = ()
+    progress: float = 0.0  # share of the target's tensor bytes loaded (llama.cpp's progress callback)
+    model_bytes: int = 0  # size of the target file
+
+    @property
+    def load_stage(self) -> str:
+        """tensors (reading and repacking weights), context (creating the KV cache), or done."""
+        if self.state is not ReloadState.LOADING:
+            return "done" if self.load_ms else ""
+        return "context" if self.progress >= 1.0 else "tensors"
 
     @property
     def pending(self) -> bool:
@@ -129,6 +138,7 @@ class EngineInfo:
     params: ModelParams | None = None  # the live model's
     kv_cache: Any = None  # the live model's KvCacheInfo
     prompt_cache: PromptCacheInfo = field(default_factory=PromptCacheInfo)
+    priorities: tuple[tuple[str, str], ...] = ()  # thread → scheduling (engine.executors.thread_policy)
 
 
 @dataclass(frozen=True)

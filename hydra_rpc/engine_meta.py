@@ -97,6 +97,8 @@ def reload_meta(r: ReloadStatus) -> dict[str, Any]:
     return {"state": r.state.value, "generation": r.generation, "target": r.target, "tier": r.tier,
             "error": r.error, "started_at": r.started_at, "load_ms": round(r.load_ms, 3),
             "swap_ms": round(r.swap_ms, 3), "keys": list(r.keys),
+            "progress": {"share": round(r.progress, 4), "stage": r.load_stage, "model_bytes": r.model_bytes,
+                         "bytes_loaded": int(r.progress * r.model_bytes)},
             "pending_for_ms": round((time.time() - r.started_at) * 1000, 1) if r.pending else 0}
 
 
@@ -135,6 +137,7 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "startup_stage": info.startup_stage,
         "rpc_servers": list(info.rpc_servers),
         "devices": list(info.devices),
+        "thread_priorities": dict(info.priorities),
         **dataclasses.asdict(info.identity),
         "kv_cache": kv_cache_meta(info.kv_cache),
         "params": info.params.as_dict() if info.params is not None else None,

@@ -37,7 +37,7 @@ def build_app(s: LlamaEngineSettings):
     host = s.host[0]
     scfg = ServerConfig(host=host, port=s.hydra_port(), ggml_rpc_port=s.ggml_rpc_port, http_metrics=s.metrics,
                         http_slots=s.slots, http_timeout=float(s.timeout))
-    app = App(scfg, engine_config(s, model), http_host=host, http_port=s.port,
+    app = App(scfg, engine_config(s, model, loop_realtime=True), http_host=host, http_port=s.port,
               info_extra={"ignored_args": [a.as_dict() for a in s.ignored_args]})
     announce_ignored(s, PROG)
     apply_process_priority(s)

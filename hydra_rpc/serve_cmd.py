@@ -48,9 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "alias from --model-alias")
     g.add_argument("--model-alias", action="append", type=_alias, default=[], metavar="NAME=PATH",
                    help="a model the clients may ask for by name (PREFILL 'model', SWAP_QUANT); repeatable")
+    g.add_argument("--loop-priority", choices=["realtime", "normal"], default="realtime",
+                   help="the event-loop thread's scheduling: realtime (SCHED_RR where permitted, else a warning "
+                        "and normal; default) answers status requests at once while every core decodes, on a "
+                        "busy host too")
+    g.add_argument("--low-priority", action="store_true",
+                   help="run inference and model loads at nice 19 (the event loop then preempts them without "
+                        "real-time scheduling, but so does every other busy process on the host): for a "
+                        "dedicated host where SCHED_RR is not permitted (default: off)")
+    g.add_argument("--fixed-threads", action="store_true",
+                   help="always decode with --threads compute threads (by default a step uses fewer while other "
+                        "processes, or a model load, keep cores busy)")
     g.add_argument("--no-low-priority", action="store_true",
-                   help="do not lower the inference thread's priority (by default it runs at nice 19 so the "
-                        "event loop preempts it; it then also yields to any other busy process on the host)")
+                   help="deprecated, no effect: inference runs at the normal priority by default now")
     g.add_argument("--rpc-allow", action="append", default=[], metavar="HOST:PORT,...",
                    help="ggml RPC servers a CONFIGURE 'rpc_servers' may also name, besides those of --rpc "
                         "(repeatable; default: none). Any other is refused: a server that misbehaves aborts "
@@ -125,6 +135,9 @@ def build_app(args: argparse.Namespace):
 
     from .app import App
 
+    if args.no_low_priority:
+        args.deprecated = [*getattr(args, "deprecated", []),
+                           "--no-low-priority is deprecated and has no effect: inference runs at the normal priority"]
     warn_deprecated(args)
     settings = serve_settings(args)
     aliases = dict(args.model_alias)
@@ -136,7 +149,8 @@ def build_app(args: argparse.Namespace):
     with model_errors():
         model = resolve(args.model)
     ecfg = engine_config(settings, model, rpc_allow=args.rpc_allow, aliases=aliases, resolve_model=resolve,
-                         low_priority=not args.no_low_priority, slot_queue=args.slot_queue,
+                         low_priority=args.low_priority, loop_realtime=args.loop_priority == "realtime",
+                         adapt_threads=not args.fixed_threads, slot_queue=args.slot_queue,
                          reload_policy=args.reload_policy, reload_mode=args.reload_mode, drain_timeout=args.drain_timeout)
     scfg = ServerConfig(host=args.host, port=args.port, loop=args.loop, max_connections=args.max_connections,
                         allow=[ipaddress.ip_network(a, strict=False) for a in args.allow],

@@ -144,6 +144,12 @@ class ScriptedBackend:
         return tok == EOS
 
     # ---- the step
+    n_threads = 2
+    threads_now: int | None = None  # what the engine last asked for (None: never)
+
+    def set_threads(self, n: int) -> None:
+        self.threads_now = n
+
     def decode(self, items: Sequence[BatchItem]) -> None:
         self._check_open()
         self.decode_gate.pass_through()
@@ -271,7 +277,9 @@ class ScriptedFactory:
     def check(self) -> None:
         pass
 
-    def build(self, params: ModelParams) -> ScriptedBackend:
+    def build(self, params: ModelParams, progress: Callable[[float], None] | None = None) -> ScriptedBackend:
+        if progress is not None:
+            progress(0.5)  # a build held at the gate shows a load half done
         self.build_gate.pass_through()
         if params.model_path in self.fail:
             raise RuntimeError(f"cannot load {params.model_path}")

@@ -230,7 +230,7 @@ async def test_t1_configure_during_a_prefill_reload_is_not_answered_by_the_old_m
     from engine.model_files import ensure_tiny_model
 
     small = str(ensure_tiny_model("small"))
-    with serving("--model", small, "--no-http", "--ctx", "16384", "--no-low-priority",
+    with serving("--model", small, "--no-http", "--ctx", "16384",
                  "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         busy = await HydraClient.connect(server.host, server.port)

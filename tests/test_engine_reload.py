@@ -41,6 +41,7 @@ async def test_shadow_reload_serves_old_while_loading_then_drains_and_swaps():
         out = await eng.configure({"model_path": "model-b"})
         assert out.tier == "T3" and out.config_generation == g0 + 1 and out.reload is LOADING
         await until(lambda: f.build_gate.waiting == 1, "the shadow build")
+        assert (eng.reload.progress, eng.reload.load_stage) == (0.5, "tensors")  # what the build reported
         served_old = await run(eng, GenJob(1, prompt="meanwhile", n_predict=1))  # serve-old while loading
         assert served_old.config_generation == g0 and served_old.identity.model_name == "model-a"
         f.build_gate.open()
@@ -54,6 +55,7 @@ async def test_shadow_reload_serves_old_while_loading_then_drains_and_swaps():
         res = await queued.result()
         assert res.config_generation == g0 + 1 and res.identity.model_name == "model-b"
         assert eng.reload.state is SWAPPED and eng.generation == g0 + 1 and eng.reload.generation == g0 + 1
+        assert (eng.reload.progress, eng.reload.load_stage) == (1.0, "done")
         await until(lambda: old.closed, "the old model freed off-loop")
 
 @pytest.mark.asyncio

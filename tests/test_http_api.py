@@ -19,9 +19,7 @@ DECODE_MAX = 4  # results kept, so eviction is cheap to reach
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-# --no-low-priority: a nice-19 inference thread crawls while other test processes load
-# the (2-core) machine; these tests do not measure priority.
-SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
+SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--log-level", "WARNING")
 SERVER_ENV = {"HYDRA_HTTP_MAX_BODY": str(MAX_BODY), "HYDRA_DECODE_RESULT_MAX": str(DECODE_MAX)}
 
 

@@ -17,7 +17,7 @@ from hydra_rpc.client import HydraClient
 from tests.helpers import LONG_CHAT, long_chat, poll_until, serving
 
 HELLO = LONG_CHAT["messages"]
-SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
+SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--log-level", "WARNING")
 
 
 async def get_json(http: aiohttp.ClientSession, path: str):
@@ -107,7 +107,7 @@ async def test_models_load_swaps_to_an_alias_while_another_slot_keeps_generating
             return hashlib.sha256(f.read()).hexdigest()
 
     with serving("--model", "tiny", "--model-alias", "b=tiny-b", "--slots", "2", "--threads", "1",
-                 "--no-low-priority", "--log-level", "WARNING") as sp:
+                 "--log-level", "WARNING") as sp:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
             client = await HydraClient.connect(sp.host, sp.port)
             try:

@@ -21,8 +21,7 @@ from tests.helpers import start_server
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-# --no-low-priority: see test_http_api.py
-SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
+SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--log-level", "WARNING")
 
 
 @pytest_asyncio.fixture
@@ -253,7 +252,7 @@ async def test_health_reports_a_failed_first_load(tmp_path):
 @pytest.mark.asyncio
 async def test_model_alias_swaps_the_model_and_metrics_show_the_reload(tiny_model_b_path):
     sp = start_server("--model", "tiny", "--model-alias", "other=tiny-b", "--slots", "2", "--threads", "1",
-                      "--no-low-priority", "--log-level", "WARNING")
+                      "--log-level", "WARNING")
     try:
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{sp.http_port}/v1", api_key="unused",
                                       max_retries=0, timeout=60) as client:

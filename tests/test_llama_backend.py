@@ -414,3 +414,21 @@ def test_inference_executor_low_priority(tiny_model_path: str) -> None:
         assert ex2.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result() == main_nice
     finally:
         ex2.shutdown()
+
+
+
+def test_load_reports_progress_and_threads_change_between_decodes(tiny_model_path: str) -> None:
+    shares: list[float] = []
+    m = LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=2, progress=shares.append)
+    try:
+        assert shares and shares[-1] == 1.0 and shares == sorted(shares)  # llama.cpp's callback, to the end
+        m.decode([BatchItem(0, [1, 5, 6], 0)])
+        two = m.logits(0).copy()
+        m.seq_clear(0)
+        m.set_threads(1)
+        m.decode([BatchItem(0, [1, 5, 6], 0)])
+        assert np.allclose(m.logits(0), two, atol=1e-4)  # fewer threads, same result
+        m.set_threads(5)  # capped at the context's own count
+        assert m._threads_now == 2
+    finally:
+        m.close()

@@ -131,7 +131,7 @@ def slot_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cache_server(tiny_model_path, slot_dir):
     sp = start_server("--model", "tiny", "--parallel", "4", "--kv-unified", "--kv-unified-per-slot", "1024",
-                      "--slot-queue", "10", "--threads", "1", "--no-low-priority", "--log-level", "WARNING",
+                      "--slot-queue", "10", "--threads", "1", "--log-level", "WARNING",
                       "--slot-save-path", str(slot_dir))
     yield sp
     assert sp.stop() == 0, sp.log

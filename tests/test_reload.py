@@ -56,7 +56,7 @@ def small_and_b(tiny_model_b_path):
 @pytest.mark.asyncio
 async def test_t3_reload_while_decoding_serve_old(small_and_b):
     small, model_b = small_and_b
-    with serving("--model", small, "--no-http", "--ctx", "8192", "--no-low-priority", "--log-level", "WARNING") as server:
+    with serving("--model", small, "--no-http", "--ctx", "8192", "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         gen0 = (await info(c))["config_generation"]
         decode = asyncio.create_task(long_decode(server, "0", 2000))
@@ -84,7 +84,7 @@ async def test_t3_reload_while_decoding_serve_old(small_and_b):
 async def test_reject_policy_answers_busy_while_pending(small_and_b):
     small, model_b = small_and_b
     with serving("--model", small, "--no-http", "--ctx", "16384", "--reload-policy", "reject",
-                 "--no-low-priority", "--log-level", "WARNING") as server:
+                 "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         busy = await HydraClient.connect(server.host, server.port)
         # runs until its 16k context is full: the reload stays pending until we cancel it
@@ -123,7 +123,7 @@ async def test_failed_reload_leaves_serving_intact(tiny_model_path, tmp_path):
 async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_and_b):
     small, model_b = small_and_b
     server = start_server("--model", small, "--no-http", "--drain-timeout", "0.3", "--ctx", "16384",
-                          "--no-low-priority", "--log-level", "WARNING")
+                          "--log-level", "WARNING")
     busy = await HydraClient.connect(server.host, server.port)
     try:
         c = await HydraClient.connect(server.host, server.port)

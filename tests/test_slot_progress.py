@@ -15,7 +15,7 @@ from hydra_rpc.client import HydraClient
 from tests.helpers import LONG_CHAT, long_chat, poll_until, serving, slot_meta_http
 
 HELLO = LONG_CHAT["messages"]
-SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--no-low-priority", "--log-level", "WARNING")
+SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--log-level", "WARNING")
 
 
 async def poll(http: aiohttp.ClientSession, slot: int, pred) -> dict:
@@ -94,7 +94,7 @@ def small_and_b(tiny_model_b_path):
 @pytest.mark.parametrize("policy", ["serve-old", "reject"])
 async def test_slots_held_by_a_pending_reload_say_reload(small_and_b, policy):
     small, model_b = small_and_b
-    with serving("--model", small, "--slots", "2", "--threads", "1", "--no-low-priority", "--reload-policy", policy,
+    with serving("--model", small, "--slots", "2", "--threads", "1", "--reload-policy", policy,
                  "--log-level", "WARNING") as sp:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
             c = await HydraClient.connect(sp.host, sp.port)

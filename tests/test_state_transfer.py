@@ -17,7 +17,7 @@ from tests.helpers import serving
 @pytest.mark.asyncio
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # the direct-receive path swaps protocols
 async def test_large_state_round_trip_with_pipelined_and_dribbled_requests(tiny_model_path, loop):
-    with serving("--model", "tiny", "--no-http", "--ctx", "20000", "--slots", "2", "--no-low-priority",
+    with serving("--model", "tiny", "--no-http", "--ctx", "20000", "--slots", "2",
                  "--loop", loop, "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         rng = random.Random(3)
@@ -70,7 +70,7 @@ async def test_client_vanishing_mid_large_payload_leaves_server_healthy(tiny_mod
 @pytest.mark.asyncio
 async def test_concurrent_state_gets_share_no_bytes(tiny_model_path):
     """STATE_GET reuses one resident buffer; a second transfer in flight must get its own."""
-    with serving("--model", "tiny", "--no-http", "--ctx", "20000", "--slots", "2", "--no-low-priority",
+    with serving("--model", "tiny", "--no-http", "--ctx", "20000", "--slots", "2",
                  "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         for slot, seed in (("0", 1), ("1", 2)):

@@ -7,7 +7,7 @@ rather than failing), and a quantized cache type whose blocks do not divide the 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import llama_cpp.llama_cpp as L
 
@@ -87,9 +87,10 @@ def check_kv_fits(model: Any, p: ModelParams) -> None:
             f"{have >> 20} MiB of memory is available: lower n_ctx (--ctx-size) or use a quantized cache type")
 
 
-def load(p: ModelParams) -> "LoadedModel":
+def load(p: ModelParams, progress: "Callable[[float], None] | None" = None) -> "LoadedModel":
     """Load ``p``'s model and create its context (blocking; the loader thread). ggml-RPC
-    servers must be registered already; the KV cache is described before this returns."""
+    servers must be registered already; the KV cache is described before this returns.
+    ``progress`` gets llama.cpp's load progress (0..1)."""
     from ..tensor_overrides import build_tensor_overrides
     from .model import LoadedModel
 
@@ -105,7 +106,7 @@ def load(p: ModelParams) -> "LoadedModel":
                         extra_ctx_params=context_fields(p), kv_unified=p.kv_unified,
                         n_threads_batch=p.n_threads_batch, n_ctx_slot_cap=p.n_ctx_slot_cap,
                         chat_template=p.chat_template, jinja=p.jinja, chat_kwargs=p.template_kwargs,
-                        before_context=lambda m: check_kv_fits(m, p))
+                        before_context=lambda m: check_kv_fits(m, p), progress=progress)
     try:
         model.kv_cache  # noqa: B018 - described here, off the event loop
     except BaseException:

@@ -45,6 +45,15 @@ def _set_fields(params: Any, extra: dict[str, Any] | None, struct_name: str) -> 
         setattr(params, k, v)
 
 
+def _report(progress: Callable[[float], None], share: float) -> bool:
+    """llama.cpp's progress callback: never abort the load, and never let an exception into C."""
+    try:
+        progress(float(share))
+    except Exception:  # pragma: no cover - a reporting bug must not fail the load
+        pass
+    return True
+
+
 class LoadedModel:
     """``n_ctx`` is the total context, ``n_seq_max`` the slots; with ``kv_unified`` (the
     default) the sequences share ``n_ctx`` cells and each may grow up to ``n_ctx`` tokens as
@@ -73,6 +82,7 @@ class LoadedModel:
         jinja: bool = True,
         chat_kwargs: dict[str, Any] | None = None,
         before_context: Callable[[Any], None] | None = None,
+        progress: Callable[[float], None] | None = None,
     ) -> None:
         self._model = None
         self._ctx = None
@@ -88,6 +98,9 @@ class LoadedModel:
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
         _set_fields(mparams, extra_model_params, "llama_model_params")
+        if progress is not None:
+            callback = L.llama_progress_callback(lambda share, _user: _report(progress, share))
+            mparams.progress_callback = callback  # referenced until the load returns
         clear_llama_errors()
         model = L.llama_model_load_from_file(os.fsencode(path), mparams)
         if not model:
@@ -126,6 +139,7 @@ class LoadedModel:
                 n_slot = min(n_slot, int(n_ctx_slot_cap))
             self._n_ctx_slot = min(n_slot, int(L.llama_model_n_ctx_train(model)))
             self.n_threads = nt
+            self._threads_now = nt
             # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
             self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
             self._logit_idx: dict[int, int] = {}
@@ -230,6 +244,13 @@ class LoadedModel:
     def identity(self) -> dict[str, Any]:
         """See :func:`engine.llama_backend.identity.read_identity`."""
         return dict(self._identity)
+
+    def set_threads(self, n: int) -> None:
+        """Compute threads for the following decodes (prefill and generation alike)."""
+        n = max(1, min(int(n), self.n_threads))
+        if n != self._threads_now:
+            L.llama_set_n_threads(self._ctx_handle(), n, n)
+            self._threads_now = n
 
     # ---- tokenization ------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:

@@ -29,6 +29,7 @@ SCENARIOS = {
     "passthrough": "tools.bench.passthrough",
     "connections": "tools.bench.connections",
     "prompt-cache": "tools.bench.prompt_cache",
+    "busy-host": "tools.bench.busy_host",
 }
 BUSY_WARNING_PCT = 20
 DOCS_PAGE = Path("docs/performance.md")
@@ -46,9 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a few seconds per scenario, one repetition")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default: 3, or 1 with --quick)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all usable cores)")
-    p.add_argument("--blocking-baseline", action="store_true",
+    p.add_argument("--blocking-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="reload-stall: also run a server whose T3 reload blocks its event loop, as the C++ "
-                        "engine's does (an emulation in the harness)")
+                        "engine's does (an emulation in the harness; default: on)")
+    p.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="run the whole set N times (OUT/run-1 … run-N) and write a combined table with the "
+                        "spread over runs (OUT/combined.md)")
+    p.add_argument("--fail-on-miss", action="store_true", help="exit 1 when any budget is missed (in any run)")
     p.add_argument("--docs", action="store_true",
                    help=f"also draw the charts, copy them to {DOCS_IMAGES}/ and the table into {DOCS_PAGE} "
                         "(between its bench:table markers); needs every scenario; run from the repository root")
@@ -63,10 +68,10 @@ def _run_async(coro):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .common import BenchContext, Result, background_busy, load_between, load_now, machine_info, usable_cpus
+    from .common import BenchContext, background_busy, machine_info, usable_cpus
     from .models import model_set
     from .procs import raise_fd_limit
-    from .report import markdown, replace_table, table
+    from .report import combined_table
 
     names = args.scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -77,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if args.docs and set(names) != set(SCENARIOS):
         print("hydra-rpc bench: --docs rewrites the whole table, so it needs every scenario", file=sys.stderr)
         return 2
+    if args.runs < 1:
+        print("hydra-rpc bench: --runs must be at least 1", file=sys.stderr)
+        return 2
     raise_fd_limit(4096)  # 1,000+ sockets in the connections scenario; servers inherit the limit
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,14 +93,39 @@ def run(args: argparse.Namespace) -> int:
     ctx = BenchContext(quick=args.quick, models=models, reps=args.reps or (1 if args.quick else 3),
                        threads=args.threads or usable_cpus(), blocking_baseline=args.blocking_baseline,
                        http=importlib.util.find_spec("hydra_rpc.http_app") is not None)
-    machine = machine_info()
-    machine["background"] = background_busy(1.0)
-    busy = machine["background"].get("cpu_busy_pct") or 0
-    if busy > BUSY_WARNING_PCT:
-        print(f"hydra-rpc bench: warning: the host is {busy:.0f} % busy before the run; other processes will "
-              "disturb the figures (and the server's nice-19 inference thread yields to them)",
-              file=sys.stderr, flush=True)
     command = "hydra-rpc bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    runs: list[list] = []
+    for i in range(args.runs):
+        run_out = out / f"run-{i + 1}" if args.runs > 1 else out
+        run_out.mkdir(parents=True, exist_ok=True)
+        machine = machine_info()
+        machine["background"] = background_busy(1.0)
+        busy = machine["background"].get("cpu_busy_pct") or 0
+        if busy > BUSY_WARNING_PCT:
+            print(f"hydra-rpc bench: warning: the host is {busy:.0f} % busy before the run; other processes will "
+                  "disturb the figures", file=sys.stderr, flush=True)
+        if args.runs > 1:
+            print(f"hydra-rpc bench: run {i + 1} of {args.runs} → {run_out}/", file=sys.stderr, flush=True)
+        runs.append(_run_once(names, ctx, machine, run_out, command, args))
+    results = runs[-1]
+    if args.runs > 1:
+        text = combined_table(runs)
+        (out / "combined.md").write_text(f"# hydra-rpc benchmark: {args.runs} runs\n\n`{command}`\n\n{text}\n")
+        print(text)
+        print(f"\n{args.runs} runs in {out}/run-*/; combined table in {out}/combined.md")
+    if args.docs:
+        _to_docs(runs, out, args.runs)
+    missed = [f"{res.scenario}: {r.metric}" for rs in runs for res in rs for r in res.rows if r.ok is False]
+    if args.fail_on_miss and missed:
+        print(f"hydra-rpc bench: {len(missed)} budget row(s) missed:\n  " + "\n  ".join(missed), file=sys.stderr)
+        return 1
+    return 1 if any(r.error for rs in runs for r in rs) else 0
+
+
+def _run_once(names: list[str], ctx, machine: dict, out: Path, command: str, args: argparse.Namespace) -> list:
+    from .common import Result, load_between, load_now
+    from .report import markdown, table
+
     results: list[Result] = []
     for name in names:
         mod = importlib.import_module(SCENARIOS[name])
@@ -114,13 +147,24 @@ def run(args: argparse.Namespace) -> int:
         from .plots import draw_all
 
         plots = draw_all(results, out)
-    (out / "summary.md").write_text(markdown(results, machine, command, models.describe(), plots))
-    if args.docs:
-        DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
-        for p in plots:
-            shutil.copy2(p, DOCS_IMAGES / p.name)
-        if not DOCS_PAGE.is_file() or not replace_table(DOCS_PAGE, results):
-            print(f"hydra-rpc bench: {DOCS_PAGE} has no bench:table markers; table not copied", file=sys.stderr)
+    (out / "summary.md").write_text(markdown(results, machine, command, ctx.models.describe(), plots))
     print(table(results))
     print(f"\nresults in {out}/ (summary.md, <scenario>.json{', <scenario>.png' if plots else ''})")
-    return 1 if any(r.error for r in results) else 0
+    return results
+
+
+def _to_docs(runs: list[list], out: Path, n: int) -> None:
+    """Charts and summaries to docs/performance/ (one folder per run with --runs), the table
+    (combined over the runs with --runs) into docs/performance.md."""
+    from .report import combined_table, replace_table, table
+
+    dirs = [(out / f"run-{i + 1}", DOCS_IMAGES / f"run-{i + 1}") for i in range(n)] if n > 1 else []
+    dirs.append((dirs[-1][0] if dirs else out, DOCS_IMAGES))  # the last run's charts are the page's
+    for src, dst in dirs:
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in [*src.glob("*.png"), src / "summary.md"]:
+            if f.is_file():
+                shutil.copy2(f, dst / f.name)
+    text = combined_table(runs) if n > 1 else table(runs[-1])
+    if not DOCS_PAGE.is_file() or not replace_table(DOCS_PAGE, text):
+        print(f"hydra-rpc bench: {DOCS_PAGE} has no bench:table markers; table not copied", file=sys.stderr)

@@ -88,9 +88,19 @@ def interleaved(reps: int, variants: list[Any]) -> list[tuple[int, Any]]:
 
 
 # ---------------------------------------------------------------- results
+NEAR_BUDGET = 0.10  # a met row this close to its limit (relative) is flagged: it may flip next run
+
+
 @dataclass
 class Row:
-    """One line of the summary table: a measured value against its same-run baseline."""
+    """One line of the summary table: a measured value against its same-run baseline.
+
+    A budget is checked either by the scenario (``ok``) or, given ``limit``, here: the
+    ``value`` (``on="value"``) or the ratio to the baseline (``on="ratio"``) must stay below
+    the limit (``kind="max"``) or reach it (``kind="min"``). With a limit the row also knows
+    whether it passed by less than :data:`NEAR_BUDGET`. ``lo``/``hi`` are the value's
+    min–max over the repetitions.
+    """
 
     metric: str
     value: float | None
@@ -100,15 +110,49 @@ class Row:
     budget: str = ""  # the docs/performance.md budget this row checks ("" = informational)
     ok: bool | None = None  # None: no budget, or the budget does not apply to this run
     note: str = ""
+    lo: float | None = None
+    hi: float | None = None
+    limit: float | None = None
+    on: str = "value"  # value | ratio
+    kind: str = "min"  # min: measured ≥ limit; max: measured < limit
+
+    def __post_init__(self) -> None:
+        if self.ok is None and self.limit is not None and self.measured is not None:
+            m = self.measured
+            self.ok = m >= self.limit if self.kind == "min" else m < self.limit
 
     @property
     def ratio(self) -> float | None:
         return ratio(self.value, self.baseline)
 
+    @property
+    def measured(self) -> float | None:
+        """What the limit applies to."""
+        return self.ratio if self.on == "ratio" else self.value
+
+    @property
+    def near(self) -> bool:
+        """Met, but by less than NEAR_BUDGET of the limit."""
+        m = self.measured
+        if not self.ok or self.limit is None or m is None or not self.limit:
+            return False
+        return abs(m - self.limit) <= NEAR_BUDGET * abs(self.limit)
+
+    def with_spread(self, sp: dict[str, Any]) -> "Row":
+        """Take ``lo``/``hi`` from a :func:`spread` of the value over repetitions."""
+        self.lo, self.hi = sp.get("min"), sp.get("max")
+        return self
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ratio"] = _r(self.ratio)
+        d["near"] = self.near
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Row":
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """decode-overhead: tokens/s through the server vs a bare llama-cpp-python loop.
 
-Same model, threads, context size, slots, prompt and priority (the bare loop runs at nice 19
-like the server's inference thread, so both yield alike to whatever else runs on the host);
+Same model, threads, context size, slots, prompt and priority (the bare loop runs at the
+server's inference priority, nice 0, so both yield alike to whatever else runs on the host);
 greedy. Two processes either way:
 the server + this client, or the bare loop (``workers bare-decode``) + this idle harness.
 Candidates: the PIN streaming DECODE (rate from first to last streamed piece, against the
 bare loop's first to last sampled token) and, when the server has its HTTP side, DECODE v3
 with its result fetched from ``GET /v1/decode/{id}`` (end to end, against the bare loop's
-end to end). Runs are interleaved bare / PIN / v3, rotating each repetition.
+end to end). Runs are interleaved bare / PIN / v3, rotating each repetition. The server runs
+``--fixed-threads`` like the bare loop: this scenario measures the per-token cost, not the
+thread policy (that is busy-host's).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ SLOTS = 4
 # How often the v3 result is polled: each poll costs CPU on both sides (taken from the
 # decode on a 2-core host), and the end time is known to within this much of a ~1.5 s run.
 RESULT_POLL_S = 0.02
-INFERENCE_NICE = 19  # the server's inference thread priority (its default; see docs/architecture.md, 'Priorities')
+INFERENCE_NICE = 0  # the server's inference thread priority (its default; see docs/architecture.md, 'Priorities')
 DONE_STATES = ("done", "completed", "finished", "ok", "success", "complete")
 COUNT_KEYS = ("tokens_generated", "tokens_predicted", "completion_tokens", "n_decoded", "n_generated")
 
 
-def budget_for(tiny: bool) -> float:
-    return 0.90 if tiny else 0.97
+def budgets(tiny: bool) -> tuple[float, float]:
+    """(PIN stream, DECODE v3 end to end) as shares of the bare loop's tok/s."""
+    return (0.95, 0.92) if tiny else (0.99, 0.99)
 
 
 def _find_count(obj: Any) -> int | None:
@@ -103,7 +106,7 @@ async def run(ctx: BenchContext) -> Result:
         res.notes.append("DECODE v3 + HTTP not measured: this build has no HTTP side (hydra_rpc.http_app).")
     runs: list[dict[str, Any]] = []
     with HydraServer(["--model", ctx.models.main, "--slots", str(SLOTS), "--ctx", str(slot_ctx),
-                      "--threads", str(ctx.threads)], http=ctx.http) as srv:
+                      "--threads", str(ctx.threads), "--fixed-threads"], http=ctx.http) as srv:
         await pin_decode(srv.host, srv.port, 0, 32, msgs)  # warm-up
         # Every run decodes the same number of tokens: as many as ~target_s takes right now
         cal = (await pin_decode(srv.host, srv.port, 0, n_max, msgs, until=now() + target_s)).check(n_max)
@@ -151,17 +154,17 @@ async def run(ctx: BenchContext) -> Result:
                        "e2e_rate": spread(r["e2e_rate"] for r in runs if r["variant"] == v),
                        "tokens": spread(r["tokens"] for r in runs if r["variant"] == v)} for v in variants}
     res.summary["pin_vs_bare_per_rep"] = per_rep("pin", "decode_rate")
-    goal = budget_for(tiny)
-    budget = f"≥ {goal:.0%} of bare ({'tiny model' if tiny else 'real model'})"
+    pin_goal, v3_goal = budgets(tiny)
+    which = "tiny model" if tiny else "real model"
     pin, bare = med("pin", "decode_rate"), med("bare", "decode_rate")
-    q = ratio(pin, bare)
-    res.rows.append(Row("PIN streaming DECODE tok/s", pin, "tok/s", bare, "bare llama-cpp-python loop", budget,
-                        None if q is None else q >= goal,
-                        f"per-rep ratio {res.summary['pin_vs_bare_per_rep']['min']}–"
-                        f"{res.summary['pin_vs_bare_per_rep']['max']}"))
+    res.rows.append(Row("PIN streaming DECODE tok/s", pin, "tok/s", bare, "bare llama-cpp-python loop",
+                        f"≥ {pin_goal:.0%} of bare ({which})",
+                        note=f"per-rep ratio {res.summary['pin_vs_bare_per_rep']['min']}–"
+                             f"{res.summary['pin_vs_bare_per_rep']['max']}",
+                        limit=pin_goal if bare else None, on="ratio").with_spread(res.summary["pin"]["decode_rate"]))
     if ctx.http:
         v3, bare_e2e = med("v3", "e2e_rate"), med("bare", "e2e_rate")
-        q = ratio(v3, bare_e2e)
         res.rows.append(Row("DECODE v3 + HTTP result tok/s (end to end)", v3, "tok/s", bare_e2e,
-                            "bare loop, end to end", budget, None if q is None else q >= goal))
+                            "bare loop, end to end", f"≥ {v3_goal:.0%} of bare ({which})",
+                            limit=v3_goal if bare_e2e else None, on="ratio").with_spread(res.summary["v3"]["e2e_rate"]))
     return res

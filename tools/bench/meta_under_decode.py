@@ -4,6 +4,8 @@ The C++ engine queues STATE_META behind the running DECODE (it times out at 5 s)
 reads a published snapshot. One slot streams a long PIN decode with compute threads on
 every core, while a poller on its own connection asks STATE_META about the same slot every
 few ms. Baseline: the same poller against the idle server, interleaved round by round.
+The server runs ``--fixed-threads``: decode stays on every core even when this client's own
+CPU use would make it give one up (the budget's condition).
 """
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ async def run(ctx: BenchContext) -> Result:
     idle_s, busy_s = ctx.pick(2.0, 0.6), ctx.pick(4.0, 1.5)
     res.config = {"model": ctx.models.busy, "threads": ctx.threads, "poll_interval_ms": POLL_INTERVAL * 1000,
                   "idle_seconds": idle_s, "busy_seconds": busy_s, "reps": ctx.reps, "ctx": CTX,
-                  "inference_priority": "nice 19 (server default)"}
+                  "priorities": "server defaults: event loop SCHED_RR where permitted, inference nice 0"}
     with HydraServer(["--model", ctx.models.busy, "--slots", "2", "--ctx", str(CTX),
-                      "--threads", str(ctx.threads)]) as srv:
+                      "--threads", str(ctx.threads), "--fixed-threads"]) as srv:
         await pin_decode(srv.host, srv.port, 0, 64, messages_for(0))  # warm-up: graphs, buffers, caches
         await _round(srv, "idle", 0.3)
         rounds = [await _round(srv, kind, busy_s if kind == "busy" else idle_s)
@@ -82,9 +84,10 @@ async def run(ctx: BenchContext) -> Result:
                    "errors_during_decode": errors, "decode_tok_s": spread(rates)}
     p99 = busy.get("p99")
     res.rows = [
-        Row("STATE_META p99 while its slot decodes", p99, "ms", idle.get("p99"), "idle server",
-            "p99 < 1 ms", None if p99 is None else p99 < 1.0,
-            f"{answered} answered, {errors} failed; decode {spread(rates)['median'] or 0:.0f} tok/s"),
+        Row("STATE_META p99 while its slot decodes", p99, "ms", idle.get("p99"), "idle server", "p99 < 1 ms",
+            note=f"pooled over the rounds; {answered} answered, {errors} failed; decode "
+                 f"{spread(rates)['median'] or 0:.0f} tok/s", limit=1.0, kind="max"
+            ).with_spread(res.summary["busy_p99_per_round"]),
         Row("STATE_META p50 while its slot decodes", busy.get("p50"), "ms", idle.get("p50"), "idle server"),
         Row("STATE_META max while its slot decodes", busy.get("max"), "ms", idle.get("max"), "idle server"),
     ]

@@ -11,7 +11,10 @@ state of hundreds of MiB would take minutes of quadratic prefill. So tiny mode u
   tiny FFN): 64 KiB of f16 KV per token — the KV geometry of a 70B-class model, at a
   fraction of its compute — so 256 MiB of state needs ~2 000 tokens, not 500 000;
 * ``reload_target``: the same KV-heavy model (64 layers of tensors make the load
-  measurable, unlike the 1 ms tiny loads).
+  measurable, unlike the 1 ms tiny loads);
+* ``load_heavy``: ``tiny-large``, whose load takes about a second for the reasons a real
+  model's does (a large vocabulary, weights repacked at load), for reload-stall with the
+  server's default flags.
 
 With a real model (``gemma-270m`` or a path) every role uses that model, and the reload
 goes to a symlink of it under another name (a different ``model_path`` is a real T3 reload).
@@ -43,6 +46,7 @@ class ModelSet:
     state_cache_type: str | None
     state_tokens: tuple[int, ...]  # n_past steps of the state scenario (full run)
     state_tokens_quick: tuple[int, ...]
+
 
     @property
     def label(self) -> str:
@@ -91,3 +95,14 @@ def model_set(spec: str) -> ModelSet:
     return ModelSet(spec=spec, tiny=False, main=str(path), busy=str(path), state=str(path),
                     reload_target=str(_alias_link(path)), state_cache_type=None,
                     state_tokens=(512, 2048, 8192), state_tokens_quick=(128, 512))
+
+
+def load_heavy(models: ModelSet, quick: bool) -> tuple[str, str]:
+    """(a model whose load takes about a second, the same file under another name).
+
+    Tiny mode: ``tiny-large`` (generated on first use, which takes a minute; quick runs use
+    the KV-heavy model instead); a real model: itself.
+    """
+    path = Path(models.state if quick and models.tiny else resolve_model("tiny-large") if models.tiny
+                else models.main)
+    return str(path), str(_alias_link(path))

@@ -127,14 +127,13 @@ async def run(ctx: BenchContext) -> Result:
     load = {w: spread(d["load_ms"] for d in decodes if d["way"] == w) for w in ("direct", "proxy", "embedded")}
     setup = {w: spread(x["ms"] for x in setups if x["way"] == w) for w in ("direct", "embedded")}
     res.summary = {"decode_tok_s": tok, "bulk_mb_s": mbs, "model_load_ms": load, "session_setup_ms": setup}
-    q = ratio(tok["proxy"]["median"], tok["direct"]["median"])
     res.rows.append(Row("llama.cpp ggml-RPC client tok/s through our port", tok["proxy"]["median"], "tok/s",
                         tok["direct"]["median"], "direct to the ggml server", "≥ 90 % of direct",
-                        None if q is None else q >= 0.9,
-                        f"model load {load['proxy']['median']:.0f} vs {load['direct']['median']:.0f} ms"))
-    q = ratio(mbs["proxy"]["median"], mbs["direct"]["median"])
+                        note=f"model load {load['proxy']['median']:.0f} vs {load['direct']['median']:.0f} ms",
+                        limit=0.9 if tok["direct"]["median"] else None, on="ratio").with_spread(tok["proxy"]))
     res.rows.append(Row(f"bulk SET_TENSOR of {bulk // MiB} MiB through our port", mbs["proxy"]["median"], "MB/s",
-                        mbs["direct"]["median"], "direct", "≥ 80 % of direct", None if q is None else q >= 0.8))
+                        mbs["direct"]["median"], "direct", "≥ 80 % of direct",
+                        limit=0.8 if mbs["direct"]["median"] else None, on="ratio").with_spread(mbs["proxy"]))
     res.rows.append(Row("llama.cpp ggml-RPC client tok/s, --ggml-rpc-embedded (a child per session)",
                         tok["embedded"]["median"], "tok/s", tok["direct"]["median"], "direct to a ggml server"))
     res.rows.append(Row("ggml session setup (connect → HELLO answered), --ggml-rpc-embedded",

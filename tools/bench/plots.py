@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .common import Result
+from .common import Result, percentile
 
 STATUS_OK = 0
 
@@ -18,50 +18,83 @@ def _plt():
     return plt
 
 
-def _cdf(ax, values: list[float], label: str) -> None:
+def _ms_axis(ax, which: str = "y", label: str = "latency (ms)") -> None:
+    """A log axis in plain milliseconds (0.1, 1, 10 … rather than 10⁻¹, 10⁰ …)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    (ax.set_yscale if which == "y" else ax.set_xscale)("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda _v, _pos: ""))
+    (ax.set_ylabel if which == "y" else ax.set_xlabel)(label)
+
+
+def _p99(values: list[float]) -> float | None:
+    return percentile(values, 99)  # as the tables compute it
+
+
+def _cdf(ax, values: list[float], label: str, color: str | None = None) -> None:
+    """The cumulative distribution, with its p99 marked by a dotted line of the same colour."""
     v = sorted(values)
     if v:
-        ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=f"{label} (n={len(v)})")
+        line, = ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], color=color,
+                        label=f"{label} (n={len(v)})")
+        p99 = _p99(v)
+        ax.axvline(p99, color=line.get_color(), ls=":", lw=1, label=f"{label}: p99 {p99:.2f} ms")
 
 
-def _bars(ax, labels: list[str], spreads: list[dict], ylabel: str, title: str) -> None:
+def _bars(ax, labels: list[str], spreads: list[dict], ylabel: str, title: str,
+          budget: tuple[float, str] | None = None) -> None:
+    """Medians with min–max whiskers; ``budget`` (value, label): a dashed red line across."""
     med = [s.get("median") or 0 for s in spreads]
     lo = [m - (s.get("min") or m) for m, s in zip(med, spreads)]
     hi = [(s.get("max") or m) - m for m, s in zip(med, spreads)]
-    ax.bar(labels, med, yerr=[lo, hi], capsize=4, color=["#888", "#3a7", "#37a", "#a73"][:len(labels)])
+    ax.bar(labels, med, yerr=[lo, hi], capsize=4, color=["#888", "#3a7", "#37a", "#a73"][:len(labels)],
+           label="median, whiskers min–max over repetitions")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     for i, m in enumerate(med):
         ax.annotate(f"{m:.0f}", (i, m), ha="center", va="bottom", fontsize=8)
+    if budget is not None and budget[0]:
+        ax.axhline(budget[0], color="r", ls="--", lw=0.9, label=budget[1])
+    ax.legend(fontsize=8, loc="lower right")
 
 
 def meta_under_decode(res: Result, plt) -> object:
     rounds = res.samples["rounds"]
     busy = next(r for r in rounds if r["kind"] == "busy")
+    idle = next(r for r in rounds if r["kind"] == "idle")
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
-    p = busy["polls"]
-    a.scatter(p["t"], p["ms"], s=4, label="STATE_META round trip (ms)")
-    a.set_yscale("log")
-    a.set_xlabel("seconds")
-    a.set_ylabel("META latency (ms)")
-    a.axhline(1.0, color="r", ls="--", lw=0.8, label="budget p99 1 ms")
+    for r, color, what in ((idle, "#888", "idle server (baseline)"), (busy, "#37a", "while slot 0 decodes")):
+        p = r["polls"]
+        a.scatter(p["t"], p["ms"], s=4, color=color, label=f"STATE_META round trip, {what}")
+    ok = [ms for t, ms, st in zip(busy["polls"]["t"], busy["polls"]["ms"], busy["polls"]["status"])
+          if st == STATUS_OK and busy["window"][0] <= t < busy["window"][1]]
+    if ok:
+        a.axhline(_p99(ok), color="#37a", ls=":", lw=1, label=f"p99 while decoding {_p99(ok):.2f} ms")
+    a.axhline(1.0, color="r", ls="--", lw=0.9, label="budget: p99 < 1 ms")
+    _ms_axis(a, "y", "STATE_META latency (ms)")
+    a.set_xlabel("seconds since the round started")
     t2 = a.twinx()
     tl = busy.get("tokens_per_s") or []
     t2.plot([x for x, _ in tl], [y for _, y in tl], color="#a73", lw=1.2, label="decode tok/s (100 ms bins)")
-    t2.set_ylabel("tokens/s")
-    a.set_title("STATE_META about slot 0 while slot 0 decodes (one round)", fontsize=10)
+    t2.set_ylabel("decode tokens/s")
+    t2.set_ylim(bottom=0)
+    a.set_title("STATE_META about slot 0 while slot 0 decodes (one round of each kind)", fontsize=10)
     h1, l1 = a.get_legend_handles_labels()
     h2, l2 = t2.get_legend_handles_labels()
-    a.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
-    for kind in ("idle", "busy"):
+    a.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right", markerscale=3)
+    for kind, color in (("idle", "#888"), ("busy", "#37a")):
         vals = [ms for r in rounds if r["kind"] == kind
                 for t, ms, st in zip(r["polls"]["t"], r["polls"]["ms"], r["polls"]["status"])
                 if st == STATUS_OK and r["window"][0] <= t < r["window"][1]]
-        _cdf(b, vals, kind)
-    b.set_xscale("log")
-    b.set_xlabel("META latency (ms)")
+        _cdf(b, vals, "idle server" if kind == "idle" else "slot decoding", color)
+    b.axvline(1.0, color="r", ls="--", lw=0.9, label="budget: p99 < 1 ms")
+    _ms_axis(b, "x", "STATE_META latency (ms)")
+    b.set_ylabel("fraction of requests")
     b.set_title("all rounds: idle server vs slot decoding", fontsize=10)
-    b.legend(fontsize=8)
+    b.legend(fontsize=7)
     return fig
 
 
@@ -70,8 +103,11 @@ def decode_overhead(res: Result, plt) -> object:
     variants = [v for v in ("bare", "pin", "v3") if v in s]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     key = lambda v: "e2e_rate" if v == "v3" else "decode_rate"  # noqa: E731
-    _bars(ax, [{"bare": "bare loop", "pin": "PIN stream", "v3": "v3 + HTTP (e2e)"}[v] for v in variants],
-          [s[v][key(v)] for v in variants], "tokens/s (median, min–max)", "decode throughput, same model and threads")
+    goal = next((r.limit for r in res.rows if r.limit), None)
+    bare = (s["bare"]["decode_rate"].get("median") or 0) * (goal or 0)
+    _bars(ax, [{"bare": "bare loop (baseline)", "pin": "PIN stream", "v3": "v3 + HTTP (e2e)"}[v] for v in variants],
+          [s[v][key(v)] for v in variants], "tokens/s", "decode throughput, same model and threads",
+          (bare, f"budget: {goal:.0%} of the bare loop") if goal else None)
     return fig
 
 
@@ -83,10 +119,11 @@ def slots_scaling(res: Result, plt) -> object:
         ks = sorted(agg, key=int)
         _bars(ax, [f"{k} slot{'s' if k != '1' else ''}" for k in ks], [agg[k] for k in ks], "aggregate tokens/s",
               f"{name}: aggregate tok/s (continuous batching)")
-        if "4" in ks:
+        budget = next((r.limit for r in res.rows if r.limit and f"({name})" in r.metric), None)
+        if "4" in ks and budget:
             i = ks.index("4")
-            ax.hlines((agg["1"]["median"] or 0) * 2.5, i - 0.4, i + 0.4, colors="r", linestyles="--",
-                      label="4 slots at 2.5× of 1")
+            ax.hlines((agg["1"]["median"] or 0) * budget, i - 0.4, i + 0.4, colors="r", linestyles="--",
+                      label=f"budget: 4 slots at {budget}× of 1")
             ax.legend(fontsize=8, loc="lower left")
     return fig
 
@@ -94,7 +131,9 @@ def slots_scaling(res: Result, plt) -> object:
 def reload_stall(res: Result, plt) -> object:
     runs = res.samples["runs"]
     variants = list(dict.fromkeys(r["variant"] for r in runs))
-    fig, axes = plt.subplots(len(variants), 1, figsize=(12, 3.6 * len(variants)), sharex=True, squeeze=False)
+    defaults = res.samples.get("defaults") or []
+    n = len(variants) + (1 if defaults else 0)
+    fig, axes = plt.subplots(n, 1, figsize=(12, 3.8 * n), squeeze=False)
     for ax, v in zip(axes[:, 0], variants):
         r = next(x for x in runs if x["variant"] == v)
         p = r["polls"]
@@ -102,7 +141,7 @@ def reload_stall(res: Result, plt) -> object:
             pts = [(t, ms) for t, ms, g, st in zip(p["t"], p["ms"], p["generation"], p["status"])
                    if g == gen and st == STATUS_OK]
             ax.scatter([x for x, _ in pts], [y for _, y in pts], s=4, color=color,
-                       label=f"INFO/META latency, config_generation {gen}")
+                       label=f"INFO/META round trip, config_generation {gen}")
         bad = [(t, ms) for t, ms, st in zip(p["t"], p["ms"], p["status"]) if st != STATUS_OK]
         if bad:
             ax.scatter([x for x, _ in bad], [y for _, y in bad], s=12, marker="x", color="r", label="failed poll")
@@ -110,27 +149,52 @@ def reload_stall(res: Result, plt) -> object:
         busy = [(t, ms) for t, ms, st, _g in rq if st == 4]
         if busy:
             ax.scatter([x for x, _ in busy], [y for _, y in busy], s=10, marker="|", color="#a37",
-                       label="E1 DECODE answered BUSY")
+                       label="E1 DECODE answered BUSY (its latency)")
         served = [(t, ms) for t, ms, st, _g in rq if st == STATUS_OK]
         ax.scatter([x for x, _ in served], [y for _, y in served], s=10, marker="^", color="#777",
-                   label="E1 DECODE served (latency)")
-        ax.set_yscale("log")
-        ax.set_ylabel("ms")
-        ax.axhline(10, color="r", ls="--", lw=0.8)
+                   label="E1 DECODE served (its latency)")
+        ax.axhline(10, color="r", ls="--", lw=0.9, label="budget: INFO/META p99 < 10 ms")
+        _ms_axis(ax, "y", "latency (ms)")
         for name, t in r["marks"].items():
             ax.axvline(t, color="k", lw=0.6, ls=":")
             ax.annotate(name.replace("_", " "), (t, 1), xycoords=("data", "axes fraction"), fontsize=7,
                         rotation=90, va="top", ha="right")
         t2 = ax.twinx()
         tl = r["tokens_per_s"]
-        t2.plot([x for x, _ in tl], [y for _, y in tl], color="#a73", lw=1.2)
-        t2.set_ylabel("old-config decode tok/s", color="#a73")
+        t2.plot([x for x, _ in tl], [y for _, y in tl], color="#a73", lw=1.2,
+                label="old-config decode tok/s (100 ms bins, right axis)")
+        t2.set_ylabel("decode tokens/s", color="#a73")
+        t2.set_ylim(bottom=0)
         load = r.get("load_ms") or 0
-        ax.set_title(f"{v}: T3 reload at t=0 (load {load:.0f} ms, swap at {r['marks']['swapped']:.2f} s)",
+        what = "blocking emulation of the C++ (baseline)" if v == "blocking" else f"--reload-policy {v}, --threads 1"
+        ax.set_title(f"{what}: T3 reload at t=0 (load {load:.0f} ms, swap at {r['marks']['swapped']:.2f} s)",
                      fontsize=10)
-        ax.legend(fontsize=7, loc="upper left", markerscale=2)
-    axes[-1, 0].set_xlabel("seconds since CONFIGURE")
+        ax.set_xlabel("seconds since the CONFIGURE")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = t2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left", markerscale=2)
+    if defaults:
+        _reload_defaults(axes[-1, 0], defaults[0], res.summary.get("defaults") or {})
     return fig
+
+
+def _reload_defaults(ax, r: dict, s: dict) -> None:
+    """Default flags: the decode's tok/s through the load, the chats fired during it."""
+    tl = r["tokens_per_s"]
+    ax.plot([x for x, _ in tl], [y for _, y in tl], color="#a73", lw=1.2, label="old-config decode tok/s (100 ms bins)")
+    before = r["tok_s_before"]
+    ax.axhline(before, color="#777", ls=":", lw=1, label=f"before the CONFIGURE: {before:.0f} tok/s (baseline)")
+    ax.axhline(0.75 * before, color="r", ls="--", lw=0.9, label="budget: ≥ 75 % of before during the load")
+    ax.axvspan(0, r["marks"]["load_end"], color="#fc8", alpha=0.3,
+               label=f"the load: {r['load_decode_ms']:.0f} ms (idle: {r['load_idle_ms']:.0f} ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_xlabel("seconds since the CONFIGURE")
+    idle = sorted(r["chat_idle_ms"])[len(r["chat_idle_ms"]) // 2]
+    chats = ", ".join(f"{ms:.0f}" for ms in r["chat_during_ms"])
+    ax.set_title(f"default flags ({s.get('model', '').rsplit('/', 1)[-1]}): decode through a reload; chats during "
+                 f"another reload took {chats} ms (idle {idle:.0f} ms; budget ≤ 1.5× idle)", fontsize=10)
+    ax.legend(fontsize=7, loc="lower left")
 
 
 def state_transfer(res: Result, plt) -> object:
@@ -139,11 +203,15 @@ def state_transfer(res: Result, plt) -> object:
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     for op, style in (("get", "-o"), ("put", "-s"), ("raw-get", "--o"), ("raw-put", "--s")):
         a.plot(mib, [s["summary"][op]["mb_s"]["median"] for s in sizes], style, label=op)
-    a.axhline(1000, color="r", ls="--", lw=0.8, label="budget 1 GB/s")
+    for op, color in (("get", "C0"), ("put", "C1")):
+        raw = sizes[-1]["summary"][f"raw-{op}"]["mb_s"]["median"]
+        if raw:
+            a.plot([mib[-1]], [0.9 * raw], marker="_", ms=30, mew=2, color=color, ls="none",
+                   label=f"budget at 256 MiB: {op} ≥ 0.9× raw-{op}")
     a.set_xscale("log", base=2)
     a.set_xlabel("state size (MiB)")
-    a.set_ylabel("MB/s (median)")
-    a.set_title("STATE_GET / STATE_PUT vs a raw loopback copy", fontsize=10)
+    a.set_ylabel("MB/s (median of the repetitions)")
+    a.set_title("STATE_GET / STATE_PUT vs a raw loopback copy (raw-*: the baseline)", fontsize=10)
     a.legend(fontsize=8)
     for op in ("get", "put"):
         b.plot(mib, [s["summary"][op]["rss_growth_x"]["median"] for s in sizes], "-o", label=op)
@@ -159,22 +227,44 @@ def state_transfer(res: Result, plt) -> object:
 def passthrough(res: Result, plt) -> object:
     s = res.summary
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
-    _bars(a, ["direct", "through our port"], [s["decode_tok_s"]["direct"], s["decode_tok_s"]["proxy"]], "tokens/s",
-          "llama.cpp ggml-RPC client decode")
-    _bars(b, ["direct", "through our port"], [s["bulk_mb_s"]["direct"], s["bulk_mb_s"]["proxy"]], "MB/s",
-          f"one SET_TENSOR of {res.config.get('bulk_bytes', 0) >> 20} MiB")
+    tok, mbs = s["decode_tok_s"], s["bulk_mb_s"]
+    _bars(a, ["direct (baseline)", "through our port"], [tok["direct"], tok["proxy"]], "tokens/s",
+          "llama.cpp ggml-RPC client decode", ((tok["direct"].get("median") or 0) * 0.9, "budget: 90 % of direct"))
+    _bars(b, ["direct (baseline)", "through our port"], [mbs["direct"], mbs["proxy"]], "MB/s",
+          f"one SET_TENSOR of {res.config.get('bulk_bytes', 0) >> 20} MiB",
+          ((mbs["direct"].get("median") or 0) * 0.8, "budget: 80 % of direct"))
     return fig
 
 
 def connections(res: Result, plt) -> object:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind, label in (("baseline", "1 poller"), ("loaded", "100 pollers + 1,000 idle connections")):
-        _cdf(ax, [v for r in res.samples["rounds"] if r["kind"] == kind for v in r["latencies_ms"]], label)
-    ax.axvline(5, color="r", ls="--", lw=0.8, label="budget p99 5 ms")
-    ax.set_xscale("log")
-    ax.set_xlabel("STATE_META latency (ms)")
+    for kind, label, color in (("baseline", "1 poller (baseline)", "#888"),
+                               ("loaded", "100 pollers + 1,000 idle connections", "#37a")):
+        _cdf(ax, [v for r in res.samples["rounds"] if r["kind"] == kind for v in r["latencies_ms"]], label, color)
+    ax.axvline(5, color="r", ls="--", lw=0.9, label="budget: p99 < 5 ms")
+    _ms_axis(ax, "x", "STATE_META latency (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def busy_host(res: Result, plt) -> object:
+    s = res.summary
+    variants = list(s["meta_ms"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names = ["bare loop (baseline)"] + [v.replace("-", " ") for v in variants]
+    _bars(a, names, [s["decode_tok_s"]["bare"]] + [s["decode_tok_s"][v] for v in variants], "decode tokens/s",
+          f"decode with {res.config['hogs']} CPU-bound processes beside it",
+          ((s["decode_tok_s"]["bare"].get("median") or 0) * 0.8, "budget: defaults ≥ 80 % of the bare loop"))
+    a.tick_params(axis="x", labelsize=7, rotation=15)
+    for i, v in enumerate(variants):
+        vals = [x for r in res.samples["runs"] if r["variant"] == v for x in r["meta_samples"]]
+        _cdf(b, vals, v.replace("-", " "), f"C{i}")
+    b.axvline(5, color="r", ls="--", lw=0.9, label="budget (defaults): p99 < 5 ms")
+    _ms_axis(b, "x", "STATE_META latency while decoding (ms)")
+    b.set_ylabel("fraction of requests")
+    b.set_title("STATE_META about the decoding slot, same contention", fontsize=10)
+    b.legend(fontsize=7)
     return fig
 
 
@@ -198,7 +288,7 @@ def prompt_cache(res: Result, plt) -> object:
 DRAW: dict[str, Callable] = {
     "meta-under-decode": meta_under_decode, "decode-overhead": decode_overhead, "slots-scaling": slots_scaling,
     "reload-stall": reload_stall, "state-transfer": state_transfer, "passthrough": passthrough,
-    "connections": connections, "prompt-cache": prompt_cache,
+    "connections": connections, "prompt-cache": prompt_cache, "busy-host": busy_host,
 }
 
 

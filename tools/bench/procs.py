@@ -57,11 +57,12 @@ class GgmlRpcServer(GgmlRpcServerProcess):
 
 
 class RawPeer(ChildProcess):
-    """:mod:`tools.bench.workers` ``raw-peer``: a plain-socket source/sink of N bytes."""
+    """:mod:`tools.bench.workers` ``raw-peer`` (a plain-socket source/sink of N bytes) or, with
+    ``mode="echo-server"``, a minimal uvloop echo server."""
 
-    def __init__(self, max_bytes: int, timeout: float = 30.0):
-        super().__init__([sys.executable, "-m", "tools.bench.workers", "raw-peer",
-                          json.dumps({"max_bytes": max_bytes})], "raw socket peer", keep_lines=200)
+    def __init__(self, max_bytes: int = 0, timeout: float = 30.0, mode: str = "raw-peer"):
+        super().__init__([sys.executable, "-m", "tools.bench.workers", mode,
+                          json.dumps({"max_bytes": max_bytes})], mode, keep_lines=200)
         try:
             self.port = int(self.wait_for(re.compile(READY_PREFIX + r"(\d+)"), timeout).group(1))
         except SpawnError as e:

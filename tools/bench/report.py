@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .common import Result, Row
+from .common import NEAR_BUDGET, Result, Row
 
 TABLE_START = "<!-- bench:table:start -->"
 TABLE_END = "<!-- bench:table:end -->"
@@ -21,14 +21,23 @@ def _num(x: float | None, unit: str = "") -> str:
 def _verdict(r: Row) -> str:
     if not r.budget:
         return ""
-    return {True: "✅ met", False: "❌ **missed**", None: "n/a"}[r.ok]
+    v = {True: "✅ met", False: "❌ **missed**", None: "n/a"}[r.ok]
+    return v + (f" (within {NEAR_BUDGET:.0%} of the budget)" if r.near else "")
+
+
+def _value(r: Row) -> str:
+    """The value, and its min–max over the repetitions when they differ."""
+    v = _num(r.value, r.unit)
+    if r.lo is not None and r.hi is not None and r.hi != r.lo:
+        v += f" ({_num(r.lo)}–{_num(r.hi)})"
+    return v
 
 
 NOISY_PCT = 25  # other processes' share of all CPUs above which a scenario's figures are flagged
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| scenario | metric | value | baseline (same run) | ratio | budget | verdict |",
+    lines = ["| scenario | metric | value (min–max over repetitions) | baseline (same run) | ratio | budget | verdict |",
              "|---|---|---|---|---|---|---|"]
     for res in results:
         if res.error:
@@ -40,7 +49,7 @@ def table(results: list[Result]) -> str:
             base = f"{_num(r.baseline, r.unit)} ({r.baseline_label})" if r.baseline is not None else "—"
             ratio = f"{r.ratio:.2f}×" if r.ratio is not None else "—"
             metric = r.metric + (f" — {r.note}" if r.note else "")
-            lines.append(f"| {res.scenario} | {metric} | {_num(r.value, r.unit)} | {base} | {ratio} | "
+            lines.append(f"| {res.scenario} | {metric} | {_value(r)} | {base} | {ratio} | "
                          f"{r.budget or '—'} | {_verdict(r)}{noisy if r.budget else ''} |")
     return "\n".join(lines)
 
@@ -80,11 +89,49 @@ def markdown(results: list[Result], machine: dict[str, Any], command: str, model
     return "\n".join(out) + "\n"
 
 
-def replace_table(doc: Path, results: list[Result]) -> bool:
-    """Swap the table between the markers in ``doc`` for this run's; False if there are no markers."""
+def replace_table(doc: Path, table_text: str) -> bool:
+    """Swap the table between the markers in ``doc`` for ``table_text``; False if there are no markers."""
     text = doc.read_text()
     a, b = text.find(TABLE_START), text.find(TABLE_END)
     if a < 0 or b < a:
         return False
-    doc.write_text(text[:a + len(TABLE_START)] + "\n" + table(results) + "\n" + text[b:])
+    doc.write_text(text[:a + len(TABLE_START)] + "\n" + table_text + "\n" + text[b:])
     return True
+
+
+def combined_table(runs: list[list[Result]]) -> str:
+    """One row per (scenario, metric) over several full runs: each run's value and ratio, the
+    min–max over runs, and how many runs met the budget (flagged when any run came within
+    NEAR_BUDGET of it)."""
+    keys: dict[tuple[str, str], list[Row | None]] = {}
+    failed: dict[str, list[str]] = {}
+    for i, results in enumerate(runs):
+        for res in results:
+            if res.error:
+                failed.setdefault(res.scenario, []).append(f"run {i + 1}: {res.error.splitlines()[0][:120]}")
+            for r in res.rows:
+                keys.setdefault((res.scenario, r.metric), [None] * len(runs))[i] = r
+    n = len(runs)
+    head = " | ".join(f"run {i + 1}" for i in range(n))
+    lines = [f"| scenario | metric | {head} | min–max | ratio to the same-run baseline (min–max) | budget | verdict |",
+             "|---|---|" + "---|" * n + "---|---|---|---|"]
+    for (scenario, metric), rows in keys.items():
+        present = [r for r in rows if r is not None]
+        unit = present[0].unit
+        vals = [r.value for r in present if r.value is not None]
+        ratios = [r.ratio for r in present if r.ratio is not None]
+        cells = " | ".join(_num(r.value) if r is not None else "—" for r in rows)
+        span = f"{_num(min(vals))}–{_num(max(vals), unit)}" if vals else "—"
+        rspan = f"{min(ratios):.2f}–{max(ratios):.2f}×" if ratios else "—"
+        budget = present[0].budget
+        verdict = ""
+        if budget:
+            met = sum(1 for r in present if r.ok)
+            judged = sum(1 for r in present if r.ok is not None)
+            verdict = f"{'✅' if met == judged == n else '❌'} {met}/{n} met"
+            if any(r.near for r in present):
+                verdict += f" (a run within {NEAR_BUDGET:.0%} of the budget)"
+        lines.append(f"| {scenario} | {metric} | {cells} | {span} | {rspan} | {budget or '—'} | {verdict} |")
+    for scenario, errors in failed.items():
+        lines.append(f"| {scenario} | **failed** in {'; '.join(errors)} | " + " | " * (n + 3) + " |")
+    return "\n".join(lines)

@@ -33,15 +33,30 @@ def _recv_exactly(sock: socket.socket, n: int, buf: bytearray) -> None:
         buf += chunk
 
 
-def _batch(sock: socket.socket, request: bytes, n: int) -> None:
+def _batch(sock: socket.socket, request: bytes, n: int, echo: bool = False) -> None:
     buf = bytearray()
     for _ in range(n):
         sock.sendall(request)
+        if echo:  # the echo server's answer is the request itself
+            _recv_exactly(sock, len(request), buf)
+            continue
         _recv_exactly(sock, RESPONSE_HEADER_SIZE, buf)
         h = decode_response_header(buf)
         if h.status != 0:
             raise RuntimeError(f"request failed with status {h.status}")
         _recv_exactly(sock, h.meta_len + h.payload_len, buf)
+
+
+def cpu_per_request(host: str, port: int, server, request: bytes, n: int, echo: bool = False) -> float | None:
+    """Microseconds of ``server``'s CPU (a ChildProcess) per request: ``n`` strictly sequential
+    requests on one connection after a short warm-up (blocking; run it off the event loop)."""
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _batch(sock, request, min(500, n), echo)
+        cpu0 = server.cpu_seconds()
+        _batch(sock, request, n, echo)
+        cpu1 = server.cpu_seconds()
+    return None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / n * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:

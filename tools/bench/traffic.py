@@ -56,11 +56,13 @@ class PinRun:
 
 
 async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: list | None, *,
-                     until: float | None = None, stop: asyncio.Event | None = None) -> PinRun:
+                     until: float | None = None, stop: asyncio.Event | None = None,
+                     seconds: float | None = None) -> PinRun:
     """PIN DECODE ``{"n_predict", "messages"}``: head ``OK,0,0`` then ``[u32 len][piece]`` until EOF.
 
-    ``until`` (a ``now()`` value) or ``stop`` ends the stream early: closing the connection is
-    how a PIN client cancels, and the server must then free the slot before its next step.
+    ``until`` (a ``now()`` value), ``seconds`` after the first piece, or ``stop`` ends the
+    stream early: closing the connection is how a PIN client cancels, and the server must then
+    free the slot before its next step.
     """
     c = await HydraClient.connect(host, port)
     run = PinRun(slot, now())
@@ -75,6 +77,8 @@ async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: 
         async for _piece in c.pin_pieces():
             t = now()
             run.times.append(t)
+            if seconds is not None and until is None:
+                until = t + seconds
             if (until is not None and t >= until) or (stop is not None and stop.is_set()):
                 break
     finally:
@@ -83,15 +87,26 @@ async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: 
 
 
 def rate_timeline(times: list[float], t0: float, bin_s: float = 0.1) -> list[tuple[float, float]]:
-    """(bin centre relative to ``t0``, tok/s) for the pieces in ``times``."""
-    if not times:
+    """(bin centre relative to ``t0``, tok/s) for the pieces in ``times``.
+
+    Each bin's count is divided by the part of the bin the stream covered, and bins the stream
+    covered for less than half are left out: a stream ending early in its last bin is not a
+    drop in the rate.
+    """
+    if len(times) < 2:
         return []
-    first = int((times[0] - t0) // bin_s)
-    last = int((times[-1] - t0) // bin_s)
+    a, b = times[0] - t0, times[-1] - t0
+    first, last = int(a // bin_s), int(b // bin_s)
     counts = [0] * (last - first + 1)
     for t in times:
         counts[int((t - t0) // bin_s) - first] += 1
-    return [(round((first + i + 0.5) * bin_s, 4), c / bin_s) for i, c in enumerate(counts)]
+    out = []
+    for i, c in enumerate(counts):
+        lo, hi = (first + i) * bin_s, (first + i + 1) * bin_s
+        covered = min(hi, b) - max(lo, a)
+        if covered >= bin_s / 2:
+            out.append((round((lo + hi) / 2, 4), c / covered))
+    return out
 
 
 def tokens_between(times: list[float], a: float, b: float) -> int:

@@ -6,6 +6,7 @@
   ``endpoint`` (directly, or through our port's passthrough).
 * ``raw-peer``: a plain blocking-socket peer that sends or swallows N bytes on request: the
   "raw loopback copy" baseline of state-transfer.
+* ``echo-server``: a minimal uvloop echo server, the floor of per-request server CPU.
 * ``pollers``: N STATE_META pollers (the connections scenario runs several of these, since one
   Python process cannot issue thousands of requests a second without queueing them itself).
 
@@ -121,6 +122,13 @@ def pollers(p: dict[str, Any]) -> dict[str, Any]:
     from tools.bench.traffic import Poller, latencies
 
     n, interval = p["n"], p["interval"]
+    if p.get("realtime"):
+        # a stand-in for a client on another host: this host's CPU-bound processes must not
+        # delay the client's own reads (where SCHED_RR is not permitted, it stays normal)
+        try:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))
+        except OSError:
+            pass
 
     async def go() -> list:
         # all poller processes start together, after every one of them has finished importing
@@ -136,8 +144,11 @@ def pollers(p: dict[str, Any]) -> dict[str, Any]:
     c0 = os.times()
     polls = uvloop.run(go())
     c1 = os.times()
-    return {"latencies_ms": [round(x, 4) for x in latencies(polls)], "errors": sum(1 for x in polls if x.status != 0),
-            "cpu_s": (c1.user + c1.system) - (c0.user + c0.system)}
+    out = {"latencies_ms": [round(x, 4) for x in latencies(polls)], "errors": sum(1 for x in polls if x.status != 0),
+           "cpu_s": (c1.user + c1.system) - (c0.user + c0.system)}
+    if p.get("timeline"):  # send times on the harness's clock (perf_counter: CLOCK_MONOTONIC, shared)
+        out["polls"] = [[round(x.t, 5), round(x.ms, 4), x.status] for x in polls]
+    return out
 
 
 def raw_peer(p: dict[str, Any]) -> None:
@@ -171,6 +182,29 @@ def raw_peer(p: dict[str, Any]) -> None:
                     conn.sendall(b"\x01")
 
 
+def echo_server(_p: dict[str, Any]) -> None:
+    """The floor of a request's server CPU: a minimal uvloop server that writes back whatever
+    arrives (one ``data_received`` → one ``write``), until killed."""
+    import asyncio
+
+    import uvloop
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.transport.write(data)
+
+    async def serve() -> None:
+        srv = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+        print(f"{READY_PREFIX}{srv.sockets[0].getsockname()[1]}", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     data = b""
     while len(data) < n:
@@ -186,8 +220,8 @@ MODES = {"bare-decode": bare_decode, "ggml-client": ggml_client, "pollers": poll
 
 def main(argv: list[str]) -> int:
     mode, params = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
-    if mode == "raw-peer":
-        raw_peer(params)
+    if mode in ("raw-peer", "echo-server"):
+        (raw_peer if mode == "raw-peer" else echo_server)(params)
         return 0
     out = MODES[mode](params)
     print(RESULT_PREFIX + json.dumps(out), flush=True)

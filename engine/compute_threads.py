@@ -1,0 +1,95 @@
+"""How many compute threads a decode step should use now.
+
+ggml's compute threads meet at a barrier after every operation of the graph: when one of
+them waits for a core, the others wait for it. With as many threads as cores, every other
+busy process on the host (or our own loader building a shadow model) preempts one of them
+and decode falls 10–30× (docs/performance.md, busy-host and reload-stall). So the step
+uses the configured count minus the cores other processes keep busy (read from /proc every
+half second), minus one while a model loads beside it, and never fewer than one. The count
+goes down at once and back up only after two samples agree, so a short burst elsewhere does
+not make it flap.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+SAMPLE_S = 0.5
+RESTORE_SAMPLES = 2
+
+
+def _read_busy() -> tuple[float, float] | None:
+    """(busy jiffies of all CPUs, busy jiffies of this process), or None off Linux."""
+    try:
+        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = sum(cpu) - cpu[3] - cpu[4]  # all but idle and iowait
+    return float(busy), float(int(own[11]) + int(own[12]))  # utime + stime
+
+
+class OtherLoad:
+    """Cores used by other processes since the previous call, from /proc/stat and /proc/self/stat."""
+
+    def __init__(self, read: Callable[[], tuple[float, float] | None] = _read_busy,
+                 clock: Callable[[], float] = time.monotonic):
+        self._read, self._clock = read, clock
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = (self._clock(), self._read())
+
+    def sample(self) -> float | None:
+        t, busy = self._clock(), self._read()
+        (t0, busy0), self._last = self._last, (t, busy)
+        if busy is None or busy0 is None or t <= t0:
+            return None
+        others = (busy[0] - busy0[0]) - (busy[1] - busy0[1])
+        return max(0.0, others / self._tick / (t - t0))
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class ComputeThreads:
+    """The thread count for the next step (``want``), given the configured count."""
+
+    def __init__(self, configured: int, cores: int, load: OtherLoad | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.configured = max(1, configured)
+        self.cores = max(1, cores)
+        self._load = load or OtherLoad()
+        self._clock = clock
+        self._next = clock() + SAMPLE_S
+        self._by_load = self.configured
+        self._higher = 0  # consecutive samples that allowed more threads than now
+        self.others = 0.0  # cores other processes used in the last sample
+
+    def want(self, loading: bool) -> int:
+        now = self._clock()
+        if now >= self._next:
+            self._next = now + SAMPLE_S
+            self._resample()
+        n = self._by_load - (1 if loading else 0)
+        return max(1, min(self.configured, n))
+
+    def _resample(self) -> None:
+        others = self._load.sample()
+        if others is None:
+            return
+        self.others = others
+        fit = max(1, min(self.configured, self.cores - math.floor(others + 0.5)))
+        if fit < self._by_load:
+            self._by_load, self._higher = fit, 0
+        elif fit > self._by_load:
+            self._higher += 1
+            if self._higher >= RESTORE_SAMPLES:
+                self._by_load, self._higher = fit, 0
+        else:
+            self._higher = 0
