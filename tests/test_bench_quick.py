@@ -19,11 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(660)
 def test_quick_bench_writes_every_result(tmp_path):
+    # a hang guard only: the bench bounds each --quick scenario itself (a stuck one fails with
+    # the await it was stuck in), so this outer limit is never what reports a problem
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "bench", "--quick", "--plot", "--blocking-baseline",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=640)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     for name in SCENARIOS:
         data = json.loads((out / f"{name}.json").read_text())

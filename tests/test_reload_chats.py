@@ -34,7 +34,7 @@ async def _info(app: App) -> dict:
 @pytest.mark.parametrize("policy", ["serve-old", "reject"])
 async def test_chats_during_a_reload(tiny_model_path, tiny_model_b_path, policy):
     app = App(ServerConfig(host="127.0.0.1", port=0),
-              EngineConfig(model=ModelParams(tiny_model_path, n_ctx_slot=512, n_slots=2, n_threads=1),
+              EngineConfig(model=ModelParams(tiny_model_path, n_ctx=1024, n_slots=2, n_threads=1),
                            reload_policy=policy),
               http_host="127.0.0.1", http_port=0)
     await app.start()

@@ -59,6 +59,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(between its bench:table markers); needs every scenario; run from the repository root")
 
 
+#: --quick: a scenario that has not finished by then is stuck, not slow (each takes 3-40 s on
+#: a 2-core host); the traceback names the await it was stuck in
+QUICK_SCENARIO_DEADLINE_S = 150.0
+
+
+async def _bounded(coro, deadline: float | None, name: str):
+    if deadline is None:
+        return await coro
+    try:
+        return await asyncio.wait_for(coro, deadline)
+    except TimeoutError as e:
+        from .common import BenchError
+
+        raise BenchError(f"{name} did not finish within {deadline:.0f} s (--quick): stuck") from e
+
+
 def _run_async(coro):
     try:
         import uvloop
@@ -132,7 +148,7 @@ def _run_once(names: list[str], ctx, machine: dict, out: Path, command: str, arg
         print(f"hydra-rpc bench: {name} …", file=sys.stderr, flush=True)
         before, t0 = load_now(), time.monotonic()
         try:
-            res = _run_async(mod.run(ctx))
+            res = _run_async(_bounded(mod.run(ctx), QUICK_SCENARIO_DEADLINE_S if args.quick else None, name))
         except Exception as e:
             traceback.print_exc()
             res = Result(name, error=f"{type(e).__name__}: {e}")
