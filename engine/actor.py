@@ -28,25 +28,23 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from codec.errors import CodecError
 
 from . import tiers
-from .backend import BackendFactory, LlamaFactory, ModelBackend
+from .backend import ModelBackend
 from .buffers import LeasedBuffer
+from .config import EngineConfig, StateOut
 from .compute_threads import ComputeThreads, usable_cores
 from .executors import start_workers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
-from .kv_cache import KV_SHAPE_KEYS, KvCacheInfo, KvStateMismatch, build_problem, restore_state
-from .kv_layout import available_memory
+from .kv_cache import KvCacheInfo, KvStateMismatch, restore_state
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
 from .model_params import ModelParams, resolve_path
 from .prompt_cache import PromptCache
 from .rates import RateWindow, rate
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
-from .rpc_allow import RpcAllowList
 from .sampling import SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving, fail
 from .slots import Slot, SlotSnapshot
@@ -54,46 +52,6 @@ from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, Re
 from .stepper import Running, job_input, run_step
 
 log = logging.getLogger("engine.actor")
-
-
-@dataclass
-class EngineConfig:
-    model: ModelParams
-    aliases: dict[str, str] = field(default_factory=dict)
-    # thread priorities (engine/executors.py): the event loop under SCHED_RR where permitted;
-    # inference and loader at nice 0, or ``thread_nice``, or nice 19 with ``low_priority``
-    loop_realtime: bool = False
-    low_priority: bool = False
-    thread_nice: int | None = None
-    adapt_threads: bool = True  # fewer compute threads while other processes or a load need cores
-    time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
-    token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
-    slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once
-    reload_policy: str = "serve-old"  # serve-old | reject
-    reload_mode: str = "shadow"  # shadow | inplace
-    drain_timeout: float = 300.0
-    resolve_model: Callable[[str], Any] = str
-    defaults: dict[str, Any] = field(default_factory=dict)  # T1 parameters
-    # ggml RPC servers a CONFIGURE ``rpc_servers`` may name (engine.rpc_allow)
-    rpc_allow: RpcAllowList = field(default_factory=RpcAllowList)
-    backend: BackendFactory = field(default_factory=LlamaFactory)
-    # how the drain timeout is scheduled (None: the event loop's call_later)
-    call_later: Callable[[float, Callable[[], None]], Any] | None = None
-    # the prompt cache's start-up settings (llama-server's flags of the same names; engine/prompt_cache.py,
-    # docs/http.md); cache_prompt and cache_reuse are ModelParams (CONFIGURE may change them)
-    slot_prompt_similarity: float = 0.1  # a job naming no slot goes where its prompt is cached (0: LRU only)
-    cache_ram_mib: int = 8192  # RAM tier for the states of replaced conversations (-1: no limit, 0: off)
-    slot_save_path: str | None = None  # directory of slot files (save/restore); None: refused
-
-
-@dataclass
-class StateOut:
-    n_past: int
-    tokens: list[int]
-    state: memoryview
-    identity: ModelIdentity
-    config_generation: int
-    release: Callable[[], None] = lambda: None  # call when ``state`` has been sent
 
 
 class Engine:
@@ -558,8 +516,7 @@ class Engine:
     # ------------------------------------------------------------------ configure
     async def _on_configure(self, msg: Configure) -> ConfigureOutcome:
         c = tiers.classify(dict(msg.cfg))
-        self._refuse_unfit_kv(c)
-        self._refuse_unlisted_rpc(c)
+        tiers.refuse_unbuildable(c, self.params, self.kv_cache, self.cfg.resolve_model, self.cfg.rpc_allow)
         new_params = self.params.derive(c.staged, self.cfg.resolve_model) if c.staged else None
         if c.t1:
             self.t1.update(c.t1)
@@ -576,23 +533,6 @@ class Engine:
             self.reloader.cancel(f"superseded by a config asking for the live model ({', '.join(deferred)})")
         return ConfigureOutcome(deferred_keys=[], config_generation=self.generation, params=self.params,
                                 unchanged_keys=deferred if new_params is not None else None, **common)
-
-    def _refuse_unfit_kv(self, c: tiers.Classified) -> None:
-        """A context llama.cpp could not build is refused before any reload: the keys that ask
-        for it go to ``rejected_keys`` (see ``kv_cache.build_problem``)."""
-        asked = KV_SHAPE_KEYS & set(c.staged)
-        if asked:
-            p = self.params.derive(c.staged, self.cfg.resolve_model)
-            why = build_problem(p, self.kv_cache if "model" not in c.staged else None, available_memory())
-            for key in asked if why else ():
-                c.reject(key, why)
-
-    def _refuse_unlisted_rpc(self, c: tiers.Classified) -> None:
-        """``rpc_servers`` naming a server off the start-up allow-list goes to ``rejected_keys``
-        (see ``engine.rpc_allow``)."""
-        why = self.cfg.rpc_allow.refusal(c.staged["rpc_servers"]) if "rpc_servers" in c.staged else None
-        if why:
-            c.reject("rpc_servers", why)
 
     # ------------------------------------------------------------------ for the Reloader
     def quiescent(self) -> bool:

@@ -16,9 +16,14 @@ no effect here go to ``rejected_keys`` with the reason; unknown keys to ``unreco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .params_table import ParamError, UnknownParam, lookup
+
+if TYPE_CHECKING:
+    from .kv_cache import KvCacheInfo
+    from .model_params import ModelParams
+    from .rpc_allow import RpcAllowList
 
 STATE_CHUNK_MIN, STATE_CHUNK_MAX, STATE_CHUNK_DEFAULT = 64 * 1024, 64 * 1024 * 1024, 2 * 1024 * 1024
 TIER_ORDER = {"T1": 1, "T2": 2, "T3": 3, "T4": 4}
@@ -97,3 +102,24 @@ def classify(cfg: dict[str, Any]) -> Classified:
             out.deferred_keys.append(key)
             out.bump(param.tier)
     return out
+
+
+def refuse_unbuildable(c: Classified, params: "ModelParams", kv_cache: "KvCacheInfo | None",
+                       resolve_model: "Callable[[str], Any]", rpc_allow: "RpcAllowList") -> None:
+    """Move the staged keys the engine must not try to ``rejected_keys``, before any reload:
+
+    * a context llama.cpp could not build (the keys that ask for it; ``kv_cache.build_problem``);
+    * ``rpc_servers`` naming a server off the start-up allow-list (``engine.rpc_allow``).
+    """
+    from .kv_cache import KV_SHAPE_KEYS, build_problem
+    from .kv_layout import available_memory
+
+    asked = KV_SHAPE_KEYS & set(c.staged)
+    if asked:
+        p = params.derive(c.staged, resolve_model)
+        why = build_problem(p, kv_cache if "model" not in c.staged else None, available_memory())
+        for key in asked if why else ():
+            c.reject(key, why)
+    why = rpc_allow.refusal(c.staged["rpc_servers"]) if "rpc_servers" in c.staged else None
+    if why:
+        c.reject("rpc_servers", why)

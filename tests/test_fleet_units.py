@@ -165,7 +165,7 @@ def test_a_state_is_checked_against_the_context_before_llama_cpp_sees_it(fleet_m
 
 @pytest.mark.asyncio
 async def test_configure_refuses_a_context_llama_cpp_could_not_build(tiny_model_path, monkeypatch):
-    from engine import actor
+    from engine import kv_layout
     from engine.actor import Engine, EngineConfig
     from engine.model_params import ModelParams
 
@@ -176,7 +176,7 @@ async def test_configure_refuses_a_context_llama_cpp_could_not_build(tiny_model_
         gen = eng.generation
         out = await eng.configure({"cache_type_k": "q8_0"})  # this model's heads have 16 elements
         assert "multiple of 32 elements; this model's have 16" in out.rejected_keys["cache_type_k"]
-        monkeypatch.setattr(actor, "available_memory", lambda: 1 << 20)
+        monkeypatch.setattr(kv_layout, "available_memory", lambda: 1 << 20)
         out = await eng.configure({"n_ctx": 1 << 20, "top_k": 5})
         assert "needs 256 MiB; 1 MiB of memory is available" in out.rejected_keys["n_ctx"], out.rejected_keys
         assert out.params_applied == {"sampling.top_k": 5} and out.reload_ticket is None and out.tier == "T1"

@@ -44,6 +44,18 @@ def _cdf(ax, values: list[float], label: str, color: str | None = None) -> None:
         ax.axvline(p99, color=line.get_color(), ls=":", lw=1, label=f"{label}: p99 {p99:.2f} ms")
 
 
+def _cdf_panel(ax, series: list[tuple[list[float], str, str]], budget: tuple[float, str], xlabel: str,
+               title: str) -> None:
+    """CDFs of latency samples (values, label, colour) against a budget line, on one panel."""
+    for values, label, color in series:
+        _cdf(ax, values, label, color)
+    ax.axvline(budget[0], color="r", ls="--", lw=0.9, label=budget[1])
+    _ms_axis(ax, "x", xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+
+
 def _bars(ax, labels: list[str], spreads: list[dict], ylabel: str, title: str,
           budget: tuple[float, str] | None = None) -> None:
     """Medians with min–max whiskers; ``budget`` (value, label): a dashed red line across."""
@@ -85,16 +97,13 @@ def meta_under_decode(res: Result, plt) -> object:
     h1, l1 = a.get_legend_handles_labels()
     h2, l2 = t2.get_legend_handles_labels()
     a.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right", markerscale=3)
-    for kind, color in (("idle", "#888"), ("busy", "#37a")):
-        vals = [ms for r in rounds if r["kind"] == kind
+    series = [([ms for r in rounds if r["kind"] == kind
                 for t, ms, st in zip(r["polls"]["t"], r["polls"]["ms"], r["polls"]["status"])
-                if st == STATUS_OK and r["window"][0] <= t < r["window"][1]]
-        _cdf(b, vals, "idle server" if kind == "idle" else "slot decoding", color)
-    b.axvline(1.0, color="r", ls="--", lw=0.9, label="budget: p99 < 1 ms")
-    _ms_axis(b, "x", "STATE_META latency (ms)")
-    b.set_ylabel("fraction of requests")
-    b.set_title("all rounds: idle server vs slot decoding", fontsize=10)
-    b.legend(fontsize=7)
+                if st == STATUS_OK and r["window"][0] <= t < r["window"][1]],
+               "idle server" if kind == "idle" else "slot decoding", color)
+              for kind, color in (("idle", "#888"), ("busy", "#37a"))]
+    _cdf_panel(b, series, (1.0, "budget: p99 < 1 ms"), "STATE_META latency (ms)",
+               "all rounds: idle server vs slot decoding")
     return fig
 
 
@@ -257,14 +266,10 @@ def busy_host(res: Result, plt) -> object:
           f"decode with {res.config['hogs']} CPU-bound processes beside it",
           ((s["decode_tok_s"]["bare"].get("median") or 0) * 0.8, "budget: defaults ≥ 80 % of the bare loop"))
     a.tick_params(axis="x", labelsize=7, rotation=15)
-    for i, v in enumerate(variants):
-        vals = [x for r in res.samples["runs"] if r["variant"] == v for x in r["meta_samples"]]
-        _cdf(b, vals, v.replace("-", " "), f"C{i}")
-    b.axvline(5, color="r", ls="--", lw=0.9, label="budget (defaults): p99 < 5 ms")
-    _ms_axis(b, "x", "STATE_META latency while decoding (ms)")
-    b.set_ylabel("fraction of requests")
-    b.set_title("STATE_META about the decoding slot, same contention", fontsize=10)
-    b.legend(fontsize=7)
+    series = [([x for r in res.samples["runs"] if r["variant"] == v for x in r["meta_samples"]],
+               v.replace("-", " "), f"C{i}") for i, v in enumerate(variants)]
+    _cdf_panel(b, series, (5, "budget (defaults): p99 < 5 ms"), "STATE_META latency while decoding (ms)",
+               "STATE_META about the decoding slot, same contention")
     return fig
 
 

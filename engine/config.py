@@ -1,0 +1,50 @@
+"""The engine's start-up settings, and what a STATE_GET hands back (``engine.actor``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .backend import BackendFactory, LlamaFactory
+from .model_params import ModelParams
+from .rpc_allow import RpcAllowList
+from .status import ModelIdentity
+
+
+@dataclass
+class EngineConfig:
+    model: ModelParams
+    aliases: dict[str, str] = field(default_factory=dict)
+    # thread priorities (engine/executors.py): the event loop under SCHED_RR where permitted;
+    # inference and loader at nice 0, or ``thread_nice``, or nice 19 with ``low_priority``
+    loop_realtime: bool = False
+    low_priority: bool = False
+    thread_nice: int | None = None
+    adapt_threads: bool = True  # fewer compute threads while other processes or a load need cores
+    time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
+    token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
+    slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once
+    reload_policy: str = "serve-old"  # serve-old | reject
+    reload_mode: str = "shadow"  # shadow | inplace
+    drain_timeout: float = 300.0
+    resolve_model: Callable[[str], Any] = str
+    defaults: dict[str, Any] = field(default_factory=dict)  # T1 parameters
+    # ggml RPC servers a CONFIGURE ``rpc_servers`` may name (engine.rpc_allow)
+    rpc_allow: RpcAllowList = field(default_factory=RpcAllowList)
+    backend: BackendFactory = field(default_factory=LlamaFactory)
+    # how the drain timeout is scheduled (None: the event loop's call_later)
+    call_later: Callable[[float, Callable[[], None]], Any] | None = None
+    # the prompt cache's start-up settings (llama-server's flags of the same names; engine/prompt_cache.py,
+    # docs/http.md); cache_prompt and cache_reuse are ModelParams (CONFIGURE may change them)
+    slot_prompt_similarity: float = 0.1  # a job naming no slot goes where its prompt is cached (0: LRU only)
+    cache_ram_mib: int = 8192  # RAM tier for the states of replaced conversations (-1: no limit, 0: off)
+    slot_save_path: str | None = None  # directory of slot files (save/restore); None: refused
+
+
+@dataclass
+class StateOut:
+    n_past: int
+    tokens: list[int]
+    state: memoryview
+    identity: ModelIdentity
+    config_generation: int
+    release: Callable[[], None] = lambda: None  # call when ``state`` has been sent
