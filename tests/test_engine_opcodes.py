@@ -222,27 +222,34 @@ async def test_merged_decode_v3_restores_kv_and_answers(client):
 @pytest.mark.asyncio
 async def test_meta_answers_while_the_same_slot_decodes(server):
     """STATE_META about a slot that is decoding: answered, and its progress advances."""
-    c = await HydraClient.connect(server.host, server.port)
-    # Generation runs until the slot's context is full (thousands of tokens), unless cancelled.
-    body = {"n_predict": 100000, "messages": [{"role": "user", "content": "go"}]}
-    await c.send(Op.DECODE, "1", json.dumps(body).encode())
-    hdr, _ = await c.read_head()
-    assert hdr.status == Status.OK
     poll = await HydraClient.connect(server.host, server.port)
-    seen = []
-    reader = asyncio.create_task(_count_pieces(c))
-    while len(set(seen)) < 2:  # a state, not a time: two different progress readings mid-decode
-        assert not reader.done(), f"the decode ended before META showed progress: {seen}"
-        m = (await poll.request(Op.STATE_META, "1", timeout=5)).meta
-        if m["is_processing"]:
-            seen.append(m["tokens_processed"])
-        await asyncio.sleep(0.005)
-    assert seen == sorted(seen) and seen[-1] > seen[0], seen
-    reader.cancel()
-    c.writer.transport.abort()  # cancels the generation
-    await wait_meta(poll, "1", lambda m: not m["is_processing"])
-    await poll.close()
-    await c.close()
+    c = await HydraClient.connect(server.host, server.port)
+    reader = None
+    try:
+        # an earlier test's job on this slot may still be winding down: its readings are not ours
+        await wait_meta(poll, "1", lambda m: not m["is_processing"])
+        # Generation runs until the slot's context is full (thousands of tokens), unless cancelled.
+        body = {"n_predict": 100000, "messages": [{"role": "user", "content": "go"}]}
+        await c.send(Op.DECODE, "1", json.dumps(body).encode())
+        hdr, _ = await c.read_head()
+        assert hdr.status == Status.OK
+        seen = []
+        reader = asyncio.create_task(_count_pieces(c))
+        while len(set(seen)) < 2:  # a state, not a time: two different progress readings mid-decode
+            assert not reader.done(), f"the decode ended before META showed progress: {seen}"
+            m = (await poll.request(Op.STATE_META, "1", timeout=5)).meta
+            if m["is_processing"] and m["operation"] == "decode":
+                seen.append(m["tokens_processed"])
+            await asyncio.sleep(0.005)
+        assert seen == sorted(seen) and seen[-1] > seen[0], seen
+        reader.cancel()
+        c.writer.transport.abort()  # cancels the generation
+        await wait_meta(poll, "1", lambda m: not m["is_processing"])
+    finally:
+        if reader is not None:
+            reader.cancel()
+        await poll.close()
+        await c.close()
 
 
 async def wait_meta(c: HydraClient, slot: str, done, timeout: float = 60.0) -> dict:
