@@ -71,7 +71,7 @@ class Engine:
         self.kv_cache: KvCacheInfo | None = None  # the live model's
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
         self._step_rate, self._token_rate = RateWindow(), RateWindow()
-        self.loader: concurrent.futures.ThreadPoolExecutor | None = None
+        self.loader: concurrent.futures.Executor | None = None
         self._infer: concurrent.futures.ThreadPoolExecutor | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
         self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats, cfg.slot_prompt_similarity)

@@ -80,7 +80,7 @@ def _single_thread(name: str, nice: int | None) -> concurrent.futures.ThreadPool
 
 
 async def start_workers(loop_realtime: bool, low_priority: bool = False, nice: int | None = None
-                        ) -> tuple[concurrent.futures.ThreadPoolExecutor, concurrent.futures.ThreadPoolExecutor,
+                        ) -> tuple[concurrent.futures.ThreadPoolExecutor, concurrent.futures.Executor,
                                    dict[str, str]]:
     """On the event-loop thread: promote it (``loop_realtime``), then start the inference and
     loader threads; returns them and what each thread got (INFO ``thread_priorities``)."""
@@ -98,9 +98,74 @@ async def start_workers(loop_realtime: bool, low_priority: bool = False, nice: i
     return infer, loader, got
 
 
-def make_loader_executor(low_priority: bool = False, nice: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
-    """A single-thread executor for building (shadow) models."""
-    return _single_thread("hydra-loader", nice if nice is not None else LOW_NICE if low_priority else None)
+class FreshThreadExecutor(concurrent.futures.Executor):
+    """Runs each call on a thread of its own that ends with it; one call at a time, in the
+    order submitted (as a single-thread pool would).
+
+    Why not one long-lived thread: ggml's CPU backend computes in OpenMP parallel regions, and
+    the first one a thread enters leaves a pool of OpenMP threads tied to that thread for as
+    long as it lives. libgomp counts them as busy; once they and the inference thread's team
+    outnumber the cores it stops spinning at barriers, so every barrier of every decode becomes
+    a sleep and a wake-up. A model load enters such regions (the KV-cache probe decodes, weights
+    are repacked), so a loader that lived on made decode on a 2-core host 3× slower (85,000
+    context switches for 3,000 tokens of the tiny model, against 800). A thread that ends
+    frees its pool.
+    """
+
+    def __init__(self, name: str, nice: int | None = None) -> None:
+        self._name, self._nice = name, nice
+        self._mutex = threading.Lock()
+        self._last: threading.Thread | None = None
+        self._pending: list[concurrent.futures.Future] = []
+        self._count = 0
+        self._shutdown = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        with self._mutex:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._count += 1
+            t = threading.Thread(target=self._run, args=(self._last, fut, fn, args, kwargs),
+                                 name=f"{self._name}_{self._count}")
+            self._last = t
+            self._pending.append(fut)
+            t.start()
+            return fut
+
+    def _run(self, previous: threading.Thread | None, fut: concurrent.futures.Future, fn, args, kwargs) -> None:
+        if previous is not None:
+            previous.join()
+        try:
+            if not fut.set_running_or_notify_cancel():
+                return
+            if self._nice is not None:
+                _init_thread(self._nice)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # delivered to the caller, as a pool would
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+        finally:
+            with self._mutex:
+                self._pending.remove(fut)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._mutex:
+            self._shutdown = True
+            last, pending = self._last, list(self._pending)
+        if cancel_futures:
+            for fut in pending:
+                fut.cancel()
+        if wait and last is not None:
+            last.join()
+
+
+def make_loader_executor(low_priority: bool = False, nice: int | None = None) -> FreshThreadExecutor:
+    """The executor that builds (shadow) models and frees old ones: a thread per call (see
+    :class:`FreshThreadExecutor` for why)."""
+    return FreshThreadExecutor("hydra-loader", nice if nice is not None else LOW_NICE if low_priority else None)
 
 
 def make_inference_executor(low_priority: bool = False,
