@@ -177,3 +177,21 @@ async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
     async with one_slot(cache_ram_mib=0) as env:
         cold = await gen(env.engine, 0, convs[0] + firsts[0].text.decode())
     assert back.text == cold.text
+
+
+@pytest.mark.parametrize("unified,n_swa,swa_full,shareable", [
+    (True, 0, False, True),  # a full-attention model: copies are cells shared for good
+    (True, 512, False, False),  # Gemma 3's window cache: shared cells would never be taken back
+    (True, 512, True, True),  # --swa-full: the window cache is full size
+    (False, 0, False, False),  # separate KV streams: no partial copy at all
+])
+def test_which_llama_contexts_share_prefixes_across_slots(unified, n_swa, swa_full, shareable):
+    """llama.cpp reuses a cell that left the sliding window only while a single sequence holds
+    it; prefixes copied across slots filled Gemma 3's window cache until a decode found no cell
+    (the prompt-cache bench, four conversations on two slots: HTTP 500)."""
+    from types import SimpleNamespace
+
+    from engine.llama_backend import LoadedModel
+
+    m = SimpleNamespace(cparams=SimpleNamespace(kv_unified=unified, swa_full=swa_full), n_swa=n_swa)
+    assert LoadedModel.kv_shareable.fget(m) is shareable

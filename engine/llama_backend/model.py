@@ -355,7 +355,12 @@ class LoadedModel:
 
     @property
     def kv_shareable(self) -> bool:
-        return bool(self.cparams.kv_unified)
+        # A sliding-window cache takes back a cell that left the window only while a single
+        # sequence holds it (llama.cpp's find_slot): the cells of a prefix copied across slots
+        # would stay until every holder dropped them, and fill the window's small cache until a
+        # decode finds no cell (Gemma 3, four conversations on two slots). So no partial copies
+        # there, unless the window cache is full size (--swa-full).
+        return bool(self.cparams.kv_unified) and (self.n_swa == 0 or bool(self.cparams.swa_full))
 
     @property
     def can_shift(self) -> bool:
