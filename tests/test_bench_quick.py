@@ -45,3 +45,9 @@ def test_unknown_scenario_is_refused():
     done = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "bench", "no-such-scenario"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown scenario" in done.stderr
+
+
+def test_the_recorded_command_names_no_output_folder():
+    from tools.bench.cli import _without_out
+
+    assert _without_out(["--runs", "3", "--out", "/some/where", "--docs", "--out=/x"]) == ["--runs", "3", "--docs"]

@@ -75,6 +75,20 @@ async def _bounded(coro, deadline: float | None, name: str):
         raise BenchError(f"{name} did not finish within {deadline:.0f} s (--quick): stuck") from e
 
 
+def _without_out(argv: list[str]) -> list[str]:
+    """The command as reports record it: without ``--out`` (a folder of the measuring machine,
+    which reports copied to docs/ must not name)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            out.append(a)
+    return out
+
+
 def _run_async(coro):
     try:
         import uvloop
@@ -109,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = BenchContext(quick=args.quick, models=models, reps=args.reps or (1 if args.quick else 3),
                        threads=args.threads or usable_cpus(), blocking_baseline=args.blocking_baseline,
                        http=importlib.util.find_spec("hydra_rpc.http_app") is not None)
-    command = "hydra-rpc bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    command = "hydra-rpc bench " + shlex.join(_without_out(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]))
     runs: list[list] = []
     for i in range(args.runs):
         run_out = out / f"run-{i + 1}" if args.runs > 1 else out
