@@ -15,7 +15,7 @@ import pytest
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
 from hydra_rpc.conn_budget import RESERVED_FDS, ConnectionBudget
-from tests.helpers import serving
+from tests.helpers import poll_until, serving
 from tools.spawn import HYDRA_HTTP, HYDRA_LISTENING, ChildProcess
 
 
@@ -67,9 +67,8 @@ async def test_one_limit_for_both_ports_and_every_refusal_answers(tiny_model_pat
                 assert r.status == Status.BUSY and "connection limit of 3" in r.meta["error"], r
             for _, w in idle:
                 w.close()
-            async with asyncio.timeout(30):  # their places free once the server saw them close
-                while not (await http_get(sp.http_port)).startswith(b"HTTP/1.1 200"):
-                    await asyncio.sleep(0.02)
+            # their places free once the server saw them close
+            await poll_until(lambda: http_get(sp.http_port), lambda r: r.startswith(b"HTTP/1.1 200"), 30)
 
 
 @pytest.mark.asyncio
@@ -101,9 +100,7 @@ async def test_more_silent_connections_than_descriptors_never_a_silent_drop(tiny
             for s in silent:
                 s.close()
         async with await HydraClient.connect("127.0.0.1", port) as c:
-            async with asyncio.timeout(60):
-                while not (await c.request(Op.INFO)).ok:
-                    await asyncio.sleep(0.05)
+            await poll_until(lambda: c.request(Op.INFO), lambda r: r.ok, 60)
         assert sp.proc.poll() is None and "Too many open files" not in sp.log, sp.log[-3000:]
 
 
@@ -134,7 +131,7 @@ async def test_http_deadlines_close_idle_and_dribbling_clients(tiny_model_path, 
             w.close()
         assert (await http_get(sp.http_port)).startswith(b"HTTP/1.1 200")
     reason = "idle for 2s" if phase == "idle" else "slower than 1024 bytes/s over 3s"
-    assert f"closing HTTP connection from 127.0.0.1" in sp.log and reason in sp.log, sp.log[-2000:]
+    assert "closing HTTP connection from 127.0.0.1" in sp.log and reason in sp.log, sp.log[-2000:]
 
 
 @pytest.mark.asyncio

@@ -7,7 +7,6 @@ queue full of them), and new PREFILLs got BUSY.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import select
 import socket
@@ -22,7 +21,7 @@ from engine.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
 from hydra_rpc.client import HydraClient
 from tests.engine_env import long_generation, scripted_engine
-from tests.helpers import serving
+from tests.helpers import poll_until, serving
 from tests.scripted_backend import until
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -42,14 +41,13 @@ def send_and_vanish(host: str, port: int, frame: bytes) -> None:
 
 
 async def poll_decode(http: aiohttp.ClientSession, decode_id: int, timeout: float = 60.0) -> dict:
-    async with asyncio.timeout(timeout):
-        while True:
-            async with http.get(f"/v1/decode/{decode_id}") as r:
-                body = await r.json()
-            if r.status != 202:
-                assert r.status == 200, body
-                return body
-            await asyncio.sleep(0.02)
+    async def fetch() -> tuple[int, dict]:
+        async with http.get(f"/v1/decode/{decode_id}") as r:
+            return r.status, await r.json()
+
+    status, body = await poll_until(fetch, lambda sb: sb[0] != 202, timeout)
+    assert status == 200, body
+    return body
 
 
 @pytest.mark.asyncio
