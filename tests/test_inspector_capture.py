@@ -136,13 +136,31 @@ async def drive(port: int, path: Path) -> tuple[list[tuple[str, str, str]], list
 MARKER = b"end-of-capture-marker"
 
 
+def _server_closed(path: Path, server_port: int, client_port: int) -> bool:
+    """Whether the capture file already holds the server's FIN on the connection from client_port
+    (a half-written last packet only means: not yet)."""
+    try:
+        with path.open("rb") as f:
+            for _, buf in dpkt.pcap.Reader(f):
+                ip = dpkt.ethernet.Ethernet(buf).data
+                tcp = getattr(ip, "data", None)
+                if isinstance(tcp, dpkt.tcp.TCP) and tcp.sport == server_port and tcp.dport == client_port \
+                        and tcp.flags & dpkt.tcp.TH_FIN:
+                    return True
+    except (dpkt.NeedData, dpkt.UnpackError, ValueError):
+        pass
+    return False
+
+
 async def _marker(port: int, path: Path) -> tuple[str, str, str]:
-    """One last request; once its bytes are in the file, everything before them is too (tcpdump
-    may still hold packets when it is stopped)."""
+    """One last request. tcpdump writes packets in the order the loopback saw them and may still
+    hold some when it is stopped; the server's FIN on this connection comes after the marker's
+    response, so once the FIN is in the file, every byte of the session before it is too."""
     async with await HydraClient.connect("127.0.0.1", port) as c:
+        client_port = c.writer.get_extra_info("sockname")[1]
         r = await c.request(Op.INFO, b"", b"", MARKER, timeout=30)
     async with asyncio.timeout(15):
-        while MARKER not in path.read_bytes():
+        while not _server_closed(path, port, client_port):
             await asyncio.sleep(0.05)
     return ("INFO", "", status_name(r.status))
 
