@@ -89,6 +89,7 @@ async def run(ctx: BenchContext) -> Result:
     res.config = {"model": ctx.models.main, "n_predict": n_predict, "bulk_bytes": bulk, "reps": ctx.reps,
                   "upstream_threads": UPSTREAM_THREADS}
     decodes, bulks, setups = [], [], []
+    worker_s = ctx.pick(300.0, 60.0)  # a --quick client takes a few seconds; a stuck one shows its stacks
     data = memoryview(bytes(bulk))
     # one compute thread, rpc-server's default: with two OpenMP threads on a 2-core host that
     # also runs the client and our server, barrier spin-waits make every run a lottery
@@ -101,7 +102,7 @@ async def run(ctx: BenchContext) -> Result:
                       "messages": messages_for(0), "n_predict": n_predict, "warmup": 16,
                       "max_seconds": ctx.pick(5.0, 1.5)}
             for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
-                out = await run_worker("ggml-client", {**params, "endpoint": "%s:%d" % ends[way]})
+                out = await run_worker("ggml-client", {**params, "endpoint": "%s:%d" % ends[way]}, worker_s)
                 if not str(out.get("device", "")).startswith("RPC"):
                     raise BenchError(f"the ggml client did not offload to RPC: {out}")
                 decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
@@ -113,7 +114,7 @@ async def run(ctx: BenchContext) -> Result:
         with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024", "--ggml-rpc-embedded"]) as srv:
             ends["embedded"] = (srv.host, srv.port)
             for rep, way in interleaved(ctx.reps, ["direct", "embedded"]):
-                out = await run_worker("ggml-client", {**params, "endpoint": "%s:%d" % ends[way]})
+                out = await run_worker("ggml-client", {**params, "endpoint": "%s:%d" % ends[way]}, worker_s)
                 decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
                                 "load_ms": out["load_ms"], "register_ms": out["register_ms"]})
             for rep, way in interleaved(ctx.pick(10, 3), ["direct", "embedded"]):

@@ -75,7 +75,9 @@ def _run_worker(mode: str, params: dict[str, Any], timeout: float) -> dict[str, 
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT)
     except subprocess.TimeoutExpired as e:
-        raise BenchError(f"worker {mode} timed out after {timeout:.0f}s") from e
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise BenchError(f"worker {mode} {_brief(params)} timed out after {timeout:.0f}s; its stderr ends:\n"
+                         f"{err[-4000:]}") from e
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
@@ -83,6 +85,12 @@ def _run_worker(mode: str, params: dict[str, Any], timeout: float) -> dict[str, 
                      f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
+def _brief(params: dict[str, Any]) -> str:
+    return "(" + ", ".join(f"{k}={params[k]}" for k in ("endpoint", "model") if k in params) + ")"
+
+
 async def run_worker(mode: str, params: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    """Run one worker subprocess to completion (off the event loop) and return its result."""
+    """Run one worker subprocess to completion (off the event loop) and return its result. A
+    worker still running 10 s before ``timeout`` prints its threads' stacks (shown in the error)."""
+    params = {"stack_dump_after": max(1.0, timeout - 10), **params}
     return await asyncio.to_thread(_run_worker, mode, params, timeout)

@@ -223,6 +223,12 @@ def main(argv: list[str]) -> int:
     if mode in ("raw-peer", "echo-server"):
         (raw_peer if mode == "raw-peer" else echo_server)(params)
         return 0
+    if params.get("stack_dump_after"):
+        # a worker stuck inside native code (a ggml-RPC round trip nobody answers) says where:
+        # its threads' stacks go to stderr, which the harness shows when it gives up on it
+        import faulthandler
+
+        faulthandler.dump_traceback_later(params["stack_dump_after"], exit=False)
     out = MODES[mode](params)
     print(RESULT_PREFIX + json.dumps(out), flush=True)
     return 0
