@@ -34,13 +34,19 @@ def raise_fd_limit(want: int = 4096) -> int:
     return soft
 
 
+SAMPLING_SEED = 1234
+
+
 class HydraServer(HydraServerProcess):
     """``hydra-rpc serve ARGS --port 0`` (or another launcher module taking the same flags)."""
 
     def __init__(self, args: list[str], *, http: bool = False, module: str = "hydra_rpc.cli serve",
                  label: str = "hydra-rpc server", timeout: float = 120.0, env: dict[str, str] | None = None):
         try:
-            super().__init__(["--host", "127.0.0.1", "--log-level", "WARNING", *args], http=http, module=module,
+            # a fixed sampling seed: the tiny models' random weights make an early end of generation
+            # possible at the default temperature, and a run must not hinge on the draw
+            super().__init__(["--host", "127.0.0.1", "--log-level", "WARNING", "--seed", str(SAMPLING_SEED), *args],
+                             http=http, module=module,
                              label=label, timeout=timeout, env=env, keep_lines=200)
         except SpawnError as e:
             raise BenchError(str(e)) from None

@@ -50,9 +50,12 @@ class PinRun:
         if self.status != Status.OK:
             raise BenchError(f"PIN DECODE on slot {self.slot} refused: {self.error}")
         if len(self.times) < 2:
-            raise BenchError(f"slot {self.slot}: the model ended its generation after {len(self.times)} of {wanted} "
-                             "tokens (end of generation); these benchmarks need a model that keeps generating")
+            raise BenchError(f"slot {self.slot}: the stream ended after {len(self.times)} of {wanted} tokens "
+                             "(the model's end of generation); these benchmarks need a model that keeps generating")
         return self
+
+
+MIN_PIECES = 2  # a rate needs two pieces: a cap never ends a stream before it has them
 
 
 async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: list | None, *,
@@ -61,8 +64,10 @@ async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: 
     """PIN DECODE ``{"n_predict", "messages"}``: head ``OK,0,0`` then ``[u32 len][piece]`` until EOF.
 
     ``until`` (a ``now()`` value), ``seconds`` after the first piece, or ``stop`` ends the
-    stream early: closing the connection is how a PIN client cancels, and the server must then
-    free the slot before its next step.
+    stream early: closing the connection is how a PIN client cancels, and the server frees the
+    slot at its next step — so an accepted stream is only returned once its slot is idle again,
+    and the next request on the slot is not refused BUSY. ``until``/``seconds`` wait for
+    ``MIN_PIECES`` first: on a busy host the prefill alone may outlast the cap.
     """
     c = await HydraClient.connect(host, port)
     run = PinRun(slot, now())
@@ -79,11 +84,25 @@ async def pin_decode(host: str, port: int, slot: int, n_predict: int, messages: 
             run.times.append(t)
             if seconds is not None and until is None:
                 until = t + seconds
-            if (until is not None and t >= until) or (stop is not None and stop.is_set()):
+            if (stop is not None and stop.is_set()) or \
+                    (until is not None and t >= until and len(run.times) >= MIN_PIECES):
                 break
     finally:
         await c.close()
+    await wait_slot_idle(host, port, slot)
     return run
+
+
+async def wait_slot_idle(host: str, port: int, slot: int, timeout: float = 60.0) -> None:
+    """Poll STATE_META until ``slot`` is processing nothing (a cancelled stream has been freed)."""
+    deadline = now() + timeout
+    while True:
+        meta = await request_ok(host, port, Op.STATE_META, str(slot))
+        if not meta.get("is_processing") and not meta.get("is_transferring"):
+            return
+        if now() > deadline:
+            raise BenchError(f"slot {slot} still busy {timeout:.0f} s after its stream was closed: {meta}")
+        await asyncio.sleep(0.005)
 
 
 def rate_timeline(times: list[float], t0: float, bin_s: float = 0.1) -> list[tuple[float, float]]:
