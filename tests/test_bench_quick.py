@@ -51,3 +51,39 @@ def test_the_recorded_command_names_no_output_folder():
     from tools.bench.cli import _without_out
 
     assert _without_out(["--runs", "3", "--out", "/some/where", "--docs", "--out=/x"]) == ["--runs", "3", "--docs"]
+
+
+def test_a_stuck_ggml_client_is_run_again_and_the_report_says_so(monkeypatch):
+    import asyncio
+
+    from tools.bench import passthrough
+    from tools.bench.common import BenchError, Result
+
+    calls = []
+
+    async def fake_worker(mode, params, timeout):
+        calls.append(params["endpoint"])
+        if len(calls) == 1:
+            raise BenchError("worker ggml-client (endpoint=127.0.0.1:9) timed out after 60s; its stderr ends:\nstack")
+        return {"device": "RPC0"}
+
+    monkeypatch.setattr(passthrough, "run_worker", fake_worker)
+    res = Result("passthrough")
+    out = asyncio.run(asyncio.wait_for(passthrough.client_run(res, "direct", ("127.0.0.1", 9), {}, 60), 10))
+    assert out == {"device": "RPC0"} and calls == ["127.0.0.1:9", "127.0.0.1:9"]
+    assert res.samples["retries"][0]["way"] == "direct" and "stack" in res.samples["retries"][0]["error"]
+    assert res.notes and "run again" in res.notes[0]
+
+
+def test_a_ggml_client_that_fails_is_not_run_again(monkeypatch):
+    import asyncio
+
+    from tools.bench import passthrough
+    from tools.bench.common import BenchError, Result
+
+    async def fake_worker(mode, params, timeout):
+        raise BenchError("worker ggml-client exited 1 without a result")
+
+    monkeypatch.setattr(passthrough, "run_worker", fake_worker)
+    with pytest.raises(BenchError, match="without a result"):
+        asyncio.run(asyncio.wait_for(passthrough.client_run(Result("passthrough"), "proxy", ("127.0.0.1", 9), {}, 60), 10))
