@@ -14,6 +14,10 @@ Embedded: the same client through ``--ggml-rpc-embedded`` (a guarded child proce
 session, one compute thread like the upstream), and what opening a session costs there —
 connect until the HELLO is answered, with the warm spare in place — against a HELLO on the
 standalone server.
+
+Where the time goes: the CPU our server and the rpc-server used per 1,000 decoded tokens
+(``/proc/PID/stat``, whole client runs), and GET_ALIGNMENT round trips — a hop with no compute
+behind it — direct, through the relay to the upstream, and through an embedded child.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import socket
 from codec import ggml as G
 from engine.ggml_rpc_lib import hello
 
-from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread
+from .common import BenchContext, BenchError, Result, Row, interleaved, now, percentile, ratio, spread
 from .procs import GgmlRpcServer, HydraServer, run_worker
 from .traffic import messages_for
 
@@ -73,12 +77,41 @@ def bulk_set_tensor(host: str, port: int, data: memoryview) -> float:
     return seconds
 
 
+def _fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+def round_trips_us(host: str, port: int, n: int) -> list[float]:
+    """``n`` GET_ALIGNMENT round trips on one session, µs each (blocking; run it in a thread):
+    what a hop costs without any compute behind it."""
+    out = []
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        version = hello(s).version
+        for _ in range(n):
+            t0 = now()
+            _call(s, G.Cmd.GET_ALIGNMENT, {"device": 0}, version)
+            out.append((now() - t0) * 1e6)
+    return out
+
+
 def session_setup_ms(host: str, port: int) -> float:
     """Connect until the HELLO reply is in (a blocking client; run in a thread)."""
     t0 = now()
     with socket.create_connection((host, port), timeout=30) as s:
         hello(s)
     return (now() - t0) * 1e3
+
+
+def cpu_ms_per_k_tokens(before: dict, procs: dict, tokens: int) -> dict:
+    """ms of CPU per 1,000 decoded tokens each of ``procs`` (name → ChildProcess) used since
+    ``before`` (its ``cpu_seconds()`` then) — a whole client run: sessions, load, warm-up, decode."""
+    out = {}
+    for name, p in procs.items():
+        now_s = p.cpu_seconds()
+        if now_s is not None and before.get(name) is not None and tokens:
+            out[name] = (now_s - before[name]) * 1e6 / tokens
+    return out
 
 
 async def client_run(res: Result, way: str, endpoint: tuple[str, int], params: dict, timeout: float) -> dict:
@@ -107,6 +140,8 @@ async def run(ctx: BenchContext) -> Result:
     res.config = {"model": ctx.models.main, "n_predict": n_predict, "bulk_bytes": bulk, "reps": ctx.reps,
                   "upstream_threads": UPSTREAM_THREADS}
     decodes, bulks, setups = [], [], []
+    trips: dict[str, list[float]] = {"direct": [], "proxy": [], "embedded": []}
+    n_trips = ctx.pick(2000, 300)
     worker_s = ctx.pick(300.0, 60.0)  # a --quick client takes a few seconds; a stuck one shows its stacks
     data = memoryview(bytes(bulk))
     # one compute thread, rpc-server's default: with two OpenMP threads on a 2-core host that
@@ -119,37 +154,62 @@ async def run(ctx: BenchContext) -> Result:
             params = {"model": ctx.models.main, "n_ctx": n_predict + 512, "n_threads": ctx.threads,
                       "messages": messages_for(0), "n_predict": n_predict, "warmup": 16,
                       "max_seconds": ctx.pick(5.0, 1.5)}
+            procs = {"server": srv, "rpc-server": upstream}
             for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
+                before = {k: p.cpu_seconds() for k, p in procs.items()}
                 out = await client_run(res, way, ends[way], params, worker_s)
                 if not str(out.get("device", "")).startswith("RPC"):
                     raise BenchError(f"the ggml client did not offload to RPC: {out}")
                 decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
-                                "load_ms": out["load_ms"], "register_ms": out["register_ms"]})
+                                "load_ms": out["load_ms"], "register_ms": out["register_ms"],
+                                "cpu_ms_per_k_tokens": cpu_ms_per_k_tokens(before, procs, out["tokens"])})
+            for way in ("direct", "proxy", "direct", "proxy"):
+                trips[way] += await asyncio.to_thread(round_trips_us, *ends[way], n_trips)
             await asyncio.to_thread(bulk_set_tensor, *ends["direct"], data[:MiB])  # warm-up
             for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
                 sec = await asyncio.to_thread(bulk_set_tensor, *ends[way], data)
                 bulks.append({"way": way, "rep": rep, "seconds": sec, "mb_s": bulk / sec / 1e6})
         with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024", "--ggml-rpc-embedded"]) as srv:
             ends["embedded"] = (srv.host, srv.port)
+            procs = {"server": srv}
             for rep, way in interleaved(ctx.reps, ["direct", "embedded"]):
+                before = {k: p.cpu_seconds() for k, p in procs.items()}
                 out = await client_run(res, way, ends[way], params, worker_s)
                 decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
-                                "load_ms": out["load_ms"], "register_ms": out["register_ms"]})
+                                "load_ms": out["load_ms"], "register_ms": out["register_ms"],
+                                "cpu_ms_per_k_tokens": cpu_ms_per_k_tokens(before, procs, out["tokens"])})
+            for _ in range(2):
+                await asyncio.sleep(0.3)  # the pool's spare child ready
+                trips["embedded"] += await asyncio.to_thread(round_trips_us, *ends["embedded"], n_trips)
             for rep, way in interleaved(ctx.pick(10, 3), ["direct", "embedded"]):
                 await asyncio.sleep(0.3)  # a session arriving after the pool has its spare ready
                 setups.append({"way": way, "rep": rep, "ms": await asyncio.to_thread(session_setup_ms, *ends[way])})
     finally:
         upstream.stop()
-    res.samples.update({"decodes": decodes, "bulk": bulks, "session_setup": setups})
+    res.samples.update({"decodes": decodes, "bulk": bulks, "session_setup": setups,
+                        "round_trip_us": {w: [round(x, 1) for x in v] for w, v in trips.items()}})
     tok = {w: spread(d["decode_rate"] for d in decodes if d["way"] == w) for w in ("direct", "proxy", "embedded")}
     mbs = {w: spread(b["mb_s"] for b in bulks if b["way"] == w) for w in ("direct", "proxy")}
     load = {w: spread(d["load_ms"] for d in decodes if d["way"] == w) for w in ("direct", "proxy", "embedded")}
     setup = {w: spread(x["ms"] for x in setups if x["way"] == w) for w in ("direct", "embedded")}
-    res.summary = {"decode_tok_s": tok, "bulk_mb_s": mbs, "model_load_ms": load, "session_setup_ms": setup}
+    cpu = {w: {proc: spread(d["cpu_ms_per_k_tokens"].get(proc) for d in decodes if d["way"] == w)
+               for proc in ("server", "rpc-server")} for w in ("direct", "proxy", "embedded")}
+    rtt = {w: {"p50": round(percentile(v, 50), 1), "p99": round(percentile(v, 99), 1)} if v else {}
+           for w, v in trips.items()}
+    res.summary = {"decode_tok_s": tok, "bulk_mb_s": mbs, "model_load_ms": load, "session_setup_ms": setup,
+                   "cpu_ms_per_1000_tokens": cpu, "round_trip_us": rtt}
     res.rows.append(Row("llama.cpp ggml-RPC client tok/s through our port", tok["proxy"]["median"], "tok/s",
                         tok["direct"]["median"], "direct to the ggml server", "≥ 90 % of direct",
                         note=f"model load {load['proxy']['median']:.0f} vs {load['direct']['median']:.0f} ms",
                         limit=0.9 if tok["direct"]["median"] else None, on="ratio").with_spread(tok["proxy"]))
+    relay, compute = cpu["proxy"]["server"], cpu["proxy"]["rpc-server"]
+    res.rows.append(Row("our server's CPU per 1,000 tokens relayed (--ggml-rpc-upstream; whole client runs)",
+                        relay["median"], "ms", compute["median"], "the rpc-server's own CPU for the same tokens")
+                    .with_spread(relay))
+    res.rows.append(Row("GET_ALIGNMENT round trip through our port, p50", rtt["proxy"].get("p50"), "µs",
+                        rtt["direct"].get("p50"), "direct",
+                        note=f"p99 {_fmt(rtt['proxy'].get('p99'))} vs {_fmt(rtt['direct'].get('p99'))} µs; "
+                             f"--ggml-rpc-embedded p50 {_fmt(rtt['embedded'].get('p50'))} µs"))
     res.rows.append(Row(f"bulk SET_TENSOR of {bulk // MiB} MiB through our port", mbs["proxy"]["median"], "MB/s",
                         mbs["direct"]["median"], "direct", "≥ 80 % of direct",
                         limit=0.8 if mbs["direct"]["median"] else None, on="ratio").with_spread(mbs["proxy"]))
