@@ -57,14 +57,15 @@ def test_a_stuck_ggml_client_is_run_again_and_the_report_says_so(monkeypatch):
     import asyncio
 
     from tools.bench import passthrough
-    from tools.bench.common import BenchError, Result
+    from tools.bench.common import Result
+    from tools.bench.procs import WorkerTimeout
 
     calls = []
 
     async def fake_worker(mode, params, timeout):
         calls.append(params["endpoint"])
         if len(calls) == 1:
-            raise BenchError("worker ggml-client (endpoint=127.0.0.1:9) timed out after 60s; its stderr ends:\nstack")
+            raise WorkerTimeout("worker ggml-client (endpoint=127.0.0.1:9) timed out after 60s; its stderr ends:\nstack")
         return {"device": "RPC0"}
 
     monkeypatch.setattr(passthrough, "run_worker", fake_worker)

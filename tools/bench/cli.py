@@ -137,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
         if args.runs > 1:
             print(f"hydra-rpc bench: run {i + 1} of {args.runs} → {run_out}/", file=sys.stderr, flush=True)
         runs.append(_run_once(names, ctx, machine, run_out, command, args))
-    results = runs[-1]
     if args.runs > 1:
         text = combined_table(runs)
         (out / "combined.md").write_text(f"# hydra-rpc benchmark: {args.runs} runs\n\n`{command}`\n\n{text}\n")

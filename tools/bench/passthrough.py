@@ -25,10 +25,10 @@ import asyncio
 import socket
 
 from codec import ggml as G
-from engine.ggml_rpc_lib import hello
+from engine.ggml_rpc_lib import hello, open_session
 
-from .common import BenchContext, BenchError, Result, Row, interleaved, now, percentile, ratio, spread
-from .procs import GgmlRpcServer, HydraServer, run_worker
+from .common import BenchContext, BenchError, Result, Row, interleaved, now, percentile, spread
+from .procs import GgmlRpcServer, HydraServer, WorkerTimeout, run_worker
 from .traffic import messages_for
 
 NAME = "passthrough"
@@ -85,9 +85,10 @@ def round_trips_us(host: str, port: int, n: int) -> list[float]:
     """``n`` GET_ALIGNMENT round trips on one session, µs each (blocking; run it in a thread):
     what a hop costs without any compute behind it."""
     out = []
-    with socket.create_connection((host, port), timeout=30) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        version = hello(s).version
+    s, reply = open_session(host, port, 30)
+    with s:
+        s.settimeout(30)
+        version = reply.version
         for _ in range(n):
             t0 = now()
             _call(s, G.Cmd.GET_ALIGNMENT, {"device": 0}, version)
@@ -123,13 +124,21 @@ async def client_run(res: Result, way: str, endpoint: tuple[str, int], params: d
     p = {**params, "endpoint": "%s:%d" % endpoint}
     try:
         return await run_worker("ggml-client", p, timeout)
-    except BenchError as e:
-        if "timed out" not in str(e):
-            raise
+    except WorkerTimeout as e:
         res.samples.setdefault("retries", []).append({"way": way, "error": str(e)[-3000:]})
         res.notes.append(f"a ggml-client run ({way}) did not finish within {timeout:.0f} s and was run again; "
                          "its stacks are in samples.retries")
         return await run_worker("ggml-client", p, timeout)
+
+
+async def sample_run(res: Result, way: str, rep: int, endpoint: tuple[str, int], params: dict, timeout: float,
+                     procs: dict) -> tuple[dict, dict]:
+    """:func:`client_run` and its decode sample, with the CPU ``procs`` used meanwhile."""
+    before = {k: p.cpu_seconds() for k, p in procs.items()}
+    out = await client_run(res, way, endpoint, params, timeout)
+    return out, {"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
+                 "load_ms": out["load_ms"], "register_ms": out["register_ms"],
+                 "cpu_ms_per_k_tokens": cpu_ms_per_k_tokens(before, procs, out["tokens"])}
 
 
 async def run(ctx: BenchContext) -> Result:
@@ -156,13 +165,10 @@ async def run(ctx: BenchContext) -> Result:
                       "max_seconds": ctx.pick(5.0, 1.5)}
             procs = {"server": srv, "rpc-server": upstream}
             for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
-                before = {k: p.cpu_seconds() for k, p in procs.items()}
-                out = await client_run(res, way, ends[way], params, worker_s)
+                out, sample = await sample_run(res, way, rep, ends[way], params, worker_s, procs)
                 if not str(out.get("device", "")).startswith("RPC"):
                     raise BenchError(f"the ggml client did not offload to RPC: {out}")
-                decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
-                                "load_ms": out["load_ms"], "register_ms": out["register_ms"],
-                                "cpu_ms_per_k_tokens": cpu_ms_per_k_tokens(before, procs, out["tokens"])})
+                decodes.append(sample)
             for way in ("direct", "proxy", "direct", "proxy"):
                 trips[way] += await asyncio.to_thread(round_trips_us, *ends[way], n_trips)
             await asyncio.to_thread(bulk_set_tensor, *ends["direct"], data[:MiB])  # warm-up
@@ -173,11 +179,7 @@ async def run(ctx: BenchContext) -> Result:
             ends["embedded"] = (srv.host, srv.port)
             procs = {"server": srv}
             for rep, way in interleaved(ctx.reps, ["direct", "embedded"]):
-                before = {k: p.cpu_seconds() for k, p in procs.items()}
-                out = await client_run(res, way, ends[way], params, worker_s)
-                decodes.append({"way": way, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
-                                "load_ms": out["load_ms"], "register_ms": out["register_ms"],
-                                "cpu_ms_per_k_tokens": cpu_ms_per_k_tokens(before, procs, out["tokens"])})
+                decodes.append((await sample_run(res, way, rep, ends[way], params, worker_s, procs))[1])
             for _ in range(2):
                 await asyncio.sleep(0.3)  # the pool's spare child ready
                 trips["embedded"] += await asyncio.to_thread(round_trips_us, *ends["embedded"], n_trips)

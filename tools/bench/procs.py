@@ -76,13 +76,17 @@ class RawPeer(ChildProcess):
         self.host = "127.0.0.1"
 
 
+class WorkerTimeout(BenchError):
+    """A worker did not finish within its deadline (its stderr, with its stacks, in the message)."""
+
+
 def _run_worker(mode: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tools.bench.workers", mode, json.dumps(params)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise BenchError(f"worker {mode} {_brief(params)} timed out after {timeout:.0f}s; its stderr ends:\n"
+        raise WorkerTimeout(f"worker {mode} {_brief(params)} timed out after {timeout:.0f}s; its stderr ends:\n"
                          f"{err[-4000:]}") from e
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
