@@ -13,6 +13,7 @@ from codec.hashing import kv_hash_str
 from codec.kvblob import parse_kv_blob
 from codec.payloads import decode_token_frames, encode_swap_quant
 from hydra_rpc.client import HydraClient
+from tests.helpers import poll_until
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 
@@ -235,12 +236,16 @@ async def test_meta_answers_while_the_same_slot_decodes(server):
         assert hdr.status == Status.OK
         seen = []
         reader = asyncio.create_task(_count_pieces(c))
-        while len(set(seen)) < 2:  # a state, not a time: two different progress readings mid-decode
+
+        async def progress() -> list:
             assert not reader.done(), f"the decode ended before META showed progress: {seen}"
             m = (await poll.request(Op.STATE_META, "1", timeout=5)).meta
             if m["is_processing"] and m["operation"] == "decode":
                 seen.append(m["tokens_processed"])
-            await asyncio.sleep(0.005)
+            return seen
+
+        # a state, not a time: two different progress readings mid-decode
+        await poll_until(progress, lambda s: len(set(s)) >= 2)
         assert seen == sorted(seen) and seen[-1] > seen[0], seen
         reader.cancel()
         c.writer.transport.abort()  # cancels the generation
@@ -254,10 +259,7 @@ async def test_meta_answers_while_the_same_slot_decodes(server):
 
 async def wait_meta(c: HydraClient, slot: str, done, timeout: float = 60.0) -> dict:
     """Poll STATE_META until ``done(meta)``."""
-    async with asyncio.timeout(timeout):
-        while not done(m := (await c.request(Op.STATE_META, slot)).meta):
-            await asyncio.sleep(0.02)
-    return m
+    return (await poll_until(lambda: c.request(Op.STATE_META, slot), lambda r: done(r.meta), timeout)).meta
 
 
 async def _count_pieces(c: HydraClient) -> int:

@@ -26,7 +26,7 @@ from engine.model_params import ModelParams
 from engine.status import ReloadState
 from hydra_rpc.client import HydraClient
 from tests.engine_env import scripted_engine
-from tests.helpers import serving
+from tests.helpers import poll_until, serving
 from tests.scripted_backend import ScriptedFactory, parse_state, until
 
 ALIASES = {"a": "model-a", "b": "model-b", "c": "model-c", "bad": "model-bad"}
@@ -239,14 +239,11 @@ async def test_t1_configure_during_a_prefill_reload_is_not_answered_by_the_old_m
             # a generation that keeps the reload draining until we cancel it
             await busy.send(Op.DECODE, "0", json.dumps({"n_predict": 10**6, "stream": False,
                                                         "messages": [{"role": "user", "content": "go"}]}).encode())
-            async with asyncio.timeout(30):
-                while not (await c.request(Op.STATE_META, "0")).meta["is_processing"]:
-                    await asyncio.sleep(0.005)
+            await poll_until(lambda: c.request(Op.STATE_META, "0"), lambda r: r.meta["is_processing"], 30)
             body = {"messages": [{"role": "user", "content": "hi"}], "hydra_config": {"model_path": tiny_model_b_path}}
             prefill = asyncio.create_task(pre.request(Op.PREFILL, "1", json.dumps(body).encode(), timeout=120))
-            async with asyncio.timeout(30):
-                while (reload := (await c.request(Op.INFO)).meta["reload"])["state"] != "draining":
-                    await asyncio.sleep(0.005)
+            reload = (await poll_until(lambda: c.request(Op.INFO),
+                                       lambda r: r.meta["reload"]["state"] == "draining", 30)).meta["reload"]
             t1 = await c.request(Op.CONFIGURE, "0", json.dumps({"sampling.temp": 0.7}).encode())
             assert t1.ok and t1.meta["config_generation"] != reload["generation"]
             # the PREFILL still waits for its model (a state, not a timing: the reload cannot swap while slot 0 runs)

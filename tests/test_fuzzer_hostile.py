@@ -3,7 +3,6 @@ with the process-death oracle, structural mutations inside the KV state region, 
 slow-sender mode."""
 from __future__ import annotations
 
-import asyncio
 import json
 import shlex
 import shutil

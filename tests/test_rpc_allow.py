@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from codec.enums import Op, Status
+from codec.enums import Op
 from engine.rpc_allow import RpcAllowList
 from hydra_rpc.client import HydraClient
 from tests.engine_env import scripted_engine
