@@ -62,10 +62,14 @@ def loads_json(data: Buffer | str, rule: str) -> Any:
         raise MalformedPayload(f"invalid JSON: {str(e)[:200]}", rule=rule) from None
 
 
+# one encoder for every call: json.dumps with options builds a new JSONEncoder each time
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def dumps_compact(obj: Any, *, rule: str = "json.encode") -> bytes:
     """Compact UTF-8 JSON, like nlohmann ``dump()`` with no indent (no spaces, raw UTF-8)."""
     try:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        return _COMPACT.encode(obj).encode()
     except (TypeError, ValueError, RecursionError) as e:
         raise LocalProtocolError(f"cannot encode JSON: {e}", rule=rule) from None
 

@@ -20,7 +20,6 @@ on (``prefix_intact``); otherwise it is recomputed — never decoded against mis
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -31,7 +30,7 @@ from .host_cache import HostCache, common_prefix, limit_from_mib, serves
 from .kv_cache import restore_state
 from .model_params import ModelParams
 from .slots import Slot
-from .status import PromptCacheInfo
+from .status import PromptCacheInfo, flat_fields
 
 log = logging.getLogger("engine.prompt_cache")
 
@@ -101,7 +100,7 @@ class PromptCache:
             ram_invalidated=h.stats.invalidated, disk_entries=len(h.spilled), disk_bytes=h.disk_bytes,
             disk_spills=h.stats.spilled)
         return PromptCacheInfo(cache_prompt=self.params.cache_prompt, cache_reuse=self.params.cache_reuse,
-                               **dataclasses.asdict(self.stats), **ram)
+                               **flat_fields(self.stats), **ram)
 
     def line_up(self, model: ModelBackend, slot: Slot, target: list[int], max_keep: int, *,
                 continuation: bool = False) -> int:

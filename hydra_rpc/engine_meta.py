@@ -6,11 +6,12 @@ One place, shared by the Hydra handlers and the HTTP side, so ``/slots`` and STA
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
 from engine.slots import SlotSnapshot
-from engine.status import ConfigureOutcome, EngineInfo, ModelIdentity, ReloadStatus
+from engine.status import ConfigureOutcome, EngineInfo, ModelIdentity, ReloadStatus, flat_fields
 
 ENGINE_NAME = "llama-server-hydra"
 ENGINE_VERSION = "E1"
@@ -31,6 +32,13 @@ def identity_meta(ident: ModelIdentity) -> dict[str, Any]:
     return {k: getattr(ident, k) for k in _WIRE_IDENTITY if _present(getattr(ident, k))}
 
 
+@functools.lru_cache(maxsize=8)
+def _identity_fields(ident: ModelIdentity) -> tuple[tuple[str, Any], ...]:
+    """Every present field of the identity, in declaration order (STATE_META's keys). Cached: an
+    identity is frozen and changes only with a load, and STATE_META is polled."""
+    return tuple((f.name, getattr(ident, f.name)) for f in dataclasses.fields(ident) if _present(getattr(ident, f.name)))
+
+
 def _ms(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
@@ -48,7 +56,7 @@ def slot_meta(snap: SlotSnapshot, requested_id: int | None = None, kv_cache: Any
         "is_processing": snap.is_processing,
         "is_transferring": snap.is_transferring,
     }
-    out.update({k: v for k, v in dataclasses.asdict(snap.identity).items() if _present(v)})
+    out.update(_identity_fields(snap.identity))
     out.update({
         "operation": snap.operation,
         "tokens_processed": snap.tokens_processed,
@@ -138,10 +146,10 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "rpc_servers": list(info.rpc_servers),
         "devices": list(info.devices),
         "thread_priorities": dict(info.priorities),
-        **dataclasses.asdict(info.identity),
+        **flat_fields(info.identity),
         "kv_cache": kv_cache_meta(info.kv_cache),
         "params": info.params.as_dict() if info.params is not None else None,
-        "prompt_cache": dataclasses.asdict(info.prompt_cache),
+        "prompt_cache": flat_fields(info.prompt_cache),
     }
 
 

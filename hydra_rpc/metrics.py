@@ -35,6 +35,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # create 256 per metric. Opcodes the protocol never defined share one label value.
 KNOWN_OPS = frozenset(o.name for o in Op)
 UNKNOWN_OP = "unknown"
+MAX_CACHED_SERIES = 512  # (op, status) pairs whose series are kept at hand (every real pair fits)
 
 
 class Metrics:
@@ -57,19 +58,28 @@ class Metrics:
                                    "HTTP completions finished, by endpoint and finish reason (cancelled: the "
                                    "client went away)", ["endpoint", "reason"], registry=r)
         self._collector: _AppCollector | None = None
+        # (op, status) → that request's series: ``labels()`` takes a lock and builds a key on
+        # every call, a noticeable share of a STATE_META's server CPU; the op set is bounded
+        self._request_series: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
 
     # ---------------------------------------------------------------- observers
     def observe_request(self, op_name: str, status_name: str, seconds: float, req_bytes: int,
                         resp_bytes: int) -> None:
         """Called by the Hydra connection loop once per answered request."""
-        if op_name not in KNOWN_OPS:
-            op_name = UNKNOWN_OP
-        self.requests.labels(op_name, status_name).inc()
-        self.duration.labels(op_name).observe(seconds)
+        series = self._request_series.get((op_name, status_name))
+        if series is None:
+            op = op_name if op_name in KNOWN_OPS else UNKNOWN_OP
+            series = (self.requests.labels(op, status_name), self.duration.labels(op),
+                      self.payload_bytes.labels(op, "in"), self.payload_bytes.labels(op, "out"))
+            if op_name in KNOWN_OPS and len(self._request_series) < MAX_CACHED_SERIES:
+                self._request_series[op_name, status_name] = series
+        count, duration, bytes_in, bytes_out = series
+        count.inc()
+        duration.observe(seconds)
         if req_bytes:
-            self.payload_bytes.labels(op_name, "in").inc(req_bytes)
+            bytes_in.inc(req_bytes)
         if resp_bytes:
-            self.payload_bytes.labels(op_name, "out").inc(resp_bytes)
+            bytes_out.inc(resp_bytes)
 
     def observe_http(self, route: str, method: str, code: int, seconds: float) -> None:
         self.http_requests.labels(route, method, str(code)).inc()

@@ -73,18 +73,32 @@ def _bars(ax, labels: list[str], spreads: list[dict], ylabel: str, title: str,
     ax.legend(fontsize=8, loc="lower right")
 
 
+def _window_ok(r: dict, key: str) -> list[tuple[float, float]]:
+    """(t, ms) of a round's answered polls (``key``: "polls" columns or "remote_polls" rows) in its window."""
+    a, b = r["window"]
+    if key == "polls":
+        p = r["polls"]
+        rows = zip(p["t"], p["ms"], p["status"])
+    else:
+        rows = r.get(key) or []
+    return [(t, ms) for t, ms, st in rows if st == STATUS_OK and a <= t < b]
+
+
 def meta_under_decode(res: Result, plt) -> object:
     rounds = res.samples["rounds"]
     busy = next(r for r in rounds if r["kind"] == "busy")
     idle = next(r for r in rounds if r["kind"] == "idle")
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     for r, color, what in ((idle, "#888", "idle server (baseline)"), (busy, "#37a", "while slot 0 decodes")):
-        p = r["polls"]
-        a.scatter(p["t"], p["ms"], s=4, color=color, label=f"STATE_META round trip, {what}")
-    ok = [ms for t, ms, st in zip(busy["polls"]["t"], busy["polls"]["ms"], busy["polls"]["status"])
-          if st == STATUS_OK and busy["window"][0] <= t < busy["window"][1]]
+        pts = _window_ok(r, "remote_polls")
+        a.scatter([t for t, _ in pts], [ms for _, ms in pts], s=4, color=color,
+                  label=f"STATE_META round trip, remote-like poller, {what}")
+    local = _window_ok(busy, "polls")
+    a.scatter([t for t, _ in local], [ms for _, ms in local], s=3, color="#c9c", marker="x",
+              label="the same, a normal-priority poller on this host (no budget)")
+    ok = [ms for _, ms in _window_ok(busy, "remote_polls")]
     if ok:
-        a.axhline(_p99(ok), color="#37a", ls=":", lw=1, label=f"p99 while decoding {_p99(ok):.2f} ms")
+        a.axhline(_p99(ok), color="#37a", ls=":", lw=1, label=f"p99 while decoding {_p99(ok):.2f} ms (remote-like)")
     a.axhline(1.0, color="r", ls="--", lw=0.9, label="budget: p99 < 1 ms")
     _ms_axis(a, "y", "STATE_META latency (ms)")
     a.set_xlabel("seconds since the round started")
@@ -97,11 +111,10 @@ def meta_under_decode(res: Result, plt) -> object:
     h1, l1 = a.get_legend_handles_labels()
     h2, l2 = t2.get_legend_handles_labels()
     a.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right", markerscale=3)
-    series = [([ms for r in rounds if r["kind"] == kind
-                for t, ms, st in zip(r["polls"]["t"], r["polls"]["ms"], r["polls"]["status"])
-                if st == STATUS_OK and r["window"][0] <= t < r["window"][1]],
-               "idle server" if kind == "idle" else "slot decoding", color)
-              for kind, color in (("idle", "#888"), ("busy", "#37a"))]
+    series = [([ms for r in rounds if r["kind"] == kind for _, ms in _window_ok(r, key)], label, color)
+              for kind, key, label, color in (("idle", "remote_polls", "idle server (remote-like)", "#888"),
+                                              ("busy", "remote_polls", "slot decoding (remote-like)", "#37a"),
+                                              ("busy", "polls", "slot decoding (poller on this host)", "#c9c"))]
     _cdf_panel(b, series, (1.0, "budget: p99 < 1 ms"), "STATE_META latency (ms)",
                "all rounds: idle server vs slot decoding")
     return fig
@@ -125,15 +138,29 @@ def slots_scaling(res: Result, plt) -> object:
     fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.5), squeeze=False)
     for ax, name in zip(axes[0], names):
         agg = res.summary[name]["aggregate_tok_s"]
+        bare = res.summary[name].get("bare_aggregate_tok_s") or {}
         ks = sorted(agg, key=int)
-        _bars(ax, [f"{k} slot{'s' if k != '1' else ''}" for k in ks], [agg[k] for k in ks], "aggregate tokens/s",
-              f"{name}: aggregate tok/s (continuous batching)")
+        x = list(range(len(ks)))
+        w = 0.38
+        for off, data, color, label in ((-w / 2, agg, "#37a", "server, k slots streaming"),
+                                        (w / 2, bare, "#888", "bare loop, k sequences per llama_decode")):
+            if not data:
+                continue
+            med = [data[k].get("median") or 0 for k in ks]
+            err = [[m - (data[k].get("min") or m) for m, k in zip(med, ks)],
+                   [(data[k].get("max") or m) - m for m, k in zip(med, ks)]]
+            ax.bar([i + off for i in x], med, w, yerr=err, capsize=3, color=color, label=label)
+            for i, m in zip(x, med):
+                ax.annotate(f"{m:.0f}", (i + off, m), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, [f"{k} slot{'s' if k != '1' else ''}" for k in ks])
+        ax.set_ylabel("aggregate tokens/s (median, whiskers min–max)")
+        ax.set_title(f"{name}: aggregate tok/s (continuous batching)", fontsize=10)
         budget = next((r.limit for r in res.rows if r.limit and f"({name})" in r.metric), None)
         if "4" in ks and budget:
             i = ks.index("4")
             ax.hlines((agg["1"]["median"] or 0) * budget, i - 0.4, i + 0.4, colors="r", linestyles="--",
                       label=f"budget: 4 slots at {budget}× of 1")
-            ax.legend(fontsize=8, loc="lower left")
+        ax.legend(fontsize=8, loc="lower left")
     return fig
 
 

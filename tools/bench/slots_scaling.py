@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread
-from .procs import HydraServer
+from .procs import HydraServer, run_worker
 from .traffic import PinRun, messages_for, pin_decode, tokens_between
 
 NAME = "slots-scaling"
@@ -29,9 +29,23 @@ def aggregate_rate(runs: list[PinRun]) -> float | None:
     return sum(tokens_between(r.times, a, b) for r in runs) / (b - a)
 
 
+SLOT_CTX = 4096
+
+
+async def _bare(ctx: BenchContext, model: str, n: int, cap_s: float) -> list[dict]:
+    """The bare batched loop's rounds, in the same interleaved order as the server's."""
+    order = interleaved(ctx.reps, COUNTS)
+    out = await run_worker("bare-batch", {
+        "model": model, "n_ctx": SLOT_CTX * max(COUNTS), "n_seq_max": max(COUNTS), "n_threads": ctx.threads,
+        "messages": [messages_for(i) for i in range(max(COUNTS))], "n_predict": n, "max_seconds": cap_s,
+        "rounds": [k for _, k in order]}, timeout=len(order) * cap_s * 4 + 120)
+    return [{"rep": rep, "streams": k, "aggregate_tok_s": r["aggregate_tok_s"], "steps": r["steps"]}
+            for (rep, k), r in zip(order, out["rounds"])]
+
+
 async def _measure(ctx: BenchContext, model: str, n: int, cap_s: float) -> list[dict]:
     rounds = []
-    with HydraServer(["--model", model, "--slots", str(max(COUNTS)), "--ctx", "4096",
+    with HydraServer(["--model", model, "--slots", str(max(COUNTS)), "--ctx", str(SLOT_CTX),
                       "--threads", str(ctx.threads), "--fixed-threads"]) as srv:
         await asyncio.gather(*(pin_decode(srv.host, srv.port, i, 32, messages_for(i)) for i in range(max(COUNTS))))
         for rep, k in interleaved(ctx.reps, COUNTS):
@@ -59,12 +73,26 @@ async def run(ctx: BenchContext) -> Result:
     cap_s = ctx.pick(6.0, 2.0)
     res.config = {"models": {name: path for name, path, _ in models}, "n_predict_per_stream": n, "cap_seconds": cap_s,
                   "threads": ctx.threads, "reps": ctx.reps, "counts": COUNTS, "slots": max(COUNTS)}
-    res.samples = {"rounds": []}
+    res.samples = {"rounds": [], "bare_rounds": []}
     for name, path, budgeted in models:
         rounds = await _measure(ctx, path, n, cap_s)
+        bare = await _bare(ctx, path, n, cap_s)
         res.samples["rounds"] += [{"model": name, **r} for r in rounds]
+        res.samples["bare_rounds"] += [{"model": name, **r} for r in bare]
         agg = {k: spread(r["aggregate_tok_s"] for r in rounds if r["streams"] == k) for k in COUNTS}
-        res.summary[name] = {"aggregate_tok_s": {str(k): v for k, v in agg.items()}}
+        bare_agg = {k: spread(r["aggregate_tok_s"] for r in bare if r["streams"] == k) for k in COUNTS}
+        res.summary[name] = {"aggregate_tok_s": {str(k): v for k, v in agg.items()},
+                             "bare_aggregate_tok_s": {str(k): v for k, v in bare_agg.items()}}
+        k_max = max(COUNTS)
+        bare_scaling = ratio(bare_agg[k_max]["median"], bare_agg[1]["median"])
+        res.rows.append(Row(f"bare loop: aggregate tok/s, {k_max} sequences per llama_decode ({name})",
+                            bare_agg[k_max]["median"], "tok/s", bare_agg[1]["median"], "1 sequence",
+                            note=f"the ceiling of batching on this machine: {bare_scaling or 0:.2f}× of 1 sequence, "
+                                 "no server, no clients").with_spread(bare_agg[k_max]))
+        res.rows.append(Row(f"aggregate tok/s, {k_max} slots vs the bare loop's {k_max} sequences ({name})",
+                            agg[k_max]["median"], "tok/s", bare_agg[k_max]["median"], f"bare, {k_max} sequences",
+                            note="what the server keeps of llama.cpp's batching (streams, event loop and "
+                                 "clients on the same cores)").with_spread(agg[k_max]))
         one = agg[1]["median"]
         for k in COUNTS[1:]:
             v = agg[k]["median"]

@@ -2,6 +2,8 @@
 
 * ``bare-decode``: the bare llama-cpp-python loop — load the model with the server's settings,
   prefill, then decode 1 token + sample greedily, N times. The baseline of decode-overhead.
+* ``bare-batch``: the same loop with k sequences decoded together, one token of each per
+  ``llama_decode`` (what the engine's step does for k slots): the ceiling of slots-scaling.
 * ``ggml-client``: the same loop with every layer offloaded to a ggml RPC server at
   ``endpoint`` (directly, or through our port's passthrough).
 * ``raw-peer``: a plain blocking-socket peer that sends or swallows N bytes on request: the
@@ -92,6 +94,51 @@ def bare_decode(p: dict[str, Any]) -> dict[str, Any]:
     finally:
         m.close()
     return {**out, "load_ms": load_ms}
+
+
+def batched_decode(model, prompts: list[list[int]], n_predict: int, max_seconds: float | None = None) -> dict[str, Any]:
+    """Prefill every prompt (sequence i = prompt i), then decode one token of every sequence per
+    ``llama_decode`` and sample each greedily, ``n_predict`` times (or for ``max_seconds``).
+
+    A sequence that reaches its end of generation stops the run: the aggregate rate is only
+    defined while all of them produce, as in the server's steady window."""
+    from engine.llama_backend import BatchItem, SamplerParams
+
+    k = len(prompts)
+    samplers = [model.make_sampler(SamplerParams(temperature=0)) for _ in range(k)]
+    try:
+        for seq in range(k):
+            model.seq_clear(seq)
+        model.decode([BatchItem(seq, prompt, 0, True) for seq, prompt in enumerate(prompts)])  # < n_batch
+        pos = [len(x) for x in prompts]
+        toks = [samplers[s].sample(model, s) for s in range(k)]
+        times = [time.perf_counter()]
+        stop_at = times[0] + max_seconds if max_seconds else float("inf")
+        while len(times) < n_predict and times[-1] < stop_at and not any(model.is_eog(t) for t in toks):
+            model.decode([BatchItem(s, [toks[s]], pos[s], True) for s in range(k)])
+            for s in range(k):
+                pos[s] += 1
+            toks = [samplers[s].sample(model, s) for s in range(k)]
+            times.append(time.perf_counter())
+    finally:
+        for s in samplers:
+            s.free()
+    n = len(times)
+    rate = k * (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None
+    return {"sequences": k, "steps": n, "aggregate_tok_s": rate}
+
+
+def bare_batch(p: dict[str, Any]) -> dict[str, Any]:
+    """``batched_decode`` for each of ``rounds`` (a list of sequence counts, in the harness's
+    interleaved order), on one loaded model: one load, the rounds as alike as the server's."""
+    m, load_ms = _load(p)
+    try:
+        prompts = [m.chat_tokens(x) for x in p["messages"]]
+        batched_decode(m, prompts[:1], p.get("warmup", 32))  # warm: graphs, buffers, caches
+        rounds = [batched_decode(m, prompts[:k], p["n_predict"], p.get("max_seconds")) for k in p["rounds"]]
+    finally:
+        m.close()
+    return {"rounds": rounds, "load_ms": load_ms}
 
 
 def ggml_client(p: dict[str, Any]) -> dict[str, Any]:
@@ -215,7 +262,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     return data
 
 
-MODES = {"bare-decode": bare_decode, "ggml-client": ggml_client, "pollers": pollers}
+MODES = {"bare-decode": bare_decode, "bare-batch": bare_batch, "ggml-client": ggml_client, "pollers": pollers}
 
 
 def main(argv: list[str]) -> int:
