@@ -71,6 +71,8 @@ async def hydra_put(c: HydraClient, blob: bytes, marks: dict | None = None) -> d
     r = await c.read_response()
     if r.status != Status.OK or not (r.meta or {}).get("restored"):
         raise BenchError(f"STATE_PUT answered {r!r}")
+    if marks is not None:  # the server's own share: header checks and llama_state_seq_set_data
+        marks["restore_ms"] = r.meta.get("restore_ms")
     return r.meta
 
 
@@ -184,6 +186,18 @@ async def run(ctx: BenchContext) -> Result:
         res.rows.append(Row(f"{name} throughput, {size_mib:.3g} MiB state", v, "MB/s", raw,
                             f"raw loopback {op.upper()}", "≥ 0.9× the raw copy at 256 MiB", note=na,
                             limit=0.9 if at_budget and raw else None, on="ratio").with_spread(sm[op]["mb_s"]))
+    # where a PUT's time goes: its bytes in (and the reply out) against the raw copy, and the
+    # restore (header checks + llama_state_seq_set_data, which takes the whole state in one
+    # call, so it cannot start before the last byte is in)
+    puts = [x for x in big["samples"] if x["op"] == "put" and x.get("restore_ms") is not None]
+    if puts:
+        moved = spread(big["blob_bytes"] / (x["seconds"] - x["restore_ms"] / 1000) / 1e6 for x in puts)
+        restore = spread(x["restore_ms"] for x in puts)
+        res.summary["put_split"] = {"transfer_mb_s": moved, "restore_ms": restore}
+        res.rows.append(Row(f"STATE_PUT without its restore, {size_mib:.3g} MiB state", moved["median"], "MB/s",
+                            big["summary"]["raw-put"]["mb_s"]["median"], "raw loopback PUT",
+                            note=f"the restore into llama.cpp after the last byte: {restore['median'] or 0:.0f} ms "
+                                 f"(min–max {restore['min'] or 0:.0f}–{restore['max'] or 0:.0f})").with_spread(moved))
     for op, name in (("get", "STATE_GET"), ("put", "STATE_PUT")):
         g = big["summary"][op]["rss_growth_x"]["median"]
         res.rows.append(Row(f"{name} peak server RSS growth, {size_mib:.3g} MiB state", g, "× state", None, "",
