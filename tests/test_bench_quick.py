@@ -88,3 +88,20 @@ def test_a_ggml_client_that_fails_is_not_run_again(monkeypatch):
     monkeypatch.setattr(passthrough, "run_worker", fake_worker)
     with pytest.raises(BenchError, match="without a result"):
         asyncio.run(asyncio.wait_for(passthrough.client_run(Result("passthrough"), "proxy", ("127.0.0.1", 9), {}, 60), 10))
+
+
+def test_a_worker_result_larger_than_a_pipe_arrives_whole():
+    """A poll timeline makes a worker's result line hundreds of KiB; one full run read it cut at
+    64 KiB (a partial write on a non-blocking stdout, which ``print`` does not retry)."""
+    from tools.bench.procs import RESULT_PREFIX
+    from tools.spawn import ROOT, child_env
+
+    code = ("import os, sys\nfrom tools.bench.workers import write_result\n"
+            "os.set_blocking(sys.stdout.fileno(), False)\n"
+            "write_result({'polls': [[i, i * 0.5, 0] for i in range(40000)]})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=child_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.splitlines()[-1]
+    assert len(line) > 4 * 65536
+    assert len(json.loads(line[len(RESULT_PREFIX):])["polls"]) == 40000

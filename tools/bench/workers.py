@@ -277,8 +277,19 @@ def main(argv: list[str]) -> int:
 
         faulthandler.dump_traceback_later(params["stack_dump_after"], exit=False)
     out = MODES[mode](params)
-    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    write_result(out)
     return 0
+
+
+def write_result(out: dict[str, Any]) -> None:
+    """The ``BENCH_RESULT`` line, whole. A timeline makes it hundreds of KiB: more than a pipe
+    holds, and stdout's descriptor may have been left non-blocking (a full run once read a
+    result cut at 64 KiB — ``print`` on an unbuffered stdout does not retry a partial write)."""
+    sys.stdout.flush()
+    data = memoryview((RESULT_PREFIX + json.dumps(out) + "\n").encode())
+    os.set_blocking(sys.stdout.fileno(), True)
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data):]
 
 
 if __name__ == "__main__":
