@@ -5,7 +5,6 @@ One place, shared by the Hydra handlers and the HTTP side, so ``/slots`` and STA
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any
@@ -36,7 +35,7 @@ def identity_meta(ident: ModelIdentity) -> dict[str, Any]:
 def _identity_fields(ident: ModelIdentity) -> tuple[tuple[str, Any], ...]:
     """Every present field of the identity, in declaration order (STATE_META's keys). Cached: an
     identity is frozen and changes only with a load, and STATE_META is polled."""
-    return tuple((f.name, getattr(ident, f.name)) for f in dataclasses.fields(ident) if _present(getattr(ident, f.name)))
+    return tuple((k, v) for k, v in flat_fields(ident).items() if _present(v))
 
 
 def _ms(v: float | None) -> float | None:

@@ -13,12 +13,12 @@ requires.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from aiohttp import web
 
 from engine.jobs import EngineUnavailable
+from engine.status import flat_fields
 
 from .http_openai import ApiError, engine_error, json_response, read_json_object, require_ready
 
@@ -40,7 +40,7 @@ class ModelRoutes:
         eng = self.app.engine
         require_ready(eng)
         resident = eng.identity.display_name
-        meta = {k: v for k, v in dataclasses.asdict(eng.identity).items() if k != "model_path"}
+        meta = {k: v for k, v in flat_fields(eng.identity).items() if k != "model_path"}
         data = [{**_entry(resident, "loaded"), "resident": True,
                  "meta": {**meta, "n_ctx_slot": eng.n_ctx_slot, "n_slots": eng.n_slots,
                           "config_generation": eng.generation}}]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from codec.errors import CodecError
 from tools.spawn import HydraServerProcess
@@ -32,6 +33,17 @@ def outcome(fn, *args, **kwargs):
         return ("ok", fn(*args, **kwargs))
     except CodecError:
         return ("err", None)
+
+
+def wait_until(predicate, what: str, timeout: float = 20.0):
+    """Call ``predicate`` until it returns something true, which is returned (synchronous twin
+    of :func:`poll_until`; the deadline only turns a hang into a failure)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return value
 
 
 async def poll_until(fetch, pred, timeout: float = 60.0):

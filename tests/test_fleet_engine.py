@@ -18,6 +18,7 @@ from codec.kvblob import parse_kv_blob
 from engine.ggml_rpc_lib import find_free_port, probe_rpc_server
 from hydra_rpc.client import HydraClient
 from tests.fleet import FLEET_GLOBAL, FLEET_NODE, node_agent_argv
+from tests.helpers import poll_until
 from tools.spawn import HYDRA_HTTP, HYDRA_LISTENING, ROOT, ChildProcess, child_env
 
 # a chat template of our own: the kwargs the node passes (preserve_thinking) and --reasoning on
@@ -187,12 +188,16 @@ async def fresh_prefill_works(c: HydraClient, slot: str) -> None:
 
 
 async def wait_swapped(c: HydraClient, generation: int) -> None:
-    import asyncio
+    def live(info: dict) -> bool:
+        if info["config_generation"] >= generation:
+            return True
+        assert info["reload"]["state"] in ("loading", "draining", "swapped"), info["reload"]
+        return False
 
-    async with asyncio.timeout(60):
-        while (info := (await c.request(Op.INFO)).meta)["config_generation"] < generation:
-            assert info["reload"]["state"] in ("loading", "draining", "swapped"), info["reload"]
-            await asyncio.sleep(0.02)
+    async def fetch() -> dict:
+        return (await c.request(Op.INFO)).meta
+
+    await poll_until(fetch, live)
 
 
 # ---------------------------------------------------------------------- issue 13: 4 and 1, 13

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import start_server
+from tests.helpers import start_server, wait_until
 from tools.fuzzer import schedule
 from tools.fuzzer.progress import summary_table
 
@@ -70,10 +70,10 @@ def test_an_interrupted_run_reports_its_real_time_and_exits_130(server, tmp_path
                                      "--out", str(out)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        deadline = time.monotonic() + 60
-        while len([line for line in server.lines if " request " in line]) < before + 30:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+        def thirty_more() -> bool:
+            assert proc.poll() is None, proc.communicate()
+            return len([line for line in server.lines if " request " in line]) >= before + 30
+        wait_until(thirty_more, "30 fuzz requests in the server's log", timeout=60)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:

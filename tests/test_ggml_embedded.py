@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from codec.enums import Op, Status
 from codec.framing import encode_request as hydra_request
 from engine.ggml_rpc_lib import hello
 from hydra_rpc.ggml_children import ChildStartError, GgmlChildPool
-from tests.helpers import start_server
+from tests.helpers import start_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 V = (7, 0, 0)
@@ -38,13 +37,7 @@ def server(tiny_model_path):
     assert sp.stop() == 0, sp.log[-3000:]
 
 
-def poll(predicate, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-    return value
+poll = wait_until  # this module's name for it
 
 
 def assert_alive(sp) -> None:

@@ -22,7 +22,7 @@ import sys
 
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
 from .procs import HydraServer, run_worker
-from .traffic import messages_for, pin_decode, rate_timeline
+from .traffic import messages_for, remote_poller, pin_decode, rate_timeline
 
 NAME = "busy-host"
 POLL_INTERVAL = 0.002
@@ -63,11 +63,8 @@ async def _server_round(ctx: BenchContext, flags: list[str], seconds: float) -> 
         t0 = now()
         decoding = asyncio.create_task(pin_decode(srv.host, srv.port, 0, CTX - 256, messages_for(0), seconds=seconds))
         # the poller outlasts any prefill: only its polls sent while tokens flowed count
-        polled = await run_worker("pollers", {"host": srv.host, "port": srv.port, "n": 1, "interval": POLL_INTERVAL,
-                                              "seconds": seconds + 6, "slots": 1, "index0": 0, "of": 1,
-                                              "realtime": True, "timeline": True}, timeout=seconds * 10 + 60)
+        polls = await remote_poller(srv.host, srv.port, POLL_INTERVAL, seconds + 6)
         run = (await decoding).check(CTX - 256)
-    polls = polled["polls"]
     lat = [ms for t, ms, st in polls if run.times[0] <= t < run.times[-1] and st == 0]
     return {"decode_rate": run.decode_rate(), "tokens": run.tokens, "meta_ms": summarize(lat),
             "meta_failed": sum(1 for t, _ms, st in polls if run.times[0] <= t < run.times[-1] and st != 0),

@@ -22,8 +22,8 @@ import time
 from codec.enums import Op
 
 from .common import BenchContext, Result, Row, interleaved, now, rounded, spread, summarize
-from .procs import HydraServer, run_worker
-from .traffic import Poller, latencies, messages_for, pin_decode, poll_columns, rate_timeline
+from .procs import HydraServer
+from .traffic import Poller, remote_poller, latencies, messages_for, pin_decode, poll_columns, rate_timeline
 
 NAME = "meta-under-decode"
 POLL_INTERVAL = 0.002  # "every few ms"
@@ -35,10 +35,8 @@ WORKER_START_S = 1.5  # the remote-like poller's process imports and connects be
 
 async def _round(srv: HydraServer, kind: str, seconds: float) -> dict:
     # the remote-like poller outlasts the round; only its polls inside the window count
-    remote = asyncio.create_task(run_worker("pollers", {
-        "host": srv.host, "port": srv.port, "n": 1, "interval": POLL_INTERVAL, "seconds": seconds + 4,
-        "slots": 1, "index0": 0, "of": 1, "realtime": True, "timeline": True,
-        "start_at": time.time() + WORKER_START_S}, timeout=seconds * 10 + 60))
+    remote = asyncio.create_task(remote_poller(srv.host, srv.port, POLL_INTERVAL, seconds + 4,
+                                               time.time() + WORKER_START_S))
     await asyncio.sleep(WORKER_START_S)
     stop = asyncio.Event()
     poller = Poller(srv.host, srv.port, [(Op.STATE_META, "0")], POLL_INTERVAL)
@@ -51,7 +49,7 @@ async def _round(srv: HydraServer, kind: str, seconds: float) -> dict:
         await asyncio.sleep(seconds)
     stop.set()
     polls = await polling
-    out = {"kind": kind, "polls": polls, "t0": t0, "remote_polls": (await remote)["polls"]}
+    out = {"kind": kind, "polls": polls, "t0": t0, "remote_polls": await remote}
     if run is not None:
         run.check(CTX - 256)
         # only polls sent while tokens were flowing count as "during decode" (not the prefill)

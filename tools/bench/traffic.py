@@ -55,6 +55,19 @@ class PinRun:
         return self
 
 
+async def remote_poller(host: str, port: int, interval: float, seconds: float, start_at: float | None = None) -> list:
+    """One STATE_META poller about slot 0 in a process of its own under SCHED_RR where permitted
+    (``workers pollers``): a stand-in for a coordinator on another host, whose reads this host's
+    compute does not delay. Returns its polls as ``[t, ms, status]`` on this process's clock."""
+    from .procs import run_worker
+
+    out = await run_worker("pollers", {"host": host, "port": port, "n": 1, "interval": interval, "seconds": seconds,
+                                       "slots": 1, "index0": 0, "of": 1, "realtime": True, "timeline": True,
+                                       **({"start_at": start_at} if start_at is not None else {})},
+                           timeout=seconds * 10 + 60)
+    return out["polls"]
+
+
 MIN_PIECES = 2  # a rate needs two pieces: a cap never ends a stream before it has them
 
 
