@@ -2,10 +2,11 @@
 
 ggml-RPC is many tiny round trips — per generated token a few SET_TENSORs, a GRAPH_RECOMPUTE
 and a GET_TENSOR whose reply the client waits for — so the relay's cost is latency per hop.
-Each direction is a thread blocked in ``recv`` (the GIL released while it waits) with
+Each direction is a thread asleep in ``poll`` (the GIL released while it waits) with
 ``SO_RCVLOWAT`` set to what the session guard (codec/ggml/guard.py) needs before it can decide —
 llama.cpp sends a frame's command, size and payload as three segments, and waking for each
-would triple the relay's CPU per token. What arrives is checked and sent on at once with one
+would triple the relay's CPU per token. It then takes what is there without sleeping again
+(:func:`recv_at_mark`: a *blocking* ``recv`` with a low-water mark can sleep forever). What arrives is checked and sent on at once with one
 ``sendmsg``, without an event-loop wakeup, a callback or a copy. An approved bulk payload
 (a weight upload, a large GET_TENSOR reply) is moved by ``os.splice`` through a pipe and never
 enters Python.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -33,6 +35,30 @@ LOWAT_MAX = 64 << 10  # Linux caps SO_RCVLOWAT at half the receive buffer
 SPLICE_MIN = 256 << 10  # bodies at least this large go through the pipe
 PIPE_SIZE = 1 << 20
 F_SETPIPE_SZ = 1031
+
+
+def recv_at_mark(src: socket.socket, poller: select.poll, into: bytearray) -> int:
+    """Sleep until ``src`` holds its ``SO_RCVLOWAT`` in bytes (or is at EOF or in error), then
+    take all there is into ``into`` without sleeping again; the bytes taken (0: EOF).
+
+    Not a blocking ``recv``: one that starts with part of its low-water mark already queued
+    copies that part and sleeps, and Linux wakes it only once the bytes *still queued* reach the
+    mark — which the rest of a frame never does. A relay thread that looped back to ``recv``
+    between a client's command byte and its size slept forever with the frame in its queue
+    (one passthrough test run in ~30; Linux 6.18). ``poll`` takes nothing, so the condition it
+    sleeps on is the one it is woken by."""
+    while True:
+        poller.poll()
+        try:
+            return src.recv_into(into, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue  # woken with nothing queued after all: sleep again
+
+
+def _set_lowat(sock: socket.socket, now: int, want: int) -> int:
+    if want != now:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+    return want
 
 
 def _send_all(sock: socket.socket, chunks: list) -> int:
@@ -80,6 +106,8 @@ class Relay:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         pipe: tuple[int, int] | None = None
+        poller = select.poll()
+        poller.register(src, select.POLLIN)
         lowat = 1
         try:
             if up and self.prefix:
@@ -87,6 +115,9 @@ class Relay:
             while True:
                 if filt.body_left >= SPLICE_MIN:
                     pipe = pipe or _pipe()
+                    # a blocking splice sleeps on the low-water mark too: at 1, a body's last
+                    # few bytes wake it however they are split
+                    lowat = _set_lowat(src, lowat, 1)
                     moved = _splice(src.fileno(), dst.fileno(), filt.body_left, pipe)
                     filt.consume_body(moved)
                     self._count(up, moved)
@@ -95,11 +126,8 @@ class Relay:
                     break  # EOF inside the body
                 # llama.cpp writes a frame's command, size and payload with separate send()s: sleep
                 # until the guard can decide, not once per segment
-                want = min(filt.wanted, LOWAT_MAX)
-                if want != lowat:
-                    src.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                    lowat = want
-                n = src.recv_into(buf)
+                lowat = _set_lowat(src, lowat, min(filt.wanted, LOWAT_MAX))
+                n = recv_at_mark(src, poller, buf)
                 if n == 0:
                     break
                 self._forward(up, filt.feed(view[:n]), dst)
