@@ -22,6 +22,7 @@ from codec.enums import Op, Status
 from codec.framing import encode_request as hydra_request
 from engine.ggml_rpc_lib import hello
 from hydra_rpc.ggml_children import ChildStartError, GgmlChildPool
+from tests.ggml_helpers import recv_exact
 from tests.helpers import start_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,15 +50,6 @@ def assert_alive(sp) -> None:
     s.sendall(G.encode_request(G.Cmd.GET_ALIGNMENT, G.request_layout(G.Cmd.GET_ALIGNMENT, V).build({"device": 0})))
     assert recv_exact(s, 16)[:8] == G.encode_response(bytes(8))[:8]
     s.close()
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        assert chunk, f"closed after {len(buf)} of {n} bytes"
-        buf += chunk
-    return buf
 
 
 def session(sp) -> socket.socket:

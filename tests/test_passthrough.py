@@ -13,6 +13,7 @@ import pytest
 from codec import ggml as G
 from codec.enums import Op, Status
 from codec.framing import encode_request as hydra_request
+from tests.ggml_helpers import recv_exact
 from tests.helpers import start_server, wait_until
 from tools.spawn import GgmlRpcServerProcess
 
@@ -84,15 +85,6 @@ async def test_engine_layers_on_remote_ggml_server_match_local(tiny_model_path, 
 
 
 V = (7, 0, 0)
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        assert chunk, f"closed after {len(buf)} of {n} bytes"
-        buf += chunk
-    return buf
 
 
 class HeldUpstream:
