@@ -218,15 +218,28 @@ class HydraConnection(asyncio.BufferedProtocol):
         except (CloseConnection, PeerGone, ConnectionError, TimeoutError):
             pass
         finally:
-            self._timer.cancel()
-            if self.transport is not None:
-                self._reset = self._reset or (not self._lost and _socket_error(self.transport))
-                self.transport.close()
-            if not self.closed.done():
-                self.closed.set_result(self._reset)
-            self._served = True
-            if self._lost:
-                self._let_go()
+            self._finish()
+
+    async def refuse(self, status: Status, body: dict) -> None:
+        """Answer with ``status`` instead of serving (the connection limit: BUSY), then close as a
+        served connection does — so a refused one, too, is freed as soon as it ends."""
+        try:
+            await ResponseWriter(self).send(status, body)
+        except (PeerGone, ConnectionError):
+            pass
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._timer.cancel()
+        if self.transport is not None:
+            self._reset = self._reset or (not self._lost and _socket_error(self.transport))
+            self.transport.close()
+        if not self.closed.done():
+            self.closed.set_result(self._reset)
+        self._served = True
+        if self._lost:
+            self._let_go()
 
     async def _refuse(self, e: FrameTooLarge) -> None:
         """A frame the decoder refused: one ERROR, then skip it (or close, when it is too big)."""

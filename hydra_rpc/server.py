@@ -27,7 +27,6 @@ from .config import ServerConfig
 from .conn_budget import Acceptor, ConnectionBudget
 from .connection import Handler, HydraConnection
 from .passthrough import GgmlPassthrough
-from .wire import ResponseWriter
 
 log = logging.getLogger("hydra_rpc.server")
 
@@ -143,7 +142,7 @@ class HydraServer:
             conn.connection_made(transport)
             if over_limit:
                 self.stats["refused_limit"] += 1
-                acc.task = asyncio.ensure_future(ResponseWriter(conn).send(
+                acc.task = asyncio.ensure_future(conn.refuse(
                     Status.BUSY, {"error": f"connection limit of {self.budget.max_connections} reached; retry later"}))
             else:
                 conn.decoder.feed(head)

@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 
-from codec.enums import Op
+from codec.enums import Op, Status
 from codec.framing import encode_request
 from hydra_rpc import connection as connection_module
 from hydra_rpc.client import HydraClient
@@ -54,6 +54,34 @@ async def test_finished_connections_are_freed_without_the_cyclic_gc(tiny_model_p
             assert (await c.request(Op.INFO)).ok
             c.writer.transport.abort()
             await until(lambda: len(made) == 7 and not app.server.connections, "every connection gone")
+            await until(lambda: all(ref() is None for ref in made), "every connection object freed")
+        finally:
+            gc.enable()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_connections_refused_at_the_limit_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
+    made: list[weakref.ref] = []
+
+    class Tracked(connection_module.HydraConnection):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr("hydra_rpc.server.HydraConnection", Tracked)
+    async with in_process_app(tiny_model_path, max_connections=1) as app:
+        host, port = app.address
+        gc.collect()
+        gc.disable()
+        try:
+            async with await HydraClient.connect(host, port) as held:
+                assert (await held.request(Op.INFO)).ok  # the one place
+                for _ in range(3):
+                    async with await HydraClient.connect(host, port) as c:
+                        r = await c.request(Op.INFO)
+                        assert r.status == Status.BUSY and "connection limit of 1" in r.meta["error"], r
+            await until(lambda: len(made) == 4 and not app.server.connections, "every connection gone")
             await until(lambda: all(ref() is None for ref in made), "every connection object freed")
         finally:
             gc.enable()
