@@ -6,8 +6,9 @@ Each direction is a thread asleep in ``poll`` (the GIL released while it waits) 
 ``SO_RCVLOWAT`` set to what the session guard (codec/ggml/guard.py) needs before it can decide —
 llama.cpp sends a frame's command, size and payload as three segments, and waking for each
 would triple the relay's CPU per token. It then takes what is there without sleeping again
-(:func:`recv_at_mark`: a *blocking* ``recv`` with a low-water mark can sleep forever). What arrives is checked and sent on at once with one
-``sendmsg``, without an event-loop wakeup, a callback or a copy. An approved bulk payload
+(:func:`recv_at_mark`: a *blocking* ``recv`` with a low-water mark can sleep forever). What
+arrives is checked and sent on at once with one ``sendmsg``, without an event-loop wakeup, a
+callback or a copy. An approved bulk payload
 (a weight upload, a large GET_TENSOR reply) is moved by ``os.splice`` through a pipe and never
 enters Python.
 
@@ -45,8 +46,8 @@ def recv_at_mark(src: socket.socket, poller: select.poll, into: bytearray) -> in
     copies that part and sleeps, and Linux wakes it only once the bytes *still queued* reach the
     mark — which the rest of a frame never does. A relay thread that looped back to ``recv``
     between a client's command byte and its size slept forever with the frame in its queue
-    (one passthrough test run in ~30; Linux 6.18). ``poll`` takes nothing, so the condition it
-    sleeps on is the one it is woken by."""
+    (about one llama.cpp client run in 200; Linux 6.18). ``poll`` takes nothing, so the
+    condition it sleeps on is the one it is woken by."""
     while True:
         poller.poll()
         try:
