@@ -8,9 +8,8 @@ llama.cpp sends a frame's command, size and payload as three segments, and wakin
 would triple the relay's CPU per token. It then takes what is there without sleeping again
 (:func:`recv_at_mark`: a *blocking* ``recv`` with a low-water mark can sleep forever). What
 arrives is checked and sent on at once with one ``sendmsg``, without an event-loop wakeup, a
-callback or a copy. An approved bulk payload
-(a weight upload, a large GET_TENSOR reply) is moved by ``os.splice`` through a pipe and never
-enters Python.
+callback or a copy. An approved bulk payload (a weight upload, a large GET_TENSOR reply) is
+moved by ``os.splice`` through a pipe and never enters Python.
 
 Closing: the client's half-close is passed on (the server still owes replies), and so is a
 request the guard refuses — the frames before it are forwarded, then the server's side is
