@@ -139,6 +139,19 @@ class LimitedSite(web.BaseSite):
                                        self._backlog)
 
 
+class _Disarmed:
+    """A gone connection's timer: the middleware may still mark request phases."""
+
+    def arm(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+_DISARMED = _Disarmed()
+
+
 class _Guard(asyncio.Protocol):
     """Sits between the transport and aiohttp's RequestHandler: counts the connection, refuses
     it over the limit, and enforces the read deadlines."""
@@ -193,6 +206,10 @@ class _Guard(asyncio.Protocol):
         if self.inner is not None:
             self.limits._guards.pop(self.inner, None)
             self.inner.connection_lost(exc)
+        # the timer's callback is this guard: kept, every finished connection (guard, aiohttp's
+        # handler, transport: 16 objects) would be a cycle only the cyclic GC frees, as the
+        # Hydra port's were (hydra_rpc/connection.py, _let_go)
+        self._timer = _DISARMED
 
     def pause_writing(self) -> None:
         if self.inner is not None:

@@ -12,11 +12,14 @@ import asyncio
 import gc
 import weakref
 
+import aiohttp
+
 import pytest
 
 from codec.enums import Op, Status
 from codec.framing import encode_request
 from hydra_rpc import connection as connection_module
+from hydra_rpc import http_limits
 from hydra_rpc.client import HydraClient
 from tests.scripted_backend import until
 from tests.test_state_put_memory import in_process_app
@@ -82,6 +85,39 @@ async def test_connections_refused_at_the_limit_are_freed_without_the_cyclic_gc(
                         r = await c.request(Op.INFO)
                         assert r.status == Status.BUSY and "connection limit of 1" in r.meta["error"], r
             await until(lambda: len(made) == 4 and not app.server.connections, "every connection gone")
+            await until(lambda: all(ref() is None for ref in made), "every connection object freed")
+        finally:
+            gc.enable()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_finished_http_connections_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
+    made: list[weakref.ref] = []
+
+    class Tracked(http_limits._Guard):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            made.append(weakref.ref(self))  # (aiohttp's RequestHandler takes no weak reference)
+
+    monkeypatch.setattr(http_limits, "_Guard", Tracked)
+    async with in_process_app(tiny_model_path, http=True) as app:
+        host, port = app.http.address
+        gc.collect()
+        gc.disable()
+        try:
+            for path in ("/health", "/v1/models", "/slots"):  # a connection each, closed by the client
+                async with aiohttp.ClientSession() as s, s.get(f"http://{host}:{port}{path}") as r:
+                    assert r.status == 200
+            async with aiohttp.ClientSession() as s:  # one kept alive for two requests
+                for _ in range(2):
+                    async with s.get(f"http://{host}:{port}/health") as r:
+                        assert r.status == 200
+            r, w = await asyncio.open_connection(host, port)
+            w.write(b"GET /health HTTP/1.1\r\nHo")  # gone mid-headers
+            await w.drain()
+            w.transport.abort()
+            await until(lambda: len(made) == 5 and app.http.connections == 0, "every connection gone")
             await until(lambda: all(ref() is None for ref in made), "every connection object freed")
         finally:
             gc.enable()

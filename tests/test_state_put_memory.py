@@ -80,9 +80,9 @@ async def test_a_state_put_larger_than_the_model_can_produce_is_refused_unalloca
 
 
 @contextlib.asynccontextmanager
-async def in_process_app(tiny_model_path: str, **server):
+async def in_process_app(tiny_model_path: str, http: bool = False, **server):
     app = App(ServerConfig(port=0, **server), EngineConfig(ModelParams(tiny_model_path, n_ctx=4096, n_slots=2),
-                                                 low_priority=False))
+                                                           low_priority=False), http_port=0 if http else None)
     await app.start()
     try:
         yield app
