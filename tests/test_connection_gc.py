@@ -9,6 +9,7 @@ must go as soon as its client leaves, however it leaves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import weakref
 
@@ -25,22 +26,40 @@ from tests.scripted_backend import until
 from tests.test_state_put_memory import in_process_app
 
 
+def track(monkeypatch, where: str, cls: type) -> list[weakref.ref]:
+    """Replace ``cls`` at ``where`` by a subclass that keeps a weak reference to every instance."""
+    made: list[weakref.ref] = []
+
+    class Tracked(cls):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(where, Tracked)
+    return made
+
+
+@contextlib.contextmanager
+def collector_off():
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def all_freed(made: list[weakref.ref]) -> None:
+    await until(lambda: all(ref() is None for ref in made), "every connection object freed")
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_finished_connections_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
-    made: list[weakref.ref] = []
-
-    class Tracked(connection_module.HydraConnection):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(weakref.ref(self))
-
-    monkeypatch.setattr("hydra_rpc.server.HydraConnection", Tracked)
+    made = track(monkeypatch, "hydra_rpc.server.HydraConnection", connection_module.HydraConnection)
     async with in_process_app(tiny_model_path) as app:
         host, port = app.address
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             # closed by the client after requests; mid-frame; by a reset
             for _ in range(5):
                 c = await HydraClient.connect(host, port)
@@ -57,27 +76,16 @@ async def test_finished_connections_are_freed_without_the_cyclic_gc(tiny_model_p
             assert (await c.request(Op.INFO)).ok
             c.writer.transport.abort()
             await until(lambda: len(made) == 7 and not app.server.connections, "every connection gone")
-            await until(lambda: all(ref() is None for ref in made), "every connection object freed")
-        finally:
-            gc.enable()
+            await all_freed(made)
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_connections_refused_at_the_limit_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
-    made: list[weakref.ref] = []
-
-    class Tracked(connection_module.HydraConnection):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(weakref.ref(self))
-
-    monkeypatch.setattr("hydra_rpc.server.HydraConnection", Tracked)
+    made = track(monkeypatch, "hydra_rpc.server.HydraConnection", connection_module.HydraConnection)
     async with in_process_app(tiny_model_path, max_connections=1) as app:
         host, port = app.address
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             async with await HydraClient.connect(host, port) as held:
                 assert (await held.request(Op.INFO)).ok  # the one place
                 for _ in range(3):
@@ -85,27 +93,17 @@ async def test_connections_refused_at_the_limit_are_freed_without_the_cyclic_gc(
                         r = await c.request(Op.INFO)
                         assert r.status == Status.BUSY and "connection limit of 1" in r.meta["error"], r
             await until(lambda: len(made) == 4 and not app.server.connections, "every connection gone")
-            await until(lambda: all(ref() is None for ref in made), "every connection object freed")
-        finally:
-            gc.enable()
+            await all_freed(made)
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_finished_http_connections_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
-    made: list[weakref.ref] = []
-
-    class Tracked(http_limits._Guard):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            made.append(weakref.ref(self))  # (aiohttp's RequestHandler takes no weak reference)
-
-    monkeypatch.setattr(http_limits, "_Guard", Tracked)
+    # the guard holds aiohttp's RequestHandler (which takes no weak reference) and its transport
+    made = track(monkeypatch, "hydra_rpc.http_limits._Guard", http_limits._Guard)
     async with in_process_app(tiny_model_path, http=True) as app:
         host, port = app.http.address
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             for path in ("/health", "/v1/models", "/slots"):  # a connection each, closed by the client
                 async with aiohttp.ClientSession() as s, s.get(f"http://{host}:{port}{path}") as r:
                     assert r.status == 200
@@ -118,6 +116,4 @@ async def test_finished_http_connections_are_freed_without_the_cyclic_gc(tiny_mo
             await w.drain()
             w.transport.abort()
             await until(lambda: len(made) == 5 and app.http.connections == 0, "every connection gone")
-            await until(lambda: all(ref() is None for ref in made), "every connection object freed")
-        finally:
-            gc.enable()
+            await all_freed(made)
