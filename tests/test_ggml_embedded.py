@@ -24,6 +24,7 @@ from engine.ggml_rpc_lib import hello
 from hydra_rpc.ggml_children import ChildStartError, GgmlChildPool
 from tests.ggml_helpers import recv_exact
 from tests.helpers import start_server, wait_until
+from tests.scripted_backend import until
 
 ROOT = Path(__file__).resolve().parents[1]
 V = (7, 0, 0)
@@ -250,9 +251,7 @@ async def test_the_pool_keeps_a_spare_and_kills_released_children():
     try:
         child = await pool.acquire(timeout=20)
         assert child is not None and child.hello.version == V
-        async with asyncio.timeout(20):
-            while not pool.spares_ready:  # the filler starts the next spare
-                await asyncio.sleep(0.02)
+        await until(lambda: pool.spares_ready, "the filler's next spare", timeout=20)
         pool.release(child)
         async with asyncio.timeout(20):
             assert await child.proc.wait() in (0, -signal.SIGKILL)
@@ -268,15 +267,11 @@ async def test_children_that_keep_failing_are_retried_with_backoff(caplog):
     real, pool.command = pool.command, [sys.executable, "-c", "raise SystemExit(3)"]
     try:
         child = await pool.acquire(timeout=20)  # takes the spare: the filler starts failing children
-        async with asyncio.timeout(30):
-            while pool.stats["failed_starts"] < 3:
-                await asyncio.sleep(0.02)
+        await until(lambda: pool.stats["failed_starts"] >= 3, "three failed starts", timeout=30)
         delays = [float(m) for m in re.findall(r"next try in ([\d.]+)s", caplog.text)]
         assert delays[:3] == [0.1, 0.2, 0.4]
         pool.command = real  # the cause goes away: the next try succeeds
-        async with asyncio.timeout(30):
-            while not pool.spares_ready:
-                await asyncio.sleep(0.02)
+        await until(lambda: pool.spares_ready, "a spare once the cause is gone", timeout=30)
         pool.release(child)
     finally:
         await pool.close()
