@@ -110,13 +110,13 @@ class HydraConnection(asyncio.BufferedProtocol):
             self._let_go()
 
     def _let_go(self) -> None:
-        """Served and closed: drop the transport and the deadline timer. Both point back at this
-        connection (the transport's protocol, the timer's callback), so kept they would make every
-        finished connection a reference cycle of ~17 objects that only the cyclic GC frees — and
-        its full collections stopped the event loop for 30–50 ms with 1,000 connections open
+        """Served and closed: drop the transport and disarm the deadline timer. Both point back at
+        this connection (the transport's protocol, the timer's callback), so kept they would make
+        every finished connection a reference cycle of ~17 objects that only the cyclic GC frees —
+        and its full collections stopped the event loop for 30–50 ms with 1,000 connections open
         (docs/performance.md, 'Per request'). Dropped, a connection is freed when it ends."""
         self.transport = None
-        self._timer = None
+        self._timer.disarm()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -220,7 +220,7 @@ class HydraConnection(asyncio.BufferedProtocol):
         finally:
             self._finish()
 
-    async def refuse(self, status: Status, body: dict) -> None:
+    async def refuse_connection(self, status: Status, body: dict) -> None:
         """Answer with ``status`` instead of serving (the connection limit: BUSY), then close as a
         served connection does — so a refused one, too, is freed as soon as it ends."""
         try:

@@ -98,11 +98,14 @@ class ClockTimer:
     it calls ``on_expired(reason)`` when a deadline has passed (and re-arms when none has)."""
 
     def __init__(self, clock: ReadClock, on_expired: Callable[[str], None]):
-        self.clock, self.on_expired = clock, on_expired
+        self.clock = clock
+        self.on_expired: Callable[[str], None] | None = on_expired
         self._loop = asyncio.get_running_loop()
         self._handle: asyncio.TimerHandle | None = None
 
     def arm(self) -> None:
+        if self.on_expired is None:
+            return  # disarmed for good
         at = self.clock.next_check()
         if at is None or (self._handle is not None and self._handle.when() <= at):
             return  # an earlier timer re-arms when it fires
@@ -114,6 +117,14 @@ class ClockTimer:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def disarm(self) -> None:
+        """For good: the connection is gone. The callback is a bound method of the connection,
+        which holds this timer — kept, every finished connection would be a reference cycle only
+        the cyclic GC frees (its full collections stopped the loop for 30–50 ms with 1,000
+        connections open; docs/performance.md, 'Per request'). Later ``arm()`` calls do nothing."""
+        self.cancel()
+        self.on_expired = None
 
     def _fire(self, at: float) -> None:
         self._handle = None

@@ -139,19 +139,6 @@ class LimitedSite(web.BaseSite):
                                        self._backlog)
 
 
-class _Disarmed:
-    """A gone connection's timer: the middleware may still mark request phases."""
-
-    def arm(self) -> None:
-        pass
-
-    def cancel(self) -> None:
-        pass
-
-
-_DISARMED = _Disarmed()
-
-
 class _Guard(asyncio.Protocol):
     """Sits between the transport and aiohttp's RequestHandler: counts the connection, refuses
     it over the limit, and enforces the read deadlines."""
@@ -199,17 +186,15 @@ class _Guard(asyncio.Protocol):
         if self._gone:
             return
         self._gone = True
-        self._timer.cancel()
         if self._refusal is not None:
             self._refusal.cancel()
         self.limits.budget.closed()
         if self.inner is not None:
             self.limits._guards.pop(self.inner, None)
             self.inner.connection_lost(exc)
-        # the timer's callback is this guard: kept, every finished connection (guard, aiohttp's
-        # handler, transport: 16 objects) would be a cycle only the cyclic GC frees, as the
-        # Hydra port's were (hydra_rpc/connection.py, _let_go)
-        self._timer = _DISARMED
+        # the timer's callback is this guard: armed, guard, aiohttp's handler and the transport
+        # (16 objects) would stay a cycle; the middleware may still mark phases (arm: no-op)
+        self._timer.disarm()
 
     def pause_writing(self) -> None:
         if self.inner is not None:

@@ -142,7 +142,7 @@ class HydraServer:
             conn.connection_made(transport)
             if over_limit:
                 self.stats["refused_limit"] += 1
-                acc.task = asyncio.ensure_future(conn.refuse(
+                acc.task = asyncio.ensure_future(conn.refuse_connection(
                     Status.BUSY, {"error": f"connection limit of {self.budget.max_connections} reached; retry later"}))
             else:
                 conn.decoder.feed(head)
