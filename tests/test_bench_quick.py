@@ -35,10 +35,44 @@ def test_quick_bench_writes_every_result(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 1000, name
     summary = (out / "summary.md").read_text()
     assert "| scenario | metric |" in summary and all(name in summary for name in SCENARIOS)
+    cpu = json.loads((out / "decode-overhead.json").read_text())["summary"]["cpu_us_per_token"]
+    assert set(cpu) == {"bare_compute", "pin_compute", "pin_loop", "pin_client"}
+    assert cpu["bare_compute"]["median"] > 0 and cpu["pin_compute"]["median"] > 0  # both decoded for real
     reload = json.loads((out / "reload-stall.json").read_text())
     assert {r["variant"] for r in reload["samples"]["runs"]} == {"serve-old", "reject", "blocking"}
     for run in reload["samples"]["runs"]:  # every variant really reloaded, and said so
         assert run["generation_after"] > run["generation_before"] and run["reload"]["state"] == "swapped"
+
+
+def test_thread_cpu_is_counted_per_thread():
+    import os
+    import threading
+    import time
+
+    from tools.spawn import cpu_used, thread_cpu_seconds
+
+    burned, read = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def burn() -> None:  # until this thread has used 0.3 s of CPU: a state, not a duration
+        while time.thread_time() < 0.3:
+            sum(range(1000))
+        tids.append(threading.get_native_id())
+        burned.set()
+        read.wait(60)  # alive until read: /proc forgets a thread once it ends
+
+    before = thread_cpu_seconds(os.getpid())
+    t = threading.Thread(target=burn)
+    t.start()
+    try:
+        assert burned.wait(60)
+        after = thread_cpu_seconds(os.getpid())
+    finally:
+        read.set()
+        t.join(60)
+    tid = tids[0]
+    assert after[tid] >= 0.25
+    assert cpu_used(before, after) - cpu_used(before, after, skip=(tid,)) >= 0.25
 
 
 def test_unknown_scenario_is_refused():

@@ -169,11 +169,43 @@ class ChildProcess:
 
     def cpu_seconds(self) -> float | None:
         """User + system CPU time the child has used so far (/proc/PID/stat)."""
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            return None
+        return stat_cpu_seconds(Path(f"/proc/{self.pid}/stat"))
+
+    def thread_cpu(self) -> dict[int, float]:
+        """:func:`thread_cpu_seconds` of the child."""
+        return thread_cpu_seconds(self.pid)
+
+
+def stat_cpu_seconds(stat: Path) -> float | None:
+    """User + system CPU time in a /proc ``stat`` file (a process's or one thread's)."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """Each live thread's user + system CPU time so far, by thread id (/proc/PID/task/TID/stat).
+
+    The main thread's id is ``pid``. Clock-tick resolution (10 ms): meaningful over runs of a
+    second or more."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        cpu = stat_cpu_seconds(Path(f"/proc/{pid}/task/{tid}/stat"))
+        if cpu is not None:
+            out[int(tid)] = cpu
+    return out
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float], *, skip: tuple[int, ...] = ()) -> float:
+    """CPU seconds the threads of ``after`` (but those in ``skip``) used since ``before`` (a
+    thread started in between counts from zero; one that ended in between is not counted)."""
+    return sum(cpu - before.get(tid, 0.0) for tid, cpu in after.items() if tid not in skip)
 
 
 class HydraServerProcess(ChildProcess):

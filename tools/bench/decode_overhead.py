@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from codec import decode_v3 as V3
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
+from tools.spawn import cpu_used
 
 from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread
 from .procs import HydraServer, run_worker
@@ -33,6 +35,20 @@ RESULT_POLL_S = 0.02
 INFERENCE_NICE = 0  # the server's inference thread priority (its default; see docs/architecture.md, 'Priorities')
 DONE_STATES = ("done", "completed", "finished", "ok", "success", "complete")
 COUNT_KEYS = ("tokens_generated", "tokens_predicted", "completion_tokens", "n_decoded", "n_generated")
+
+
+def server_cpu_per_token(srv: HydraServer, before: dict[int, float], own_before: float, tokens: int
+                         ) -> dict[str, float]:
+    """Where a PIN run's CPU went, µs per streamed token: the server's event-loop thread (its
+    main thread), its other threads (inference and ggml's compute threads) and this client.
+
+    Every figure spans the whole request (prompt, stream, close), as the bare loop's spans its
+    prefill and decode. On a host whose cores all compute, the loop's and the client's CPU is
+    taken from the decode: it is where the server's tok/s goes below the bare loop's."""
+    after, per = srv.thread_cpu(), 1e6 / max(tokens, 1)
+    loop_s = after.get(srv.pid, 0.0) - before.get(srv.pid, 0.0)
+    return {"loop": loop_s * per, "compute": cpu_used(before, after, skip=(srv.pid,)) * per,
+            "client": (time.process_time() - own_before) * per}
 
 
 def budgets(tiny: bool) -> tuple[float, float]:
@@ -128,11 +144,14 @@ async def run(ctx: BenchContext) -> Result:
                 if v == "bare":
                     out = await run_worker("bare-decode", bare_params)
                     runs.append({"variant": v, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
-                                 "e2e_rate": out["e2e_rate"]})
+                                 "e2e_rate": out["e2e_rate"],
+                                 "cpu_us_per_token": {"compute": out["compute_cpu_s"] / out["tokens"] * 1e6}})
                 elif v == "pin":
+                    server_cpu, own_cpu = srv.thread_cpu(), time.process_time()
                     r = (await pin_decode(srv.host, srv.port, 0, n, msgs, until=now() + cap_s)).check(n)
                     runs.append({"variant": v, "rep": rep, "tokens": r.tokens, "decode_rate": r.decode_rate(),
-                                 "e2e_rate": r.e2e_rate()})
+                                 "e2e_rate": r.e2e_rate(),
+                                 "cpu_us_per_token": server_cpu_per_token(srv, server_cpu, own_cpu, r.tokens)})
                 else:
                     out = await v3_decode(srv, 0, n, msgs, http, cap_s)
                     runs.append({"variant": v, "rep": rep, **out})
@@ -162,9 +181,23 @@ async def run(ctx: BenchContext) -> Result:
                         note=f"per-rep ratio {res.summary['pin_vs_bare_per_rep']['min']}–"
                              f"{res.summary['pin_vs_bare_per_rep']['max']}",
                         limit=pin_goal if bare else None, on="ratio").with_spread(res.summary["pin"]["decode_rate"]))
+    cpu = {f"{v}_{part}": spread(r["cpu_us_per_token"].get(part) for r in runs if r["variant"] == v)
+           for v, part in (("bare", "compute"), ("pin", "compute"), ("pin", "loop"), ("pin", "client"))}
+    res.summary["cpu_us_per_token"] = cpu
+    res.rows.append(Row("PIN DECODE CPU per token: the server's compute threads", cpu["pin_compute"]["median"],
+                        "µs", cpu["bare_compute"]["median"], "the bare loop's threads",
+                        note=f"besides them, the server's event loop {_us(cpu['pin_loop'])} µs "
+                             f"and the client {_us(cpu['pin_client'])} µs per token, on the same cores",
+                        ).with_spread(cpu["pin_compute"]))
     if ctx.http:
         v3, bare_e2e = med("v3", "e2e_rate"), med("bare", "e2e_rate")
         res.rows.append(Row("DECODE v3 + HTTP result tok/s (end to end)", v3, "tok/s", bare_e2e,
                             "bare loop, end to end", f"≥ {v3_goal:.0%} of bare ({which})",
                             limit=v3_goal if bare_e2e else None, on="ratio").with_spread(res.summary["v3"]["e2e_rate"]))
     return res
+
+
+def _us(sp: dict[str, Any]) -> str:
+    if sp.get("median") is None:
+        return "?"
+    return f"{sp['median']:.0f} ({sp['min']:.0f}–{sp['max']:.0f})"

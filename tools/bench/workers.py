@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from tools.bench.procs import READY_PREFIX, RESULT_PREFIX
+from tools.spawn import cpu_used, thread_cpu_seconds
 
 
 def greedy_decode(model, tokens: list[int], n_predict: int, seq: int = 0,
@@ -90,7 +91,10 @@ def bare_decode(p: dict[str, Any]) -> dict[str, Any]:
     try:
         prompt = _prompt(m, p)
         _warm(m, prompt, p)
+        before = thread_cpu_seconds(os.getpid())
         out = greedy_decode(m, prompt, p["n_predict"], max_seconds=p.get("max_seconds"))
+        # every thread of this process decodes: this one (llama_decode, sampling) and ggml's
+        out["compute_cpu_s"] = cpu_used(before, thread_cpu_seconds(os.getpid()))
     finally:
         m.close()
     return {**out, "load_ms": load_ms}
