@@ -37,7 +37,7 @@ from .backend import ModelBackend
 from .buffers import LeasedBuffer
 from .config import EngineConfig, StateOut
 from .compute_threads import ComputeThreads, usable_cores
-from .executors import start_workers
+from .executors import InferenceThread, start_workers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .kv_cache import KvCacheInfo, KvStateMismatch, restore_state
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
@@ -72,7 +72,7 @@ class Engine:
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
         self._step_rate, self._token_rate = RateWindow(), RateWindow()
         self.loader: concurrent.futures.Executor | None = None
-        self._infer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._infer: InferenceThread | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
         self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats, cfg.slot_prompt_similarity)
         self.cache = PromptCache.build(self.slots, cfg.model, cfg.cache_ram_mib, cfg.slot_save_path)
@@ -335,7 +335,6 @@ class Engine:
 
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while not self._stopping:
             while True:
                 try:
@@ -355,7 +354,7 @@ class Engine:
                 continue
             threads = self._threads_for_step()
             try:
-                await loop.run_in_executor(self._infer, self._step, running, threads)
+                await self._infer.call(self._step, running, threads)
             except Exception as e:  # a failed batched decode fails the jobs in it
                 log.error("decode step failed: %s", e)
                 for r in running:

@@ -120,6 +120,8 @@ class Slot:
     has_new_line: bool = False
     generation: int = 0  # config generation the KV was computed with
     last_used: int = 0  # when a job or a state last came here (a counter): least recently used first
+    # an idle slot's last snapshot and what it was built from (see snapshot())
+    _idle_snapshot: tuple[tuple, "SlotSnapshot"] | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_past(self) -> int:
@@ -154,7 +156,26 @@ class Slot:
         self.last_job, self.job = self.job, None
 
     def snapshot(self, generation: int, identity: ModelIdentity, reload_holds: bool = False) -> SlotSnapshot:
-        """``reload_holds``: a pending reload keeps this slot from starting new work now."""
+        """``reload_holds``: a pending reload keeps this slot from starting new work now.
+
+        An idle slot (no job, none queued, no operation) gives back its previous snapshot when
+        nothing it is built from has changed: the actor publishes every slot after every step,
+        on the path between two steps where the inference thread waits, and an idle slot's
+        snapshot took ~6.5 µs to build against 0.3 µs to reuse (docs/performance.md)."""
+        job = self.job
+        key = None
+        if job is None and not self.queue and self.operation == "idle":
+            key = (generation, identity, reload_holds, self.last_job, self.transferring, len(self.tokens),
+                   self.generation, self.state_size, self.tokens_processed, self.tokens_total, self.started,
+                   self.last_progress, self.n_decoded, self.has_new_line)
+            cached = self._idle_snapshot
+            if cached is not None and cached[0] == key:
+                return cached[1]
+        snap = self._build_snapshot(generation, identity, reload_holds)
+        self._idle_snapshot = (key, snap) if key is not None else None
+        return snap
+
+    def _build_snapshot(self, generation: int, identity: ModelIdentity, reload_holds: bool) -> SlotSnapshot:
         job = self.job
         shown = job if job is not None else self.last_job
         return SlotSnapshot(

@@ -149,3 +149,46 @@ async def test_model_states_follow_the_reloads():
         env.factory.build_gate.open()
         await until(lambda: eng.model_states()["b"] == "loaded", "b swapped in")
         assert eng.model_states()["a"] == "unloaded"
+
+
+def test_an_idle_slots_snapshot_is_reused_only_while_nothing_it_shows_changed():
+    """Idle slots give back their previous snapshot (the actor publishes every slot after every
+    step); every change to what an idle slot shows must still reach its next snapshot."""
+    from engine.sampling import SamplerParams
+    from engine.slots import Slot
+    from engine.status import ModelIdentity
+
+    slot, ident = Slot(1), ModelIdentity(model_path="a.gguf", n_vocab=512)
+    args = [3, ident, False]
+    first = slot.snapshot(*args)
+    assert slot.snapshot(*args) is first  # nothing changed: not built again
+
+    def job(n: int) -> GenJob:
+        return GenJob(slot=1, n_predict=n, sampling=SamplerParams(temperature=0.1 * n), stop=[f"s{n}"])
+
+    changes = [
+        lambda: slot.tokens.extend([5, 6, 7]),
+        lambda: setattr(slot, "state_size", 4096),
+        lambda: setattr(slot, "transferring", True),
+        lambda: setattr(slot, "transferring", False),
+        lambda: setattr(slot, "generation", 2),
+        lambda: setattr(slot, "last_job", job(4)),
+        lambda: setattr(slot, "last_job", job(9)),
+        lambda: (setattr(slot, "tokens_processed", 12), setattr(slot, "tokens_total", 40)),
+        lambda: (setattr(slot, "started", 5.0), setattr(slot, "last_progress", 6.5)),
+        lambda: (setattr(slot, "n_decoded", 11), setattr(slot, "has_new_line", True)),
+        lambda: slot.tokens.clear(),  # config_generation follows the engine's again
+        lambda: args.__setitem__(0, 4),  # a reload went live
+        lambda: args.__setitem__(1, ModelIdentity(model_path="b.gguf", n_vocab=512)),
+        lambda: args.__setitem__(2, True),  # a pending reload holds new work
+        lambda: slot.queue.append(job(2)),  # a job waits: no longer idle
+        lambda: slot.queue.clear(),
+        lambda: setattr(slot, "operation", "state_put"),
+        lambda: setattr(slot, "operation", "idle"),
+    ]
+    for i, change in enumerate(changes):
+        before = slot.snapshot(*args)
+        change()
+        after = slot.snapshot(*args)
+        assert after == slot._build_snapshot(*args), f"change {i}: a stale snapshot"
+        assert after != before, f"change {i} is not visible"
