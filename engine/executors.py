@@ -247,6 +247,8 @@ def _run_for_loop(fut: asyncio.Future, fn: Callable, args: tuple) -> None:
         fut.get_loop().call_soon_threadsafe(_settle, fut, result, error)
     except RuntimeError:  # the loop is closed: nobody waits any more
         pass
+    finally:  # an error's traceback keeps this frame: not what its variables held
+        fut = fn = args = result = error = None
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
