@@ -135,16 +135,9 @@ class FreshThreadExecutor(concurrent.futures.Executor):
         if previous is not None:
             previous.join()
         try:
-            if not fut.set_running_or_notify_cancel():
-                return
             if self._nice is not None:
                 _init_thread(self._nice)
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:  # delivered to the caller, as a pool would
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+            _run_into(fut, fn, args, kwargs)
         finally:
             with self._mutex:
                 self._pending.remove(fut)
@@ -224,14 +217,24 @@ def _work(jobs: queue.SimpleQueue, nice: int | None) -> None:
         job = None
         if kwargs is None:
             _run_for_loop(fut, fn, args)
-        elif fut.set_running_or_notify_cancel():
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:  # delivered to the caller, as a pool would
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-        # a finished call's arguments and result (a state of many MiB) are not kept until the next
+        else:
+            _run_into(fut, fn, args, kwargs)
+        # a finished call's arguments (a state of many MiB) are not kept until the next
+        fut = fn = args = kwargs = None
+
+
+def _run_into(fut: concurrent.futures.Future, fn: Callable, args: tuple, kwargs: dict) -> None:
+    """``fn`` for a concurrent Future, as a pool's worker runs it: not at all if it was cancelled."""
+    try:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # delivered to the caller, as a pool would
+            fut.set_exception(e)
+        else:
+            fut.set_result(result)
+    finally:  # an error's traceback keeps this frame: not what its variables held
         fut = fn = args = kwargs = result = None
 
 
