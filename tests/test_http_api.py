@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from codec.decode_v3 import encode_decode_v3
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
+from tests.helpers import poll_until
 
 MAX_BODY = 1 << 20
 DECODE_MAX = 4  # results kept, so eviction is cheap to reach
@@ -29,12 +30,9 @@ async def get_json(http: aiohttp.ClientSession, path: str) -> tuple[int, dict]:
 
 
 async def wait_idle(http: aiohttp.ClientSession, slot: int, timeout: float = 30.0) -> dict:
-    async with asyncio.timeout(timeout):
-        while True:
-            _, meta = await get_json(http, f"/slots/{slot}/state/meta")
-            if not meta["is_processing"]:
-                return meta
-            await asyncio.sleep(0.02)
+    _, meta = await poll_until(lambda: get_json(http, f"/slots/{slot}/state/meta"),
+                               lambda reply: not reply[1]["is_processing"], timeout)
+    return meta
 
 
 def assert_error_object(body: dict, status: int) -> None:
@@ -201,14 +199,16 @@ async def merged_decode(client: HydraClient, slot: int, n_predict: int, kv: byte
 
 
 async def poll_decode(http: aiohttp.ClientSession, decode_id: int, timeout: float = 60.0) -> dict:
-    async with asyncio.timeout(timeout):
-        while True:
-            status, body = await get_json(http, f"/v1/decode/{decode_id}")
-            if status != 202:
-                assert status == 200, body
-                return body
+    def finished(reply: tuple[int, dict]) -> bool:
+        status, body = reply
+        if status == 202:
             assert body["status"] == "running" and body["decode_request_id"] == decode_id
-            await asyncio.sleep(0.02)
+            return False
+        assert status == 200, body
+        return True
+
+    _, body = await poll_until(lambda: get_json(http, f"/v1/decode/{decode_id}"), finished, timeout)
+    return body
 
 
 @pytest.mark.asyncio
