@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class GgmlChild:
     sock: socket.socket  # blocking, connected to the child's server, HELLO done
     hello: G.HelloResponse
     tasks: list[asyncio.Task] = field(default_factory=list)
-    released: bool = False  # killed by us: an exit is not a crash
+    released: bool = False  # the session is over and we sent SIGKILL: that exit is not a crash
 
     @property
     def pid(self) -> int:
@@ -219,7 +220,10 @@ class GgmlChildPool:
 
     async def _watch(self, child: GgmlChild) -> None:
         code = await child.proc.wait()
-        if not child.released and code != 0:
+        # A released child may have crashed before our SIGKILL reached it: the session's socket
+        # can reach EOF (and release it) before the reaper reports the exit, so the exit code
+        # says which of the two ended it, not the order we heard of them.
+        if code != 0 and not (child.released and code == -signal.SIGKILL):
             self.stats["crashed"] += 1
             log.warning("ggml child %d died: %s", child.pid, _describe(code))
         if child in self._idle:  # a spare died unused
@@ -265,8 +269,6 @@ def _terminate(proc: asyncio.subprocess.Process) -> None:
 
 def _describe(code: int) -> str:
     if code < 0:
-        import signal
-
         try:
             return signal.Signals(-code).name
         except ValueError:

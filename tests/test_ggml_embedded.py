@@ -275,3 +275,37 @@ async def test_children_that_keep_failing_are_retried_with_backoff(caplog):
         pool.release(child)
     finally:
         await pool.close()
+
+
+def _dead(pid: int) -> bool:
+    """The process has exited (a zombie, or already reaped by the loop's child watcher)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.asyncio
+async def test_a_child_that_crashed_before_its_release_is_reported(caplog):
+    """The session's socket can reach EOF, and release the child, before the loop hears of its
+    exit: a crash is a crash even then (a CI run logged nothing for a SIGSEGV that way)."""
+    pool = GgmlChildPool(threads=1, max_sessions=2)
+    await pool.start()
+    try:
+        child = await pool.acquire(timeout=20)
+        os.kill(child.pid, signal.SIGSEGV)
+        wait_until(lambda: _dead(child.pid), "the child's exit")  # no await: the loop has not heard yet
+        pool.release(child)
+        async with asyncio.timeout(20):
+            assert await child.proc.wait() == -signal.SIGSEGV
+        await until(lambda: pool.stats["crashed"] == 1, "the crash counted")
+        assert f"ggml child {child.pid} died: SIGSEGV" in caplog.text
+        released = await pool.acquire(timeout=20)  # and a child we kill ourselves is no crash
+        pool.release(released)
+        async with asyncio.timeout(20):
+            assert await released.proc.wait() == -signal.SIGKILL
+        await until(lambda: all(t.done() for t in released.tasks), "the watcher's end")
+        assert pool.stats["crashed"] == 1
+    finally:
+        await pool.close()
