@@ -304,7 +304,8 @@ async def test_a_child_that_crashed_before_its_release_is_reported(caplog):
         released = await pool.acquire(timeout=20)  # and a child we kill ourselves is no crash
         pool.release(released)
         async with asyncio.timeout(20):
-            assert await released.proc.wait() == -signal.SIGKILL
+            # 0 too: closing its socket ends the session, and the child may exit on its own first
+            assert await released.proc.wait() in (0, -signal.SIGKILL)
         await until(lambda: all(t.done() for t in released.tasks), "the watcher's end")
         assert pool.stats["crashed"] == 1
     finally:
