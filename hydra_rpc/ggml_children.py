@@ -69,6 +69,7 @@ class GgmlChildPool:
         self.start_ms: list[float] = []  # spawn → sealed of the last children (the bench reports it)
         self._idle: list[GgmlChild] = []
         self._busy: set[GgmlChild] = set()
+        self._ending: set[GgmlChild] = set()  # released, killed, not yet reaped: close() waits for them
         self._starting = 0
         self._changed = asyncio.Condition()
         self._filler: asyncio.Task | None = None
@@ -121,6 +122,8 @@ class GgmlChildPool:
         """The session is over: kill its child (the memory goes with it) and make room."""
         child.released = True
         self._busy.discard(child)
+        if not all(t.done() for t in child.tasks):
+            self._ending.add(child)
         _kill(child)
         self._notify()
 
@@ -135,6 +138,10 @@ class GgmlChildPool:
         for child in children:
             child.released = True
             _kill(child)
+        # a session that ended just before holds a child still dying: its pipes and process
+        # transport must be gone before the loop closes, like everyone else's
+        children += self._ending
+        self._ending.clear()
         for child in children:
             await _reap(child.proc, *child.tasks)
         self._notify()
@@ -231,6 +238,8 @@ class GgmlChildPool:
                 self._idle.remove(child)
                 child.sock.close()
                 self._changed.notify_all()
+        await asyncio.wait([t for t in child.tasks if t is not asyncio.current_task()])  # its stderr's EOF
+        self._ending.discard(child)
 
 
 async def _pump_stderr(proc: asyncio.subprocess.Process) -> None:

@@ -310,3 +310,16 @@ async def test_a_child_that_crashed_before_its_release_is_reported(caplog):
         assert pool.stats["crashed"] == 1
     finally:
         await pool.close()
+
+
+@pytest.mark.asyncio
+async def test_close_reaps_a_child_released_just_before():
+    """A session that ends as the server shuts down: close() waits for its dying child too, so
+    no process or pipe transport outlives the pool (a loop closed over them fails)."""
+    pool = GgmlChildPool(threads=1, max_sessions=2)
+    await pool.start()
+    child = await pool.acquire(timeout=20)
+    pool.release(child)
+    await pool.close()
+    assert child.proc.returncode is not None
+    assert all(t.done() for t in child.tasks)
