@@ -128,8 +128,11 @@ async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_
     try:
         c = await HydraClient.connect(server.host, server.port)
         gen0 = (await info(c))["config_generation"]
-        # A generation that runs until its 16k-token context is full: far longer than the drain timeout.
-        await busy.send(Op.DECODE, "0", json.dumps({"n_predict": 10**6, "messages": USER, "stream": False}).encode())
+        # A generation far longer than the drain timeout. Greedy from "hi", tiny-small reaches no
+        # end-of-generation token in 4,000 tokens (~12 s here); from USER it stops at token 342,
+        # well inside a slow host's 0.3 s + build, and the reload then swaps (a CI-like run did).
+        body = {"n_predict": 10**6, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": False}
+        await busy.send(Op.DECODE, "0", json.dumps(body).encode())
         await wait_processing(c, "0")
         assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
         r = await c.request(Op.CONFIGURE, "", json.dumps({"n_ctx": 2048}).encode())
