@@ -11,6 +11,10 @@ from hydra_rpc.client import HydraClient
 from tests.helpers import serving, start_server
 
 USER = [{"role": "user", "content": "hello there"}]
+# A generation far longer than any drain or poll here: greedy from "hi", tiny-small reaches no
+# end-of-generation token in 4,000 tokens (~12 s); from USER it stops at token 342, inside a slow
+# host's reload, which then swaps (a loaded run did).
+ENDLESS = {"n_predict": 10**6, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": False}
 
 
 async def info(c: HydraClient) -> dict:
@@ -87,8 +91,7 @@ async def test_reject_policy_answers_busy_while_pending(small_and_b):
                  "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         busy = await HydraClient.connect(server.host, server.port)
-        # runs until its 16k context is full: the reload stays pending until we cancel it
-        await busy.send(Op.DECODE, "0", json.dumps({"n_predict": 10**6, "messages": USER, "stream": False}).encode())
+        await busy.send(Op.DECODE, "0", json.dumps(ENDLESS).encode())  # the reload stays pending until we cancel it
         await wait_processing(c, "0")
         assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
         r = await c.request(Op.PREFILL, "1", json.dumps({"messages": USER}).encode())
@@ -128,11 +131,7 @@ async def test_newer_configure_supersedes_pending_and_drain_timeout_drops(small_
     try:
         c = await HydraClient.connect(server.host, server.port)
         gen0 = (await info(c))["config_generation"]
-        # A generation far longer than the drain timeout. Greedy from "hi", tiny-small reaches no
-        # end-of-generation token in 4,000 tokens (~12 s here); from USER it stops at token 342,
-        # well inside a slow host's 0.3 s + build, and the reload then swaps (a CI-like run did).
-        body = {"n_predict": 10**6, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": False}
-        await busy.send(Op.DECODE, "0", json.dumps(body).encode())
+        await busy.send(Op.DECODE, "0", json.dumps(ENDLESS).encode())  # far longer than the drain timeout
         await wait_processing(c, "0")
         assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": model_b}).encode())).ok
         r = await c.request(Op.CONFIGURE, "", json.dumps({"n_ctx": 2048}).encode())
