@@ -77,7 +77,8 @@ async def test_steps_give_a_shadow_load_one_thread_and_take_it_back():
         eng.compute_threads = ComputeThreads(2, 2, quiet)
         old = env.model
         gen = await long_generation(eng, 0)
-        assert old.threads_now == 2
+        # the slot holds the job before its first step runs; the step sets the threads
+        await until(lambda: old.threads_now == 2, "the steps on two threads")
         f.build_gate.close()
         await eng.configure({"model_path": "model-b"})
         await until(lambda: f.build_gate.waiting == 1, "the shadow build")
