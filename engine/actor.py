@@ -34,6 +34,7 @@ from codec.errors import CodecError
 
 from . import tiers
 from .backend import ModelBackend
+from .chat.formats import ChatFormat, detect_format
 from .buffers import LeasedBuffer
 from .config import EngineConfig, StateOut
 from .compute_threads import ComputeThreads, usable_cores
@@ -45,7 +46,8 @@ from .model_params import ModelParams, resolve_path
 from .prompt_cache import PromptCache
 from .rates import RateWindow, rate
 from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
-from .sampling import SamplerParams, merge_sampling
+from .reasoning_budget import ReasoningBudget
+from .sampling import GrammarSpec, SamplerParams, merge_sampling
 from .scheduler import Scheduler, Serving, fail
 from .slots import Slot, SlotSnapshot
 from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadState, ReloadStatus
@@ -164,6 +166,27 @@ class Engine:
     @property
     def n_vocab(self) -> int:
         return self.identity.n_vocab
+
+    @property
+    def chat_syntax(self) -> ChatFormat:
+        """The live model's chat template format (tool calls, reasoning); generic before a model."""
+        model = self.model
+        return model.chat_syntax if model is not None else detect_format(None)
+
+    @property
+    def reasoning_format(self) -> str:
+        """How chat answers split ``<think>`` blocks unless a request says (--reasoning-format)."""
+        return self.cfg.reasoning_format
+
+    @property
+    def default_grammar(self) -> GrammarSpec | None:
+        """The grammar of requests that bring none (--grammar, --json-schema)."""
+        return self.cfg.default_grammar
+
+    @property
+    def reasoning_budget(self) -> ReasoningBudget | None:
+        """The think-block budget of requests that set none (--reasoning-budget)."""
+        return self.cfg.reasoning_budget
 
     @property
     def max_state_size(self) -> int:

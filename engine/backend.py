@@ -14,6 +14,7 @@ from .sampling import SamplerParams
 if TYPE_CHECKING:
     import numpy as np
 
+    from .chat.formats import ChatFormat
     from .kv_cache import KvCacheInfo
     from .model_params import ModelParams
 
@@ -54,6 +55,13 @@ class ModelBackend(Protocol):
 
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
     def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    @property
+    def chat_syntax(self) -> "ChatFormat":
+        """The chat template's tool-call and reasoning format."""
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        """Prompt text for ``messages`` with the generation prompt; ``extra``: template variables."""
+    def chat_text_tokens(self, text: str) -> list[int]:
+        """Tokens of a rendered chat prompt (special tokens parsed, one BOS)."""
     def token_to_piece(self, tok: int, special: bool = False) -> bytes: ...
     def is_eog(self, tok: int) -> bool: ...
 
@@ -69,7 +77,12 @@ class ModelBackend(Protocol):
     def make_sampler(self, params: SamplerParams | None = None) -> Any:
         """A sampler handle for ``sample``; the engine calls its ``free()`` when the job ends."""
     def sample(self, seq: int, sampler: Any, want_logprob: bool = False) -> Any:
-        """The next token of ``seq`` (with ``want_logprob``: ``(token, logprob)``)."""
+        """The next token of ``seq`` (with ``want_logprob``: ``(token, logprob)``). With a grammar
+        that allows no token, raises ``engine.sampling.GrammarExhausted`` having accepted nothing."""
+    def accept(self, sampler: Any, tok: int) -> None:
+        """Let ``sampler`` (its grammar, its penalties) take ``tok``, written without sampling."""
+    def top_logprobs(self, seq: int, n: int) -> list[tuple[int, float]]:
+        """The ``n`` most likely (token, logprob) of ``seq``'s raw logits; call before ``sample``."""
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool: ...
     def seq_clear(self, seq: int) -> None: ...

@@ -7,6 +7,8 @@ from typing import Any, Callable
 from .backend import BackendFactory, LlamaFactory
 from .model_params import ModelParams
 from .rpc_allow import RpcAllowList
+from .reasoning_budget import ReasoningBudget
+from .sampling import GrammarSpec
 from .status import ModelIdentity
 
 
@@ -38,6 +40,11 @@ class EngineConfig:
     slot_prompt_similarity: float = 0.1  # a job naming no slot goes where its prompt is cached (0: LRU only)
     cache_ram_mib: int = 8192  # RAM tier for the states of replaced conversations (-1: no limit, 0: off)
     slot_save_path: str | None = None  # directory of slot files (save/restore); None: refused
+    # chat output: --reasoning-format (auto | deepseek | none), and a grammar every request gets
+    # unless it brings its own (--grammar, --grammar-file, --json-schema, --json-schema-file)
+    reasoning_format: str = "auto"
+    default_grammar: GrammarSpec | None = None
+    reasoning_budget: ReasoningBudget | None = None  # --reasoning-budget N (≥ 0), --reasoning-budget-message
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from .sampling import SamplerParams
 
 if TYPE_CHECKING:
+    from .reasoning_budget import ReasoningBudget
     from .model_params import ModelParams
     from .status import ModelIdentity
 
@@ -45,6 +46,8 @@ class TokenEvent:
     token: int
     piece: bytes
     logprob: float = 0.0
+    # the most likely tokens at this step (piece, logprob), when the job asked for ``n_probs``
+    top: tuple[tuple[bytes, float], ...] = ()
 
 
 @dataclass
@@ -53,7 +56,7 @@ class GenResult:
     n_past: int
     prompt_tokens: int
     tokens_generated: int
-    stop_reason: str  # eos | length | stop | ctx_full | cancelled | none (prefill only)
+    stop_reason: str  # eos | length | stop | ctx_full | grammar | cancelled | none (prefill only)
     config_generation: int
     identity: ModelIdentity
     prefill_ms: float = 0.0
@@ -87,6 +90,9 @@ class GenJob:
     n_predict: int = 0
     sampling: SamplerParams = field(default_factory=SamplerParams)
     stop: list[str] = field(default_factory=list)
+    # chat template variables besides ``messages`` (``tools``, the request's chat_template_kwargs)
+    template_vars: dict[str, Any] | None = None
+    reasoning_budget: ReasoningBudget | None = None  # at most this many tokens inside a think block
     capture_state: bool = False
     want_logprobs: bool = False
     # Serve only on this model config (a request that named a model or a config); if another
@@ -99,6 +105,9 @@ class GenJob:
     # runtime, owned by the actor / inference thread
     # (model, tokens): the input tokenized before a slot was chosen; used if that model still serves
     tokenized: tuple[Any, list[int]] | None = field(default=None, repr=False)
+    # set when ``messages`` are rendered: the generation prompt ends inside an open think block,
+    # so the output starts as reasoning (read by the wire side once the first token arrives)
+    opens_reasoning: bool = False
     cancelled: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: asyncio.Future | None = None

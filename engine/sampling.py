@@ -9,6 +9,54 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 
+class GrammarExhausted(RuntimeError):
+    """The grammar allows no token at this step (e.g. the vocabulary cannot spell what it
+    requires). Nothing was accepted: the generation must end here (finish reason "grammar")."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A GBNF grammar the sampled text must follow.
+
+    ``lazy``: the grammar applies only from the first match of a trigger on: a regex of
+    ``trigger_patterns`` (searched in the generated text; anchored as a whole-text match when
+    it starts with ``^`` and ends with ``$``; the grammar sees the text from the first
+    non-empty capture group on) or a token of ``trigger_tokens``.
+    """
+
+    text: str
+    root: str = "root"
+    lazy: bool = False
+    trigger_patterns: tuple[str, ...] = ()
+    trigger_tokens: tuple[int, ...] = ()
+    # a prompt that opened a think block: the grammar applies once the block is closed (the
+    # grammars built from tools and schemas); False: from the first token (a client's own GBNF)
+    after_think: bool = True
+
+
+def grammar_nesting(text: str) -> int:
+    """Deepest parenthesis nesting of a GBNF text, ignoring literals, classes and comments."""
+    depth = deepest = 0
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"[":  # a literal or character class: skip to its unescaped end
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and text[i] != close:
+                i += 2 if text[i] == "\\" else 1
+        elif c == "#":
+            while i < n and text[i] not in "\r\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 @dataclass(frozen=True)
 class SamplerParams:
     """Sampling parameters. ``temperature <= 0`` means greedy (argmax)."""
@@ -22,6 +70,9 @@ class SamplerParams:
     penalty_last_n: int = 64
     penalty_freq: float = 0.0  # 0.0 = off
     penalty_present: float = 0.0  # 0.0 = off
+    grammar: GrammarSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -inf bans the token
+    n_probs: int = 0  # > 0: also report the top n (token, logprob) of the raw logits
 
     @property
     def greedy(self) -> bool:

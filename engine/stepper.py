@@ -13,12 +13,15 @@ while a step is in flight (it is awaiting the step), so there is one owner at a 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .backend import BatchItem, ModelBackend
+from .chat.formats import generation_opens_reasoning
 from .jobs import BadInput, GenJob, TokenEvent
 from .prompt_cache import PromptCache
+from .reasoning_budget import BudgetTracker, tracker_for
+from .sampling import GrammarExhausted, SamplerParams
 from .slots import Slot
 
 
@@ -43,6 +46,7 @@ class Running:
     state: bytes | None = None
     logits: bytes | None = None
     admitted: bool = False
+    budget: BudgetTracker | None = None  # the job's reasoning budget, while it has one
 
     @property
     def finished(self) -> bool:
@@ -58,7 +62,9 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
     if job.tokenized is not None and job.tokenized[0] is model:
         new = job.tokenized[1]
     elif job.messages is not None:
-        new = model.chat_tokens(job.messages)
+        text = model.render_chat(job.messages, **(job.template_vars or {}))
+        job.opens_reasoning = generation_opens_reasoning(text, model.chat_syntax)
+        new = model.chat_text_tokens(text)
     elif job.prompt is not None:
         new = model.tokenize(job.prompt, add_special=not job.append or not slot_has_tokens)
     elif job.tokens is not None:
@@ -69,6 +75,17 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
     if any(t < 0 or t >= nv for t in new):
         raise BadInput(f"token id out of range 0..{nv - 1}")
     return new
+
+
+def sampling_for_output(model: ModelBackend, job: GenJob) -> SamplerParams:
+    """The job's sampling; a grammar waits for the think block to close when the prompt opened one."""
+    grammar = job.sampling.grammar
+    if grammar is None or not job.opens_reasoning or not grammar.after_think:
+        return job.sampling
+    from .chat.tool_grammar import after_reasoning
+
+    close = model.chat_syntax.think_close or "</think>"
+    return replace(job.sampling, grammar=after_reasoning(grammar, close))
 
 
 def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) -> None:
@@ -95,7 +112,9 @@ def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) 
     r.pending = target[keep:]
     r.cached_tokens = keep
     r.prompt_tokens = len(target)
-    r.sampler = model.make_sampler(job.sampling) if job.n_predict > 0 else None
+    r.sampler = model.make_sampler(sampling_for_output(model, job)) if job.n_predict > 0 else None
+    syntax = model.chat_syntax
+    r.budget = tracker_for(job.reasoning_budget, job.opens_reasoning, syntax.think_open, syntax.think_close)
     r.admitted = True
     slot.begin("prefill" if r.pending else "decode", len(r.pending) + job.n_predict)
 
@@ -114,10 +133,21 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
     if r.n_generated >= job.n_predict:
         r.stop_reason = r.stop_reason or ("none" if job.n_predict == 0 else "length")
         return
-    if job.want_logprobs:
-        tok, lp = model.sample(slot.id, r.sampler, True)
-    else:
-        tok, lp = model.sample(slot.id, r.sampler), 0.0
+    n_probs = job.sampling.n_probs
+    # the alternatives are read from the raw logits before sampling (sample() may change them)
+    top = tuple((model.token_to_piece(t), p) for t, p in model.top_logprobs(slot.id, n_probs)) if n_probs else ()
+    forced = r.budget.next_forced(model, r.text) if r.budget is not None else None
+    try:
+        if forced is not None:  # the reasoning budget is spent: its message and close tag are written
+            tok, lp = forced, 0.0
+            model.accept(r.sampler, tok)
+        elif job.want_logprobs or n_probs:
+            tok, lp = model.sample(slot.id, r.sampler, True)
+        else:
+            tok, lp = model.sample(slot.id, r.sampler), 0.0
+    except GrammarExhausted:  # the grammar allows no token of this vocabulary: end, never hang
+        r.stop_reason = "grammar"
+        return
     r.n_generated += 1
     slot.n_decoded += 1
     slot.advance(1, time.monotonic())
@@ -127,8 +157,10 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
     piece = model.token_to_piece(tok)
     slot.has_new_line = b"\n" in piece
     r.generated.append(tok)
-    r.events.append(TokenEvent(tok, piece, lp))
+    r.events.append(TokenEvent(tok, piece, lp, top))
     r.text += piece
+    if r.budget is not None:
+        r.budget.observe(r.text, piece)
     if job.stop and _hit_stop(r, job.stop):
         r.stop_reason = "stop"
         slot.tail = [tok]

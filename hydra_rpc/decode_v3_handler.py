@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from codec import decode_v3 as V3
@@ -24,7 +25,7 @@ from engine.jobs import EngineBusy, GenJob
 from engine.model_params import ModelParams
 
 from .engine_meta import identity_meta
-from .handlers import BlobRejected, check_kv_blob_size, restore_kv_blob, select_model
+from .handlers import BlobRejected, chat_input, check_kv_blob_size, restore_kv_blob, select_model
 from .wire import PeerGone, Request, ResponseWriter
 
 log = logging.getLogger("hydra_rpc.decode_v3")
@@ -151,8 +152,11 @@ class DecodeV3:
         prompt = p.get("prompt") if isinstance(p.get("prompt"), str) else None
         if not isinstance(messages, list):
             messages = None
-        return GenJob(slot, messages=messages, prompt=prompt, n_predict=n_predict,
-                      sampling=self.engine.sampling_for(fields), stop=stop, params=params, wait=False)
+        chat = chat_input(self.engine, p, messages)
+        sampling = replace(self.engine.sampling_for(fields), grammar=chat.grammar)
+        return GenJob(slot, messages=chat.messages, prompt=prompt, n_predict=n_predict, sampling=sampling, stop=stop,
+                      params=params, wait=False, template_vars=chat.template_vars,
+                      reasoning_budget=chat.reasoning_budget)
 
     def _orphaned(self, entry: DecodeEntry, why: str) -> None:
         if entry.stop(f"stopped: {why}"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from codec import payloads as P
@@ -20,9 +21,11 @@ from codec.limits import HYDRA_MAX_PROMPT_BYTES
 from codec.kvblob import KvBlobLayout, encode_kv_blob_header, max_kv_blob_size, parse_kv_blob, split_logits_tail
 from engine.actor import Engine
 from engine.buffers import LeasedBuffer
+from engine.chat.prompt import ChatRequestError, normalize_messages, plan_chat, read_chat_options
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
 from engine.kv_cache import KvStateMismatch
-from engine.sampling import GREEDY
+from engine.reasoning_budget import ReasoningBudget
+from engine.sampling import GREEDY, GrammarSpec
 from engine.status import ModelChoice
 
 from .engine_meta import configure_meta, identity_meta, info_meta, slot_meta
@@ -184,8 +187,9 @@ class Handlers:
             raise MalformedPayload("PREFILL needs 'messages' (array) or 'prompt' (string)", rule="prefill.input")
         if messages is not None and not isinstance(messages, list):
             raise MalformedPayload("messages must be an array", rule="prefill.messages")
-        job = GenJob(slot, messages=messages, prompt=None if messages is not None else prompt, n_predict=0,
-                     capture_state=True, params=choice.params)
+        chat = chat_input(self.engine, body, messages)
+        job = GenJob(slot, messages=chat.messages, prompt=None if messages is not None else prompt, n_predict=0,
+                     capture_state=True, params=choice.params, template_vars=chat.template_vars)
         res = await run_job(req, self.engine, job)
         state, logits = res.state or b"", res.logits or b""
         head = encode_kv_blob_header(KV_VERSION, res.n_past, res.tokens)
@@ -232,8 +236,10 @@ class Handlers:
         d = P.parse_json_decode(payload)
         # PIN decodes greedily (top_k 1, temp 0); a request may ask for sampling explicitly.
         sampling = self.engine.sampling_for(d.body) if "temperature" in d.body else GREEDY
-        job = GenJob(slot, messages=d.messages, append=d.messages is None, n_predict=d.n_predict,
-                     sampling=sampling, want_logprobs=dialect is Dialect.DECODE_SPEC)
+        chat = chat_input(self.engine, d.body, d.messages)
+        job = GenJob(slot, messages=chat.messages, append=d.messages is None, n_predict=d.n_predict,
+                     sampling=replace(sampling, grammar=chat.grammar), want_logprobs=dialect is Dialect.DECODE_SPEC,
+                     template_vars=chat.template_vars, reasoning_budget=chat.reasoning_budget)
         if dialect is Dialect.DECODE_SPEC:
             res = await run_job(req, self.engine, job)
             frames = bytearray()
@@ -249,6 +255,31 @@ class Handlers:
                                         **prompt_meta(res)}, bytes(frames))
             return
         await stream_pin(req, resp, self.engine, job)
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """What a Hydra request's chat fields make of its job."""
+
+    messages: list | None = None
+    template_vars: dict[str, Any] | None = None
+    grammar: GrammarSpec | None = None
+    reasoning_budget: ReasoningBudget | None = None
+
+
+def chat_input(engine: Engine, body: dict[str, Any], messages: list | None) -> ChatInput:
+    """A Hydra request's ``messages`` as the HTTP chat endpoint renders them (``tools``,
+    ``chat_template_kwargs``), so a P/D split prefills the prompt HTTP decode continues; and
+    the grammar its ``tools``/``tool_choice``, ``grammar``, ``json_schema`` or
+    ``response_format`` ask for and its reasoning budget, as llama-server reads a body."""
+    try:
+        opts = read_chat_options(body, default_grammar=engine.default_grammar, default_budget=engine.reasoning_budget)
+        if messages is None:
+            return ChatInput(grammar=opts.response_format)
+        plan = plan_chat(normalize_messages(messages), opts, engine.chat_syntax)
+    except ChatRequestError as e:
+        raise MalformedPayload(str(e), rule=f"chat.{e.param}") from None
+    return ChatInput(plan.messages, plan.template_vars, plan.grammar, plan.reasoning_budget)
 
 
 def prompt_meta(res: GenResult) -> dict[str, int]:

@@ -35,8 +35,8 @@ from engine.jobs import EngineBusy
 
 from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
 from .http_limits import HttpLimits, max_body_for
+from .http_chat import FINISH_REASON
 from .http_openai import (
-    FINISH_REASON,
     ApiError,
     OpenAIRoutes,
     completion_object,

@@ -17,19 +17,20 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
+from engine.chat.prompt import ChatPlan, ChatRequestError, normalize_messages, plan_chat, read_chat_options
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult, ReloadFailed
+from engine.sampling import GrammarSpec
 from engine.status import ModelChoice
 
+from .http_chat import (ChunkSink, dumps, finish_reason, logprobs_object, message_object, parse_message,
+                        read_logit_bias, read_logprobs)
 from .wire import client_behind, limit_send_buffer
 
-# engine stop_reason → OpenAI finish_reason ("none" is a zero-token request; cancelled has none)
-FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "ctx_full": "length", "none": "length",
-                 "cancelled": None}
 MAX_STOPS, MAX_STOP_BYTES = 16, 256
 ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
@@ -61,10 +62,6 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=dumps(obj), status=status, headers=headers, content_type="application/json")
-
-
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def engine_error(e: BaseException) -> ApiError:
@@ -132,22 +129,21 @@ class CompletionRequest:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
+    chat: ChatPlan | None = None  # chat requests: template variables, grammar, output parsing
+    grammar: GrammarSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    n_probs: int = 0  # top alternatives per token (OpenAI top_logprobs, llama-server n_probs)
+    logprobs: bool = False  # report each generated token's logprob
 
 
 def parse_completion_request(body: dict[str, Any], kind: str, engine: Any) -> CompletionRequest:
     """Validate the fields we act on; unknown fields are ignored, as OpenAI servers do."""
     req = CompletionRequest(kind)
     if kind == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
-            if not isinstance(m.get("content"), (str, list, type(None))):
-                raise ApiError(400, f"messages[{i}].content must be a string, an array of parts or null",
-                               param="messages")
-        req.messages = msgs
+        try:
+            req.messages = normalize_messages(body.get("messages"))
+        except ChatRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from None
     else:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -207,7 +203,27 @@ def parse_completion_request(body: dict[str, Any], kind: str, engine: Any) -> Co
     req.stream = bool(stream)
     opts = body.get("stream_options")
     req.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    _read_constraints(req, body, engine)
     return req
+
+
+def _read_constraints(req: CompletionRequest, body: dict[str, Any], engine: Any) -> None:
+    """Tools, reasoning, grammars, logit_bias and logprobs: all checked here, before a slot is taken."""
+    try:
+        opts = read_chat_options(body, default_reasoning_format=engine.reasoning_format,
+                                 default_grammar=engine.default_grammar, default_budget=engine.reasoning_budget)
+        if req.kind == "chat":
+            assert req.messages is not None
+            req.chat = plan_chat(req.messages, opts, engine.chat_syntax)
+            req.messages, req.grammar = req.chat.messages, req.chat.grammar
+        elif body.get("tools") is not None:
+            raise ChatRequestError("'tools' are for /v1/chat/completions", "tools")
+        else:
+            req.grammar = opts.response_format
+        req.logit_bias = read_logit_bias(body.get("logit_bias"), engine.n_vocab)
+        req.logprobs, req.n_probs = read_logprobs(body, req.kind)
+    except ChatRequestError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def _max_tokens(body: dict[str, Any], engine: Any) -> int:
@@ -307,21 +323,6 @@ def chunk_object(kind: str, cid: str, created: int, model: str, generation: int,
             "choices": [choice]}
 
 
-class TextEvent:
-    """A text chunk's SSE event, pre-rendered around its text: the stream sends one per token,
-    and dumping the whole object each time costs about as much as a tiny model's decode."""
-
-    SENTINEL = "\x00hydra-text\x00"
-
-    def __init__(self, template: dict[str, Any]):
-        head, sep, tail = dumps(template).partition(dumps(self.SENTINEL))
-        assert sep, "the template must hold the sentinel text"
-        self.head, self.tail = b"data: " + head, tail + b"\n\n"
-
-    def render(self, text: str) -> bytes:
-        return self.head + dumps(text) + self.tail
-
-
 def timings_of(res: GenResult) -> dict[str, Any]:
     """llama-server's ``timings`` (integer counts, float ms and rates), then ours."""
     def per_second(n: int, ms: float) -> float:
@@ -333,6 +334,16 @@ def timings_of(res: GenResult) -> dict[str, Any]:
             "predicted_ms": round(res.decode_ms, 3), "predicted_per_second": per_second(predicted_n, res.decode_ms),
             "prefill_ms": round(res.prefill_ms, 3), "decode_ms": round(res.decode_ms, 3),
             "cached_tokens": res.cached_tokens}
+
+
+def drain_events(job: GenJob) -> list[Any]:
+    """The token events of a finished job that nobody streamed."""
+    out = []
+    while not job.events.empty():
+        ev = job.events.get_nowait()
+        if ev is not None:
+            out.append(ev)
+    return out
 
 
 async def outcome(job: GenJob) -> GenResult | None:
@@ -374,8 +385,12 @@ class OpenAIRoutes:
         choice = await select_model(engine, creq.model)
         model = choice.name
         # no slot named: the engine picks one when it admits the job (prompt similarity, then LRU)
+        sampling = replace(engine.sampling_for(creq.sampling), grammar=creq.grammar, logit_bias=creq.logit_bias,
+                           n_probs=creq.n_probs)
         job = GenJob(creq.slot, messages=creq.messages, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict,
-                     sampling=engine.sampling_for(creq.sampling), stop=creq.stop, params=choice.params)
+                     sampling=sampling, stop=creq.stop, params=choice.params, want_logprobs=creq.logprobs,
+                     template_vars=creq.chat.template_vars if creq.chat else None,
+                     reasoning_budget=creq.chat.reasoning_budget if creq.chat else None)
         try:
             engine.submit(job)
         except (EngineBusy, BadInput, EngineUnavailable) as e:
@@ -401,8 +416,15 @@ class OpenAIRoutes:
         if res is None:
             raise ApiError(503, "generation cancelled: the engine is stopping")
         text, hit = cut_at_stop(res.text.decode("utf-8", "replace"), creq.stop)
-        finish = "stop" if hit else FINISH_REASON.get(res.stop_reason)
-        obj = completion_object(creq.kind, cid, int(time.time()), model, text, finish, res, res.config_generation)
+        obj = completion_object(creq.kind, cid, int(time.time()), model, text, None, res, res.config_generation)
+        choice = obj["choices"][0]
+        calls = False
+        if creq.kind == "chat":
+            msg = parse_message(creq.chat, text, job.opens_reasoning, id_prefix=f"call_{cid[-12:]}_")
+            choice["message"], calls = message_object(msg), bool(msg.tool_calls)
+        choice["finish_reason"] = finish_reason(res.stop_reason, hit, calls)
+        if creq.logprobs:
+            choice["logprobs"] = logprobs_object(drain_events(job))
         obj.update(slot=res.slot, id_slot=res.slot, config_generation=res.config_generation, timings=timings_of(res))
         return json_response(obj), ("stop" if hit else res.stop_reason)
 
@@ -433,8 +455,9 @@ class OpenAIRoutes:
         def chunk(**kw: Any) -> dict[str, Any]:
             return chunk_object(creq.kind, cid, created, model, gen, **kw)
 
-        text_event = TextEvent(chunk(text=TextEvent.SENTINEL))
         out: list[bytes] = []  # events not written yet
+        sink = ChunkSink(creq.kind, chunk, out, plan=creq.chat, opens_reasoning=job.opens_reasoning,
+                         id_prefix=f"call_{cid[-12:]}_", logprobs=creq.logprobs)
 
         async def flush() -> None:
             if out:
@@ -461,9 +484,7 @@ class OpenAIRoutes:
             utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             stops = StopFilter(creq.stop)
             while ev is not None:
-                text = stops.feed(utf8.decode(ev.piece))
-                if text:
-                    out.append(text_event.render(text))
+                sink.text(stops.feed(utf8.decode(ev.piece)), ev)
                 if stops.hit:
                     job.cancel()  # we matched the stop first; do not generate past it
                     break
@@ -472,9 +493,8 @@ class OpenAIRoutes:
                 if job.events.empty() or len(out) >= 256:
                     await flush()
                 ev = await anext(events, None)
-            text = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
-            if text:
-                out.append(text_event.render(text))
+            sink.text(stops.feed(utf8.decode(b"", final=True)) + stops.flush())
+            sink.finish()
             try:
                 res = res or await outcome(job)
             except ApiError as e:  # headers are out: report in-band, as llama-server does
@@ -483,7 +503,7 @@ class OpenAIRoutes:
                 await flush()
                 return resp, "error"
             reason = "stop" if stops.hit else (res.stop_reason if res else "cancelled")
-            last = chunk(finish=FINISH_REASON.get(reason, "stop"))
+            last = chunk(finish=finish_reason(reason, stops.hit, sink.has_tool_calls))
             if res is not None:  # as llama-server: a client without the usage chunk reads these
                 last.update(id_slot=res.slot, timings=timings_of(res))
             event(last)

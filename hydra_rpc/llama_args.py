@@ -64,6 +64,10 @@ ARGS: tuple[LlamaArg, ...] = tuple(LlamaArg(**a) for a in SERVER_ARGS) + HYDRA_A
 
 # ---- the status of every argument -------------------------------------------------------------------
 
+#: Applied arguments that shape every answer rather than the model (no CONFIGURE parameter).
+OUTPUT_ARGS = frozenset({"--grammar", "--grammar-file", "--json-schema", "--json-schema-file", "--reasoning-format",
+                         "--reasoning-budget", "--reasoning-budget-message"})
+
 #: Arguments that are actions, not settings.
 ACTIONS = {"--help": "print usage and exit 0", "--version": "print the version and exit 0"}
 
@@ -88,6 +92,12 @@ _APPLIED = {
     "--reverse-prompt": "T1 default antiprompt", "--chat-template": "chat template (PREFILL messages, OpenAI endpoints)",
     "--chat-template-file": "chat template read from a file", "--jinja": "use the Jinja chat template",
     "--chat-template-kwargs": "extra chat template variables", "--reasoning": "template variable enable_thinking",
+    "--reasoning-format": "where a think block goes: reasoning_content (auto, deepseek) or content (none)",
+    "--grammar": "GBNF grammar of every request that brings none", "--grammar-file": "the same, read from a file",
+    "--json-schema": "JSON schema of every request that brings no grammar",
+    "--json-schema-file": "the same, read from a file",
+    "--reasoning-budget": "at most N generated tokens in a think block, then the close tag is written (-1: no limit)",
+    "--reasoning-budget-message": "written before the close tag when the budget is spent",
     "--cache-prompt": "the prompt cache: reuse prompt prefixes held by the slot, another slot or the RAM tier",
     "--cache-reuse": "reuse chunks of the slot's cached prompt by KV shifting",
     "--slot-prompt-similarity": "a request naming no slot goes to the slot that holds most of its prompt",
@@ -108,7 +118,7 @@ _LOG = "hydra-rpc logs through its own logger (--log-format / --log-level)"
 _THREADS = "CPU affinity and polling are left to the OS and ggml"
 _ROUTER = "router mode (several models behind one server) is not implemented"
 _CACHE = "llama-server's context checkpoints are not implemented (the prompt cache keeps whole slot states)"
-_PARSE = "llama-server's reasoning and tool-call output parsing is not implemented: text is returned as generated"
+_PARSE = "not implemented: think blocks and tool calls are parsed as the template and --reasoning-format say"
 _WEB = "no web UI, static files, CORS, MCP or built-in tools"
 _COMBINED = "COMBINED (peer) mode is not implemented: this engine always runs SOLO"
 _NO_DOWNLOADS = "no downloads"
@@ -132,8 +142,8 @@ _NO_EFFECT = {
                      "--cpu-strict-batch", "--poll-batch", "--numa"], _THREADS),
     **dict.fromkeys(["--ctx-checkpoints", "--checkpoint-min-step"], _CACHE),
     "--cache-idle-slots": "the prompt cache saves a slot's state when another conversation takes it, not before",
-    **dict.fromkeys(["--reasoning-format", "--reasoning-effort", "--reasoning-budget", "--reasoning-budget-message",
-                     "--reasoning-preserve", "--skip-chat-parsing", "--prefill-assistant"], _PARSE),
+    **dict.fromkeys(["--reasoning-effort", "--reasoning-preserve", "--skip-chat-parsing", "--prefill-assistant"],
+                    _PARSE),
     **dict.fromkeys(["--path", "--cors-origins", "--cors-methods", "--cors-headers", "--cors-credentials", "--ui-config",
                      "--ui-config-file", "--ui-mcp-proxy", "--tools", "--tools-runtime", "--mcp-servers-config",
                      "--mcp-servers-json", "--agent", "--ui", "--props"], _WEB),
@@ -164,8 +174,7 @@ _NO_EFFECT = {
 
 _REFUSED = {
     **dict.fromkeys(["--mmproj", "--mmproj-url"], "a multimodal projector cannot be loaded: " + _MM),
-    **dict.fromkeys(["--logit-bias", "--grammar", "--grammar-file", "--json-schema", "--json-schema-file"],
-                    "a constraint on every output is not implemented; ignoring it would return unconstrained text"),
+    "--logit-bias": "a bias on every output is not implemented; a request's own logit_bias is",
     **dict.fromkeys(["--lora", "--lora-scaled", "--control-vector", "--control-vector-scaled",
                      "--control-vector-layer-range", "--override-kv"],
                     "adapters, control vectors and metadata overrides change the model and are not supported"),

@@ -11,19 +11,22 @@ Unknown and refused arguments raise :class:`InvalidArgument` with llama-server's
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.chat.prompt import REASONING_FORMATS
 from engine.params_table import BY_CLI, CONVERSIONS, FALSEY, TRUTHY, Param, ParamError, stoi
 
-from .llama_args import ACTIONS, APPLIED, ARGS, BY_NAME, NO_EFFECT, REFUSED, LlamaArg, status
+from .llama_args import ACTIONS, APPLIED, OUTPUT_ARGS, ARGS, BY_NAME, NO_EFFECT, REFUSED, LlamaArg, status
 
 # Variables older llama.cpp builds read (the current name wins when both are set).
 LEGACY_ENV = {"LLAMA_CHAT_TEMPLATE_KWARGS": "--chat-template-kwargs"}
 MAX_TEMPLATE_FILE = 1 << 20
+MAX_GRAMMAR_FILE = 256 << 10  # the grammar check's own bound (engine.chat.grammar)
 
 
 class InvalidArgument(ValueError):
@@ -103,6 +106,11 @@ class LlamaEngineSettings:
     jinja: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning: str = "auto"
+    reasoning_format: str = "auto"  # --reasoning-format: auto | deepseek | none
+    grammar: str | None = None  # --grammar / --grammar-file: GBNF for every request that brings none
+    json_schema: dict[str, Any] | None = None  # --json-schema / --json-schema-file: the same, as a schema
+    reasoning_budget: int = -1  # --reasoning-budget: tokens in a think block (-1: no limit)
+    reasoning_budget_message: str = ""
     # HTTP server
     cache_prompt: bool = True
     cache_reuse: int = _default("cache_reuse")
@@ -212,7 +220,10 @@ class _State:
             self.ignored[arg.name] = IgnoredArg(given, text, note, source)
         else:
             assert label == APPLIED
-            self.store(_param(arg), value)
+            if arg.name in OUTPUT_ARGS:
+                self.store_output_arg(arg.name, value)
+            else:
+                self.store(_param(arg), value)
 
     def typed(self, arg: LlamaArg, positive: bool, text: str | None) -> Any:
         param = _param(arg)
@@ -239,6 +250,34 @@ class _State:
             into.setdefault(key, {}).update(value)
         else:
             into[key] = value
+
+    def store_output_arg(self, name: str, value: Any) -> None:
+        """The flags that shape every answer: grammars and the reasoning format."""
+        where = f'error while handling argument "{name}"'
+        if name == "--reasoning-budget":  # an int, read as llama.cpp reads it
+            if not -1 <= value < 2**31:
+                raise InvalidArgument(f"{where}: the budget is -1 (no limit) or a number of tokens")
+            self.values["reasoning_budget"] = value
+            return
+        if name == "--reasoning-budget-message":
+            self.values["reasoning_budget_message"] = value
+            return
+        if name == "--reasoning-format":
+            if value not in REASONING_FORMATS:
+                raise InvalidArgument(f"{where}: unknown reasoning format '{value}' ({', '.join(REASONING_FORMATS)})")
+            self.values["reasoning_format"] = value
+            return
+        text = _read_text(value, MAX_GRAMMAR_FILE) if name.endswith("-file") else value
+        if name.startswith("--grammar"):
+            self.values["grammar"], self.values["json_schema"] = text, None
+            return
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise InvalidArgument(f"{where}: not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(f"{where}: a JSON schema is an object")
+        self.values["json_schema"], self.values["grammar"] = schema, None
 
     def finish(self) -> LlamaEngineSettings:
         v = self.values
@@ -268,10 +307,14 @@ def _bare_flash_attn(argv: Sequence[str], i: int) -> bool:
 
 
 def _read_template(path: str) -> str:
+    return _read_text(path, MAX_TEMPLATE_FILE, "chat template file")
+
+
+def _read_text(path: str, limit: int, what: str = "file") -> str:
     p = Path(path)
     try:
-        if p.stat().st_size > MAX_TEMPLATE_FILE:
-            raise InvalidArgument(f"error: chat template file '{path}' is larger than {MAX_TEMPLATE_FILE} bytes")
+        if p.stat().st_size > limit:
+            raise InvalidArgument(f"error: {what} '{path}' is larger than {limit} bytes")
         return p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidArgument(f"error: failed to open file '{path}': {e}") from None

@@ -18,7 +18,9 @@ from typing import Any
 from engine.actor import EngineConfig
 from engine.executors import PRIO_NICE, set_thread_nice
 from engine.model_params import ModelParams
+from engine.reasoning_budget import MAX_BUDGET_MESSAGE, ReasoningBudget
 from engine.rpc_allow import RpcAllowList
+from engine.sampling import GrammarSpec
 
 from .llama_args import APPLIED, ARGS, status
 from .llama_argv import LlamaEngineSettings
@@ -126,7 +128,34 @@ def engine_config(s: LlamaEngineSettings, model_path: str, rpc_allow: Sequence[s
         raise UsageError(f"--rpc / --rpc-allow: {e}; give HOST:PORT,...") from None
     return EngineConfig(model=model_params(s, model_path), defaults=t1_defaults(s), token_budget=s.n_batch,
                         thread_nice=nice, slot_prompt_similarity=s.slot_prompt_similarity, cache_ram_mib=s.cache_ram,
-                        slot_save_path=s.slot_save_path, rpc_allow=allow, **kw)
+                        slot_save_path=s.slot_save_path, rpc_allow=allow, reasoning_format=s.reasoning_format,
+                        default_grammar=default_grammar(s), reasoning_budget=reasoning_budget(s), **kw)
+
+
+def reasoning_budget(s: LlamaEngineSettings) -> ReasoningBudget | None:
+    if s.reasoning_budget < 0:
+        return None
+    if len(s.reasoning_budget_message.encode("utf-8")) > MAX_BUDGET_MESSAGE:
+        raise UsageError(f"--reasoning-budget-message: at most {MAX_BUDGET_MESSAGE} bytes")
+    return ReasoningBudget(s.reasoning_budget, s.reasoning_budget_message)
+
+
+def default_grammar(s: LlamaEngineSettings) -> GrammarSpec | None:
+    """``--grammar[-file]`` or ``--json-schema[-file]``, checked now: a bad one stops the start."""
+    from engine.chat.grammar import schema_to_gbnf
+    from engine.llama_backend.grammar_sampler import check_grammar_spec
+
+    try:
+        if s.grammar is not None:
+            spec = GrammarSpec(s.grammar, after_think=False) if s.grammar.strip() else None
+            if spec is not None:
+                check_grammar_spec(spec)
+            return spec
+        if s.json_schema is not None:
+            return GrammarSpec(schema_to_gbnf(s.json_schema))
+    except ValueError as e:
+        raise UsageError(f"--grammar / --json-schema: {e}") from None
+    return None
 
 
 def apply_process_priority(s: LlamaEngineSettings) -> None:

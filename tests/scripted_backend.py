@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from engine.backend import BatchItem
+from engine.chat.formats import detect_format
 from engine.kv_cache import KvCacheInfo
 from engine.model_params import ModelParams
 from engine.sampling import SamplerParams
@@ -135,7 +136,15 @@ class ScriptedBackend:
         return ([BOS] if add_special else []) + [b + FIRST_BYTE for b in data]
 
     def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenize("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
+        return self.chat_text_tokens(self.render_chat(messages))
+
+    chat_syntax = detect_format(None)
+
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: "
+
+    def chat_text_tokens(self, text: str) -> list[int]:
+        return self.tokenize(text)
 
     def token_to_piece(self, tok: int, special: bool = False) -> bytes:
         return bytes([tok - FIRST_BYTE]) if tok >= FIRST_BYTE else b""
@@ -179,6 +188,13 @@ class ScriptedBackend:
         s = ScriptedSampler(params or SamplerParams())
         self.samplers.append(s)
         return s
+
+    def accept(self, sampler: ScriptedSampler, tok: int) -> None:
+        if sampler.freed:
+            raise RuntimeError("sampler was freed")
+
+    def top_logprobs(self, seq: int, n: int) -> list[tuple[int, float]]:
+        return [(self.script(self.kv[seq]), 0.0)][:n]
 
     def sample(self, seq: int, sampler: ScriptedSampler, want_logprob: bool = False) -> Any:
         self._require_logits(seq)

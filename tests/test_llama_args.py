@@ -75,7 +75,7 @@ def test_every_argument_has_one_status_with_a_note():
 
 def test_applied_arguments_have_a_typed_parameter_and_our_spellings_are_llamas():
     for a in ARGS:
-        if status(a)[0] == APPLIED and a.name not in llama_args.ACTIONS:
+        if status(a)[0] == APPLIED and a.name not in {*llama_args.ACTIONS, *llama_args.OUTPUT_ARGS}:
             assert any(n in BY_CLI for n in a.names), a.name
     for name in BY_CLI:
         assert name in BY_NAME, name  # the params table uses llama.cpp's (or llama-engine's) names only

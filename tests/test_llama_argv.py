@@ -49,7 +49,7 @@ def test_unknown_argument_is_named_like_llama_server(token):
     (["--api-key", "secret"], ["--api-key", "not supported", "without auth"]),
     (["--hf-repo", "x/y"], ["--hf-repo", "downloads"]),
     (["--draft", "5"], ["--draft", "the argument has been removed"]),
-    (["-j", "{}"], ["-j", "unconstrained"]),
+    (["--logit-bias", "15+1"], ["--logit-bias", "a request's own logit_bias"]),
 ])
 def test_refused_arguments(argv, words):
     with pytest.raises(InvalidArgument) as e:
@@ -128,3 +128,39 @@ def test_bad_environment(env, var):
 @pytest.mark.parametrize(("argv", "action"), [(["--help"], "help"), (["-h"], "help"), (["--version"], "version")])
 def test_actions(argv, action):
     assert parse_llama_argv(argv, env={}).action == action
+
+
+def test_output_flags_are_applied(tmp_path):
+    """--grammar/--json-schema (and their -file forms) and --reasoning-format reach the settings."""
+    gbnf = tmp_path / "yes.gbnf"
+    gbnf.write_text('root ::= "yes"')
+    assert parse_llama_argv(["--grammar-file", str(gbnf)], {}).grammar == 'root ::= "yes"'
+    s = parse_llama_argv(["-j", '{"type": "object"}', "--reasoning-format", "none"], {})
+    assert (s.json_schema, s.grammar, s.reasoning_format) == ({"type": "object"}, None, "none")
+    assert parse_llama_argv([], {"LLAMA_ARG_THINK": "deepseek"}).reasoning_format == "deepseek"
+    for argv, words in ((["-j", "[1]"], "a JSON schema is an object"), (["-j", "{"], "not JSON"),
+                        (["--reasoning-format", "loud"], "unknown reasoning format")):
+        with pytest.raises(InvalidArgument) as e:
+            parse_llama_argv(argv, {})
+        assert words in str(e.value)
+
+
+def test_a_bad_command_line_grammar_stops_the_start():
+    from hydra_rpc.llama_cli import default_grammar
+    from hydra_rpc.usage import UsageError
+
+    assert default_grammar(parse_llama_argv(["--grammar", 'root ::= "a"'], {})).text == 'root ::= "a"'
+    assert "root ::=" in default_grammar(parse_llama_argv(["-j", '{"type": "object"}'], {})).text
+    with pytest.raises(UsageError, match="--grammar"):
+        default_grammar(parse_llama_argv(["--grammar", "root ::= ("], {}))
+
+
+def test_the_reasoning_budget_flags_reach_the_engine():
+    from engine.reasoning_budget import ReasoningBudget
+    from hydra_rpc.llama_cli import reasoning_budget
+
+    s = parse_llama_argv(["--reasoning-budget", "0", "--reasoning-budget-message", "Done thinking."], {})
+    assert reasoning_budget(s) == ReasoningBudget(0, "Done thinking.")
+    assert reasoning_budget(parse_llama_argv([], {})) is None
+    with pytest.raises(InvalidArgument):
+        parse_llama_argv(["--reasoning-budget", "-2"], {})

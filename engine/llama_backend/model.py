@@ -17,11 +17,13 @@ import numpy as np
 import llama_cpp.llama_cpp as L
 
 from ..backend import BatchItem
+from ..chat.formats import ChatFormat, detect_format
 from ..kv_cache import KvCacheInfo
 from ..sampling import SamplerParams
 from . import vocab
 from .batch import LlamaBatch
 from .chat_template import ChatTemplate
+from .grammar_sampler import accept_forced, sample_row, top_logprobs
 from .identity import chat_template_source, read_identity
 from .kv_probe import describe
 from .legacy_chat import is_jinja_source, render_builtin
@@ -35,6 +37,7 @@ from .runtime import (
     last_llama_errors,
 )
 from .sampler import Sampler, make_sampler
+from ..utf8 import utf8_masks
 
 
 def _set_fields(params: Any, extra: dict[str, Any] | None, struct_name: str) -> None:
@@ -149,6 +152,9 @@ class LoadedModel:
             self._builtin_template = template if template and (not jinja or not is_jinja_source(template)) else None
             self.chat = ChatTemplate(None if self._builtin_template else template, self._identity["architecture"])
             self.chat_kwargs = dict(chat_kwargs or {})
+            self._chat_syntax: ChatFormat | None = None
+            self._utf8_masks: np.ndarray | None = None
+            self._pieces: list[bytes] | None = None
         except BaseException:
             self.close()
             raise
@@ -291,13 +297,44 @@ class LoadedModel:
         return self.chat.render(messages, add_generation_prompt, bos_token=self._piece_text(self.bos),
                                 eos_token=self._piece_text(self.eos), **{**self.chat_kwargs, **extra})
 
+    @property
+    def chat_syntax(self) -> ChatFormat:
+        """The template's tool-call and reasoning format (``engine.chat.formats``)."""
+        if self._chat_syntax is None:
+            self._chat_syntax = detect_format(self._builtin_template or self.chat.source)
+        return self._chat_syntax
+
+    def utf8_masks(self) -> np.ndarray:
+        """bool[4, n_vocab]: row k says which tokens keep the text valid UTF-8 when it ends
+        with k continuation bytes still owed. llama.cpp's grammar decodes a character from its
+        lead byte alone, so without this a grammar lets a model write invalid text (and a JSON
+        string longer than its maxLength once decoded). Computed on first use."""
+        if self._utf8_masks is None:
+            self._utf8_masks = utf8_masks(self.token_pieces())
+        return self._utf8_masks
+
+    def token_pieces(self) -> list[bytes]:
+        """Every token's bytes (special tokens' text included), by id; computed on first use
+        (a grammar reads them for every candidate it refines)."""
+        if self._pieces is None:
+            self._pieces = [self.token_to_piece(t, special=True) for t in range(self.n_vocab)]
+        return self._pieces
+
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        """The prompt text for ``messages`` with the generation prompt; ``extra`` are template
+        variables (``tools``, the request's ``chat_template_kwargs``)."""
+        return self.apply_chat_template(messages, True, **extra)
+
     def chat_tokens(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> list[int]:
-        """:meth:`apply_chat_template` + tokenize (parse_special) with exactly one leading BOS
-        when the model adds BOS."""
-        toks = self.tokenize(self.apply_chat_template(messages, add_generation_prompt, **extra),
-                             add_special=True, parse_special=True)
+        """:meth:`apply_chat_template` + :meth:`chat_text_tokens`."""
+        return self.chat_text_tokens(self.apply_chat_template(messages, add_generation_prompt, **extra))
+
+    def chat_text_tokens(self, text: str) -> list[int]:
+        """Rendered chat text → tokens (parse_special) with exactly one leading BOS when the
+        model adds BOS (a template may emit one itself)."""
+        toks = self.tokenize(text, add_special=True, parse_special=True)
         bos = self.bos
         if bos >= 0 and len(toks) >= 2 and toks[0] == bos and toks[1] == bos:
             toks = toks[1:]
@@ -454,15 +491,31 @@ class LoadedModel:
     def sample(self, seq: int, sampler: Sampler, want_logprob: bool = False) -> int | tuple[int, float]:
         """Sample a token for ``seq`` from the last :meth:`decode` (and let the sampler accept it).
 
+        With a grammar raises :class:`engine.sampling.GrammarExhausted` when it allows no token.
+
         With ``want_logprob`` returns ``(token, logprob)``, the logprob being the natural-log
         softmax of the *raw* logits (before temperature/penalties) at the chosen token.
         """
         idx = self._logits_index(seq)
         lse = self._row_logsumexp(idx) if want_logprob else 0.0
-        tok = int(L.llama_sampler_sample(sampler.handle, self._ctx_handle(), idx))
+        if sampler.plain:
+            tok = int(L.llama_sampler_sample(sampler.handle, self._ctx_handle(), idx))
+        else:  # grammar / logit bias: may raise GrammarExhausted, having accepted nothing
+            tok = sample_row(sampler, self._row(idx))
         if want_logprob:
             return tok, float(self._row(idx)[tok]) - lse
         return tok
+
+    def accept(self, sampler: Sampler, tok: int) -> None:
+        """``tok`` written without sampling (a reasoning budget's close tag): the grammar and the
+        chain take it as if sampled. A grammar that refuses it ends the generation
+        (:class:`engine.sampling.GrammarExhausted`), having taken nothing."""
+        accept_forced(sampler, int(tok))
+
+    def top_logprobs(self, seq: int, n: int) -> list[tuple[int, float]]:
+        """The ``n`` most likely (token, logprob) of ``seq``'s raw logits, most likely first
+        (OpenAI ``top_logprobs``). Call before :meth:`sample`; same row, same logprobs."""
+        return top_logprobs(self._row(self._logits_index(seq)), n)
 
     def make_sampler(self, params: SamplerParams | None = None) -> Sampler:
         return make_sampler(params, self)

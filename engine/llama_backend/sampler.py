@@ -1,11 +1,15 @@
 """llama.cpp sampler chains built from :class:`engine.sampling.SamplerParams`."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
 
 import llama_cpp.llama_cpp as L
 
 from ..sampling import SamplerParams
+from .grammar_sampler import TOKEN_DATA, GrammarConstraint
 from .runtime import LlamaBackendError
 
 if TYPE_CHECKING:
@@ -18,12 +22,31 @@ class Sampler:
     """A llama.cpp sampler chain. Not thread-safe; one per generating sequence.
 
     :meth:`sample` samples from the remembered output row of ``seq`` and also *accepts* the
-    token (updates the penalty history), as ``llama_sampler_sample`` does.
+    token (updates the penalty history), as ``llama_sampler_sample`` does. With a grammar or a
+    logit bias the candidates are built in numpy and the grammar stays outside the chain (see
+    :mod:`engine.llama_backend.grammar_sampler`); without, ``llama_sampler_sample`` does it all.
     """
 
-    def __init__(self, chain: Any, params: SamplerParams) -> None:
+    def __init__(self, chain: Any, params: SamplerParams, grammar: GrammarConstraint | None = None,
+                 bias: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self._chain = chain
         self.params = params
+        self.grammar = grammar
+        self.bias_ids, self.bias_values = bias if bias is not None else (None, None)
+        self.ids: np.ndarray | None = None
+        self._cur: np.ndarray | None = None
+
+    @property
+    def plain(self) -> bool:
+        """No grammar, no bias: ``llama_sampler_sample`` alone."""
+        return self.grammar is None and self.bias_ids is None
+
+    def candidates(self, n_vocab: int) -> np.ndarray:
+        """The reusable candidate buffer (``llama_token_data[n_vocab]``)."""
+        if self._cur is None or len(self._cur) != n_vocab:
+            self._cur = np.empty(n_vocab, dtype=TOKEN_DATA)
+            self.ids = np.arange(n_vocab, dtype=np.int32)
+        return self._cur
 
     @property
     def handle(self) -> Any:
@@ -41,6 +64,9 @@ class Sampler:
         return model.sample(seq, self, want_logprob)  # type: ignore[call-overload]
 
     def free(self) -> None:
+        if self.grammar is not None:
+            self.grammar.free()
+            self.grammar = None
         if self._chain is not None:
             L.llama_sampler_free(self._chain)
             self._chain = None
@@ -61,15 +87,22 @@ def make_sampler(
     """Build a sampler chain: [penalties] + (greedy | top_k, top_p, min_p, temp, dist(seed)).
 
     The penalties sampler of this llama.cpp version needs the vocabulary size: pass ``model``
-    (or ``n_vocab``) when penalties are enabled.
+    (or ``n_vocab``) when penalties are enabled; a logit bias needs it too, and a grammar needs
+    ``model`` (its vocabulary). Raises ``ValueError`` for an unusable grammar or bias.
     """
     p = params or SamplerParams()
+    nv = n_vocab if n_vocab is not None else (model.n_vocab if model is not None else None)
+    bias = _bias_arrays(p.logit_bias, nv)
+    grammar = None
+    if p.grammar is not None:
+        if model is None:
+            raise ValueError("a grammar needs the model's vocabulary: pass model=")
+        grammar = GrammarConstraint(model._voc(), p.grammar, model.utf8_masks(), model.token_pieces())
     chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
     if not chain:
         raise LlamaBackendError("llama_sampler_chain_init failed")
     try:
         if p.penalties_enabled:
-            nv = n_vocab if n_vocab is not None else (model.n_vocab if model is not None else None)
             if nv is None:
                 raise ValueError("repetition penalties need the vocabulary size: pass model= or n_vocab=")
             L.llama_sampler_chain_add(
@@ -93,7 +126,28 @@ def make_sampler(
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
     except BaseException:
         L.llama_sampler_free(chain)
+        if grammar is not None:
+            grammar.free()
         raise
-    return Sampler(chain, p)
+    return Sampler(chain, p, grammar, bias)
+
+
+def _bias_arrays(logit_bias: tuple[tuple[int, float], ...], n_vocab: int | None
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(token ids, biases) for numpy, a repeated token's biases summed; None when empty."""
+    if not logit_bias:
+        return None
+    if n_vocab is None:
+        raise ValueError("a logit bias needs the vocabulary size: pass model= or n_vocab=")
+    merged: dict[int, float] = {}
+    for tok, b in logit_bias:
+        tok, b = int(tok), float(b)
+        if not 0 <= tok < n_vocab:
+            raise ValueError(f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1})")
+        if math.isnan(b) or b == math.inf:
+            raise ValueError(f"logit_bias of token {tok} must be a number or -inf")
+        merged[tok] = merged.get(tok, 0.0) + b
+    ids = np.fromiter(merged, dtype=np.int64, count=len(merged))
+    return ids, np.fromiter(merged.values(), dtype=np.float32, count=len(merged))
 
 

@@ -30,6 +30,7 @@ SCENARIOS = {
     "connections": "tools.bench.connections",
     "prompt-cache": "tools.bench.prompt_cache",
     "busy-host": "tools.bench.busy_host",
+    "constrained": "tools.bench.constrained",
 }
 BUSY_WARNING_PCT = 20
 DOCS_PAGE = Path("docs/performance.md")
