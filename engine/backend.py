@@ -104,11 +104,22 @@ class ModelBackend(Protocol):
     @property
     def n_swa(self) -> int:
         """Sliding-window size of the attention (0: full attention everywhere)."""
+    @property
+    def recurrent(self) -> bool:
+        """The memory has a recurrent part (a recurrent or hybrid model): a sequence's state is
+        the state after its last token only, so it cannot be cut back to a shorter prefix
+        (``seq_rm`` of a partial range fails) nor shifted."""
 
     def state_seq_size(self, seq: int) -> int: ...
     def state_seq_get(self, seq: int) -> bytes | memoryview: ...
     def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int: ...
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int: ...
+    def checkpoint_get(self, seq: int) -> bytes:
+        """The part of ``seq``'s state that cannot be cut back (the recurrent state, the window
+        cache): llama.cpp's ``PARTIAL_ONLY`` capture, what a context checkpoint keeps."""
+    def checkpoint_set(self, seq: int, data: bytes) -> bool:
+        """Load a :meth:`checkpoint_get` capture into ``seq`` (its other cells stay); False when
+        llama.cpp refuses it."""
 
     def close(self) -> None: ...
 
@@ -145,6 +156,11 @@ class LlamaFactory:
                 register_rpc_server(ep)
         return load(params, progress)
 
+    @staticmethod
+    def model_problem(path: str) -> str | None:
+        """Why ``path`` cannot be loaded as a model (a CONFIGURE ``model`` is refused for it), or None."""
+        return gguf_problem(path)
+
     def devices(self, params: "ModelParams") -> list[str]:
         """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""
         if not params.rpc_servers:
@@ -153,3 +169,23 @@ class LlamaFactory:
 
         return [f"{d['name']}[{d['description']}]" if d["name"].startswith("RPC") else d["name"]
                 for d in list_devices()]
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_problem(path: str) -> str | None:
+    """Why ``path`` is not a GGUF model file this process can read, or None. Only the magic
+    is read: whether llama.cpp takes the rest is for the build to say."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        return f"model file {path} does not exist"
+    except IsADirectoryError:
+        return f"model path {path} is a directory, not a GGUF file"
+    except OSError as e:
+        return f"model file {path} cannot be read: {e.strerror or e}"
+    if magic != GGUF_MAGIC:
+        return f"model file {path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})"
+    return None

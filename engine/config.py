@@ -24,6 +24,7 @@ class EngineConfig:
     adapt_threads: bool = True  # fewer compute threads while other processes or a load need cores
     time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
     token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
+    erase_timeout: float = 300.0  # s an erase of a busy slot waits for it (engine/erase.py)
     slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once
     reload_policy: str = "serve-old"  # serve-old | reject
     reload_mode: str = "shadow"  # shadow | inplace
@@ -40,6 +41,8 @@ class EngineConfig:
     slot_prompt_similarity: float = 0.1  # a job naming no slot goes where its prompt is cached (0: LRU only)
     cache_ram_mib: int = 8192  # RAM tier for the states of replaced conversations (-1: no limit, 0: off)
     slot_save_path: str | None = None  # directory of slot files (save/restore); None: refused
+    ctx_checkpoints: int = 32  # context checkpoints per slot (--ctx-checkpoints; engine.checkpoints)
+    checkpoint_min_step: int = 8192  # --checkpoint-min-step
     # chat output: --reasoning-format (auto | deepseek | none), and a grammar every request gets
     # unless it brings its own (--grammar, --grammar-file, --json-schema, --json-schema-file)
     reasoning_format: str = "auto"

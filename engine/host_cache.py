@@ -14,6 +14,8 @@ An entry also records the first position its state holds cells for (``pos_min``)
 sliding-window attention of ``n_swa`` positions the cache forgets older cells, so a prefix of
 ``n`` tokens of an entry is only usable when the entry still has the cells from
 ``n - n_swa + 1`` on (``serves``). Without a window every cell is kept and ``pos_min`` is 0.
+A recurrent or hybrid model's state is that of its last token: an entry serves all its
+tokens or nothing (``recurrent``).
 
 With a disk tier (``engine.disk_tier``), an entry the RAM limit evicts is written to a file
 instead of dropped, under a limit of as many bytes again; lookups see both tiers.
@@ -47,8 +49,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def serves(pos_min: int, n: int, n_swa: int) -> bool:
-    """Do cells from ``pos_min`` on let a token at position ``n`` attend to all it needs?"""
+def serves(pos_min: int, n: int, n_swa: int, held: int | None = None) -> bool:
+    """Do cells from ``pos_min`` on let a token at position ``n`` attend to all it needs?
+    ``held``: the tokens of a recurrent state, which serves only all of them."""
+    if held is not None:
+        return n == held
     return n <= 0 or pos_min <= (max(0, n - n_swa + 1) if n_swa > 0 else 0)
 
 
@@ -95,7 +100,8 @@ class HostCache:
         """Could an entry of ``size`` bytes be kept at all (after evicting everything else)?"""
         return self.limit_bytes is None or size <= self.limit_bytes
 
-    def best(self, model_key: Hashable, tokens: list[int], n_swa: int = 0) -> tuple[int, int] | None:
+    def best(self, model_key: Hashable, tokens: list[int], n_swa: int = 0,
+             recurrent: bool = False) -> tuple[int, int] | None:
         """(entry id, common prefix length) of the entry of ``model_key`` that gives the longest
         usable prefix of ``tokens``; None when none gives any."""
         best: tuple[int, int] | None = None
@@ -103,7 +109,8 @@ class HostCache:
             if e.model_key != model_key:
                 continue
             n = common_prefix(e.tokens, tokens)
-            if n and (best is None or n > best[1]) and serves(e.pos_min, n, n_swa):
+            held = len(e.tokens) if recurrent else None
+            if n and (best is None or n > best[1]) and serves(e.pos_min, n, n_swa, held):
                 best = (eid, n)
         return best
 
@@ -122,19 +129,20 @@ class HostCache:
             self.disk.remove(e.path)
         return e
 
-    def put(self, model_key: Hashable, tokens: list[int], state: bytes, pos_min: int = 0, n_swa: int = 0) -> bool:
+    def put(self, model_key: Hashable, tokens: list[int], state: bytes, pos_min: int = 0, n_swa: int = 0,
+            recurrent: bool = False) -> bool:
         """Keep a state; False when it is not kept (already held, or larger than the limit)."""
         entry = CachedPrompt(model_key, list(tokens), bytes(state), pos_min)
         for e in [*self.entries.values(), *self.spilled.values()]:
             if (e.model_key == model_key and common_prefix(e.tokens, tokens) == len(tokens)
-                    and serves(e.pos_min, len(tokens), n_swa)):
+                    and serves(e.pos_min, len(tokens), n_swa, len(e.tokens) if recurrent else None)):
                 return False  # an entry holding these tokens (and maybe more) serves them already
         if not self.fits(entry.size):
             self.stats.refused += 1
             return False
         for eid, e in [*self.entries.items(), *self.spilled.items()]:
             if (e.model_key == model_key and common_prefix(e.tokens, tokens) == len(e.tokens)
-                    and serves(pos_min, len(e.tokens), n_swa)):
+                    and serves(pos_min, len(e.tokens), n_swa, len(tokens) if recurrent else None)):
                 self._drop(eid)  # the new entry serves everything this one did: obsolete
         while self.limit_bytes is not None and self.entries and self.n_bytes + entry.size > self.limit_bytes:
             self._spill(next(iter(self.entries)))

@@ -34,6 +34,14 @@ class Erase:
 
 
 @dataclass(frozen=True)
+class WithModel:
+    """Run ``fn(model)`` on the inference thread between two steps (tokenize, render a chat):
+    the live model cannot be swapped or freed meanwhile."""
+
+    fn: Any
+
+
+@dataclass(frozen=True)
 class Configure:
     cfg: Mapping[str, Any]
 

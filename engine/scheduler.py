@@ -68,8 +68,8 @@ class Scheduler:
         slot = self.slots[job.slot]
         if job.cancelled:
             fail(job, asyncio.CancelledError())
-        elif slot.busy or slot.queue or not serving.open:
-            if not job.wait and (slot.busy or slot.queue):
+        elif slot.busy or slot.queue or slot.erase_waiters or not serving.open:
+            if not job.wait and (slot.busy or slot.queue or slot.erase_waiters):
                 fail(job, EngineBusy(f"slot {slot.id} is busy"))
             elif len(slot.queue) >= self.slot_queue:
                 fail(job, EngineBusy(f"slot {slot.id} is busy and its queue is full"))
@@ -112,6 +112,8 @@ class Scheduler:
                     r.job.events.put_nowait(ev)
                 self.stats["tokens_generated"] += len(r.events)
                 r.events.clear()
+            if r.t_prefill_done and not r.prompt_counted:
+                self._count_prompt(r, r.t_prefill_done)
             if r.finished or r.job.cancelled:
                 self.finish(r, serving)
 
@@ -141,7 +143,10 @@ class Scheduler:
     def _result(self, r: Running, identity: ModelIdentity) -> GenResult:
         now = time.perf_counter()
         pre_end = r.t_prefill_done or now
-        self.stats["prompt_tokens"] += r.prompt_tokens - r.cached_tokens
+        if not r.prompt_counted:
+            self._count_prompt(r, pre_end)
+        self.stats["predicted_seconds"] += now - pre_end
+        self.stats["n_tokens_max"] = max(self.stats["n_tokens_max"], r.slot.n_past)
         return GenResult(
             slot=r.slot.id, n_past=r.slot.n_past, prompt_tokens=r.prompt_tokens,
             tokens_generated=len(r.generated), stop_reason=r.stop_reason or "cancelled",
@@ -150,8 +155,15 @@ class Scheduler:
             decode_ms=(now - pre_end) * 1000, cached_tokens=r.cached_tokens, state=r.state,
             logits=r.logits, tokens=list(r.slot.tokens), generated=r.generated, text=bytes(r.text))
 
+    def _count_prompt(self, r: Running, prefill_end: float) -> None:
+        """A prompt counts once it is evaluated (as llama-server counts it), not when its job ends."""
+        r.prompt_counted = True
+        self.stats["prompt_tokens"] += r.prompt_tokens - r.cached_tokens
+        self.stats["prompt_tokens_cached"] += r.cached_tokens
+        self.stats["prompt_seconds"] += (prefill_end - r.t_start) if r.t_start else 0.0
+
     def _start_next(self, slot: Slot, serving: Serving) -> None:
-        if slot.busy or not serving.open:
+        if slot.busy or slot.erase_waiters or not serving.open:  # a deferred erase goes first
             return
         # the slot's own queue first (those jobs can only run here), then the shared one
         for queue in (slot.queue, self.unassigned):

@@ -23,7 +23,7 @@ from .slots import Slot
 
 
 def available(slot: Slot) -> bool:
-    return not slot.busy and not slot.queue
+    return not slot.busy and not slot.queue and not slot.erase_waiters
 
 
 def choose_slot(slots: Sequence[Slot], prompt: list[int] | None, similarity: float,

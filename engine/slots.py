@@ -111,6 +111,7 @@ class Slot:
     job: Any = None  # the generation job running here
     last_job: Any = None  # the one that ran here before (its parameters stay visible in /slots)
     queue: deque = field(default_factory=deque)  # generation jobs waiting for this slot
+    erase_waiters: list = field(default_factory=list)  # futures of deferred erases (engine/erase.py)
     tokens_processed: int = 0
     tokens_total: int = 0
     started: float = 0.0

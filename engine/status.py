@@ -109,7 +109,16 @@ class PromptCacheInfo:
     from_own: int = 0  # hits by source: the slot's own KV, another slot's, the RAM tier
     from_shared: int = 0
     from_host: int = 0
+    from_checkpoint: int = 0  # … a context checkpoint of the slot
     chunks_shifted: int = 0  # cache_reuse chunks moved into place
+    cache_reuse_refused: str = ""  # why cache_reuse does nothing on this model (cannot shift)
+    cut_refused: int = 0  # prompts whose common prefix with their slot was recomputed: the memory
+    tokens_recomputed: int = 0  # could not be cut back to it (recurrent, window) and no checkpoint served
+    ctx_checkpoints: int = 0  # context checkpoints: the most kept per slot (--ctx-checkpoints)
+    checkpoints: int = 0  # kept now, all slots
+    checkpoints_bytes: int = 0
+    checkpoints_created: int = 0
+    checkpoints_restored: int = 0
     ram_limit_bytes: int = 0  # -1: no limit; 0: the RAM tier is off
     ram_entries: int = 0
     ram_bytes: int = 0
@@ -146,6 +155,7 @@ class EngineInfo:
     kv_cache: Any = None  # the live model's KvCacheInfo
     prompt_cache: PromptCacheInfo = field(default_factory=PromptCacheInfo)
     priorities: tuple[tuple[str, str], ...] = ()  # thread → scheduling (engine.executors.thread_policy)
+    tensor_overrides: tuple[dict[str, Any], ...] = ()  # per -ot / MoE pattern: the tensors it moved
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class Running:
     text: bytearray = field(default_factory=bytearray)
     t_start: float = 0.0
     t_prefill_done: float = 0.0
+    prompt_counted: bool = False  # its prompt is in the engine's prompt counters (scheduler)
     state: bytes | None = None
     logits: bytes | None = None
     admitted: bool = False
@@ -198,8 +199,11 @@ STATE_SIZE_EVERY = 0.05  # seconds between two measurements of a running slot's 
 
 
 def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, token_budget: int,
-             time_slice: float, cache: PromptCache, max_iters: int = 256, shift_keep: int | None = None) -> None:
-    """Advance every running job by one or more batched decodes (inference thread)."""
+             time_slice: float, cache: PromptCache, max_iters: int = 256, shift_keep: int | None = None,
+             counters: dict[str, float] | None = None) -> None:
+    """Advance every running job by one or more batched decodes (inference thread).
+    ``counters`` (the engine's stats) gets ``n_decode`` and ``n_busy_slots`` per decode: what
+    llama-server's ``llamacpp:n_decode_total`` / ``n_busy_slots_per_decode`` count."""
     t0 = time.perf_counter()
     for r in running:
         if not r.admitted and not r.finished:
@@ -214,6 +218,7 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
             except Exception as e:
                 r.error = e
     iters = 0
+    ckpts = cache.checkpoints if cache.checkpoints.wanted(model) else None
     while True:
         items: list[BatchItem] = []
         fed: list[tuple[Running, list[int], bool]] = []
@@ -224,7 +229,12 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
             if r.pending:
                 if budget <= 0:
                     continue
-                chunk = r.pending[:budget]
+                n = min(budget, len(r.pending))
+                if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
+                    held, end = len(r.slot.tokens), len(r.slot.tokens) + len(r.pending)
+                    ckpts.before_chunk(model, r.slot.id, r.slot.tokens, end, token_budget)
+                    n = ckpts.chunk_len(held, n, end, token_budget)
+                chunk = r.pending[:n]
                 last_chunk = len(chunk) == len(r.pending)
                 want = last_chunk and (r.job.n_predict > 0 or r.job.capture_state)
                 items.append(BatchItem(r.slot.id, chunk, len(r.slot.tokens), want))
@@ -238,6 +248,9 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
             break
         had_prefill = any(len(c) > 1 or r.pending for r, c, _ in fed)
         model.decode(items)
+        if counters is not None:
+            counters["n_decode"] += 1
+            counters["n_busy_slots"] += len(items)
         for r, chunk, want in fed:
             r.slot.tokens.extend(chunk)
             if r.pending:

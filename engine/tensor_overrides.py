@@ -13,8 +13,9 @@ MoE ones, which is the node agent's sorted order for the fleet's params.
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llama_cpp as L
 
@@ -57,9 +58,27 @@ class TensorOverrides:
 
     array: ctypes.Array
     patterns: list[bytes]
+    bufts: list[str] = field(default_factory=list)  # the buffer type of each pattern
 
     def as_param(self) -> int | None:
         return ctypes.cast(self.array, ctypes.c_void_p).value if self.patterns else None
+
+    def report(self, model_path: str) -> tuple[dict, ...]:
+        """What each pattern moved in ``model_path`` (INFO ``tensor_overrides``): the tensors it
+        is the first match for — the loader's rule (``std::regex_search``, first pattern wins)
+        applied to the file's tensor names, so a pattern that matches nothing shows 0."""
+        from gguf import GGUFReader
+
+        names = [t.name for t in GGUFReader(model_path).tensors]
+        compiled = [re.compile(p.decode()) for p in self.patterns]
+        hits: list[list[str]] = [[] for _ in compiled]
+        for name in names:
+            for i, rx in enumerate(compiled):
+                if rx.search(name):
+                    hits[i].append(name)
+                    break
+        return tuple({"pattern": p.decode(), "buffer_type": b, "n_tensors": len(h), "tensors": h[:8]}
+                     for p, b, h in zip(self.patterns, self.bufts, hits))
 
 
 def build_tensor_overrides(
@@ -81,4 +100,4 @@ def build_tensor_overrides(
     array = (TensorBuftOverride * (len(pairs) + 1))()  # zeroed: the last entry ends the list
     for i, (pattern, (_, name)) in enumerate(zip(patterns, pairs)):
         array[i].pattern, array[i].buft = pattern, bufts[name]
-    return TensorOverrides(array, patterns)
+    return TensorOverrides(array, patterns, [name for _, name in pairs])

@@ -105,14 +105,23 @@ def classify(cfg: dict[str, Any]) -> Classified:
 
 
 def refuse_unbuildable(c: Classified, params: "ModelParams", kv_cache: "KvCacheInfo | None",
-                       resolve_model: "Callable[[str], Any]", rpc_allow: "RpcAllowList") -> None:
+                       resolve_model: "Callable[[str], Any]", rpc_allow: "RpcAllowList",
+                       model_problem: "Callable[[str], str | None] | None" = None) -> None:
     """Move the staged keys the engine must not try to ``rejected_keys``, before any reload:
 
+    * a ``model`` that is no model file (missing, unreadable, not a GGUF: the backend's
+      ``model_problem``), so the answer says so instead of a reload failing later;
     * a context llama.cpp could not build (the keys that ask for it; ``kv_cache.build_problem``);
     * ``rpc_servers`` naming a server off the start-up allow-list (``engine.rpc_allow``).
     """
     from .kv_cache import KV_SHAPE_KEYS, build_problem
     from .kv_layout import available_memory
+    from .model_params import resolve_path
+
+    if "model" in c.staged and model_problem is not None:
+        why = model_problem(resolve_path(resolve_model, c.staged["model"]))
+        if why:
+            c.reject("model", why)
 
     asked = KV_SHAPE_KEYS & set(c.staged)
     if asked:

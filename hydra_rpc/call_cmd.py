@@ -9,13 +9,17 @@
 stdout: the reply's meta as JSON, so it pipes into jq (a streamed DECODE: the text as it
 arrives; --raw: the payload bytes). stderr: the status line and a payload summary; -v adds
 every byte sent and received, with the header fields decoded.
-Exit status: 0 OK, 1 any other status, 2 a usage or connection error.
+Exit status: 0 OK, 1 any other status (or a CONFIGURE that applied none of its keys), 2 a
+usage or connection error. --out writes only an OK reply: after an error reply the file is
+left as it was.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -32,7 +36,6 @@ from codec.framing import (
 )
 from codec.payloads import decode_token_frames
 
-from .call_formats import describe
 from .client import HydraClient, parse_meta
 from .config import parse_hostport
 from .usage import UsageError
@@ -73,6 +76,8 @@ class HelpAction(argparse.Action):
         parser.print_help()
         op = getattr(namespace, "op", None)
         if op is not None:
+            from .call_formats import describe
+
             print(f"\nRequest formats of {describe(op)}", end="")
         parser.exit()
 
@@ -92,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--text", help="payload: a UTF-8 string (e.g. SET_EXPERT_MODE solo)")
     p.add_argument("--raw", action="store_true", help="write the reply payload bytes to stdout instead of the meta")
     p.add_argument("--out", metavar="FILE",
-                   help="save the reply payload to FILE; a reply with no payload saves its meta JSON")
+                   help="save an OK reply's payload to FILE (a reply with no payload: its meta JSON); after an "
+                        "error reply FILE is left untouched and the exit status is 1")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show the bytes sent and received on stderr, header fields decoded")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the whole reply")
@@ -162,13 +168,34 @@ def _summary(op: int, meta: dict[str, Any] | None, data: bytes) -> str:
 
 
 def _write_out(path: str, data: bytes, meta: dict[str, Any] | None) -> None:
+    """Save an OK reply. Through a temporary file and a rename: FILE is either what it was or
+    the whole new reply, never half of one (e.g. on a full disk)."""
     body = data if data else (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode() if meta else b""
+    tmp = f"{path}.hydra-rpc-{os.getpid()}.tmp"
     try:
-        with open(path, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(body)
+        os.replace(tmp, path)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise UsageError(f"cannot write --out {path}: {e.strerror or e}") from None
     _err(f"saved {'the payload' if data else 'the meta'} ({len(body)} bytes) to {path}")
+
+
+def _applied_nothing(op: int, meta: dict[str, Any] | None) -> str | None:
+    """For a CONFIGURE that named keys and applied none of them (each rejected or unknown): the
+    stderr lines saying why, else None. The server answers OK for it (as the C++ does), but a
+    script that checks the exit status must not take it for a change."""
+    if op != Op.CONFIGURE or not isinstance(meta, dict):
+        return None
+    rejected, unknown = meta.get("rejected_keys") or {}, meta.get("unrecognized_keys") or []
+    if meta.get("params_applied") or meta.get("deferred_keys") or not (rejected or unknown):
+        return None
+    lines = ["CONFIGURE applied none of its keys:"]
+    lines += [f"  rejected {k}: {why}" for k, why in rejected.items()]
+    lines += [f"  unrecognized {k} (`hydra-rpc call --describe CONFIGURE` lists the keys)" for k in unknown]
+    return "\n".join(lines)
 
 
 async def _stream_pin(c: HydraClient, verbose: bool) -> int:
@@ -214,13 +241,23 @@ async def _call(args: argparse.Namespace) -> int:
     elif meta is not None:
         print(json.dumps(meta, indent=2, ensure_ascii=False), flush=True)
     _err(_summary(args.op, meta, data))
-    if args.out:
+    if args.out and hdr.status == Status.OK:
         _write_out(args.out, data, meta)
-    return 0 if hdr.status == Status.OK else 1
+    elif args.out:
+        _err(f"not saved: the reply is {status_name(hdr.status)}, not OK; {args.out} is left untouched")
+    if hdr.status != Status.OK:
+        return 1
+    nothing = _applied_nothing(args.op, meta)
+    if nothing:
+        _err(nothing)
+        return 1
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     if args.describe is not None:
+        from .call_formats import describe
+
         sys.stdout.write(describe(args.describe))
         return 0
     if args.op is None:

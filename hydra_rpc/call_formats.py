@@ -5,14 +5,24 @@ a key the engine does not classify that way.
 """
 from __future__ import annotations
 
+import shlex
+import sys
 import textwrap
 
 from codec.enums import ENGINE_OPS, Op, op_name
 from engine import tiers
 from engine.params_table import PARAMS
 
+
+
+def _python() -> str:
+    """The interpreter hydra-rpc runs in, the one that can import ``codec`` (a bare ``python``
+    outside the venv cannot); its whole path, so the command works from any directory."""
+    return shlex.quote(sys.executable)
+
+
 # Binary payloads are built with the codec's own encoders and piped in on stdin.
-_PY = "python -c 'import sys; from codec.{mod} import {fn}; sys.stdout.buffer.write({call})'"
+_PY = _python() + " -c 'import sys; from codec.{mod} import {fn}; sys.stdout.buffer.write({call})'"
 
 
 def _py(mod: str, fn: str, call: str) -> str:
@@ -60,7 +70,7 @@ saved from STATE_GET or PREFILL.
       | hydra-rpc call DECODE --key 0 --payload-file - --raw
   v3      merged DECODE: [u32 hdr_len][u64 xxh3][JSON control header][prompt][kv blob]; the
           meta has decode_request_id, the result is at GET /v1/decode/{{id}} on the HTTP side.
-    python -c 'import json, sys; from codec.decode_v3 import encode_decode_v3
+    {_python()} -c 'import json, sys; from codec.decode_v3 import encode_decode_v3
     prompt = json.dumps([{{"role": "user", "content": "hi"}}]).encode()
     kv = open("slot0.kv", "rb").read()  # from STATE_GET --out or PREFILL --out
     sys.stdout.buffer.write(encode_decode_v3({{"generation": {{"n_predict": 8}}}}, prompt, kv))' \\

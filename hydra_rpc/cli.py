@@ -6,43 +6,56 @@ status 2; a bug is one line too, with the traceback behind ``--debug``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
+from collections.abc import Sequence
 
-from tools.bench import cli as bench_cmd
-from tools.fuzzer import cli as fuzz_cmd
-from tools.inspector import cli as inspect_cmd
-
-from . import call_cmd, serve_cmd
 from .logs import json_line
-from .usage import EXIT_INTERNAL, EXIT_USAGE, HelpFormatter, Parser, UsageError, version_string
+from .usage import EXIT_INTERNAL, EXIT_USAGE, HelpFormatter, Parser, UsageError, VersionAction
 
+# Modules, not imports: a command loads only its own (the server, the fuzzer and the inspector
+# each take a few hundred ms to import; `call` and `--version` need none of them).
 COMMANDS = {
-    "serve": (serve_cmd, "run the engine server"),
-    "call": (call_cmd, "send one Hydra request (curl for Hydra)"),
-    "inspect": (inspect_cmd, "decode Hydra / ggml-RPC traffic"),
-    "fuzz": (fuzz_cmd, "fuzz a Hydra port"),
-    "bench": (bench_cmd, "run the benchmarks"),
+    "serve": ("hydra_rpc.serve_cmd", "run the engine server"),
+    "call": ("hydra_rpc.call_cmd", "send one Hydra request (curl for Hydra)"),
+    "inspect": ("tools.inspector.cli", "decode Hydra / ggml-RPC traffic"),
+    "fuzz": ("tools.fuzzer.cli", "fuzz a Hydra port"),
+    "bench": ("tools.bench.cli", "run the benchmarks"),
 }
 
 
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top level has
+    only flags without values), or None."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--version", action="version", version=version_string(), help="print the version and exit")
+    p.add_argument("--version", action=VersionAction, help="print the version and exit")
     p.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given ``argv``, only the subcommand it names gets its arguments (and
+    its module imported): the others are never parsed."""
+    wanted = _command_in(argv) if argv is not None else None
     p = Parser(prog="hydra-rpc", description=__doc__, formatter_class=HelpFormatter,
                epilog="hydra-rpc llama-engine ARGS: the engine started with llama-engine's command line "
                       "(the same as the hydra-llama-engine command; --help lists what it applies)")
     _common(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (mod, help_) in COMMANDS.items():
+    for name, (module, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_, add_help=False, formatter_class=HelpFormatter)
+        if argv is not None and name != wanted:
+            continue
+        mod = importlib.import_module(module)
         sp.add_argument("-h", "--help", action=getattr(mod, "HelpAction", "help"), help="show this help and exit")
         mod.add_arguments(sp)
         _common(sp)
         sp.set_defaults(func=mod.run)
+    p.subcommands = dict(sub.choices)  # for Parser.parse_args: errors name the subcommand's help
     return p
 
 
@@ -60,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import llama_engine_cmd
 
         return llama_engine_cmd.main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

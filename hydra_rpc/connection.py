@@ -30,7 +30,7 @@ from codec.errors import BadMagic, FrameTooLarge, RemoteProtocolError
 
 from .config import ServerConfig
 from .deadlines import IDLE, ClockTimer, ReadClock
-from .logs import log_request
+from .logs import log_request, routine_level
 from .wire import Body, PeerGone, Request, ResponseWriter
 
 log = logging.getLogger("hydra_rpc.connection")
@@ -164,7 +164,9 @@ class HydraConnection(asyncio.BufferedProtocol):
             self.clock.stop(self._loop.time())
 
     def _deadline_passed(self, reason: str) -> None:
-        log.info("closing: %s", self.clock.describe(reason), extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
+        # an idle persistent connection timing out is routine (a coordinator's pooled socket)
+        level = routine_level() if reason == IDLE else logging.INFO
+        log.log(level, "closing: %s", self.clock.describe(reason), extra={"fields": {"peer": self.peer, "conn": self.conn_id}})
         if reason == IDLE:
             self.transport.close()
         else:  # a client that stopped sending may not read either: do not wait to flush

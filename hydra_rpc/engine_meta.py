@@ -149,6 +149,7 @@ def info_meta(info: EngineInfo) -> dict[str, Any]:
         "kv_cache": kv_cache_meta(info.kv_cache),
         "params": info.params.as_dict() if info.params is not None else None,
         "prompt_cache": flat_fields(info.prompt_cache),
+        "tensor_overrides": [dict(o) for o in info.tensor_overrides],
     }
 
 

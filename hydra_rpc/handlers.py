@@ -22,7 +22,7 @@ from codec.kvblob import KvBlobLayout, encode_kv_blob_header, max_kv_blob_size, 
 from engine.actor import Engine
 from engine.buffers import LeasedBuffer
 from engine.chat.prompt import ChatRequestError, normalize_messages, plan_chat, read_chat_options
-from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult, ReloadFailed
 from engine.kv_cache import KvStateMismatch
 from engine.reasoning_budget import ReasoningBudget
 from engine.sampling import GREEDY, GrammarSpec
@@ -33,6 +33,7 @@ from .keys import parse_slot_key
 from .wire import PeerGone, Request, ResponseWriter
 
 KV_VERSION = 3
+SWAP_ANSWER_WITHIN_S = 25.0  # under the C++ engine's 30 s SWAP_QUANT task timeout
 
 
 class Handlers:
@@ -157,8 +158,24 @@ class Handlers:
                          f"swap (empty or '.*' pattern) is supported"})
             return
         out = await self.engine.swap_model(sq.qk)
-        await resp.send(Status.OK, {"success": True, "swapped": bool(out.deferred_keys),
-                                    "quant": sq.qk, "reload": (out.reload or self.engine.reload.state).value,
+        # ``swapped``: the alias's model went live through this request (not "a reload started");
+        # false when it was live already. A reload that does not happen is an ERROR.
+        # A load that outlasts the C++ engine's 30 s task timeout answers "still loading" rather
+        # than keep the client past it: swapped false, reload "loading" — true, and retryable.
+        swapped = out.reload_ticket is not None
+        if swapped:
+            try:
+                async with asyncio.timeout(SWAP_ANSWER_WITHIN_S):
+                    await self.engine.wait_reload(out.reload_ticket)
+            except ReloadFailed as e:
+                await resp.send(Status.ERROR, {"success": False, "swapped": False, "quant": sq.qk, "error": str(e),
+                                               "reload": self.engine.reload.state.value})
+                return
+            except TimeoutError:
+                swapped = False
+        await resp.send(Status.OK, {"success": True, "swapped": swapped,
+                                    "quant": sq.qk, "reload": (self.engine.reload.state if swapped
+                                                               else out.reload or self.engine.reload.state).value,
                                     "config_generation": out.config_generation})
 
     async def pipeline_attach(self, req: Request, resp: ResponseWriter) -> None:

@@ -8,11 +8,12 @@ Routes (the contract is written down in ``docs/http.md``)::
     GET  /slots                        one entry per slot, from the actor's snapshots
     GET  /slots/{id}/state/meta        the STATE_META fields
     GET, PUT /slots/{id}/state         KV state transfer, see http_state
-    POST /slots/{id}?action=erase      409 while the slot works
+    POST /slots/{id}?action=erase      a working slot: done when its job ends
     POST /slots/{id}?action=save|restore  slot files (--slot-save-path), see http_slot_actions
     GET  /v1/decode/{decode_request_id}  merged DECODE v3 result: 202 running, 200 done, 404 gone
     DELETE /v1/decode/{decode_request_id}  (extension) cancel a running merged DECODE
     POST /v1/chat/completions, /v1/completions (+ unversioned twins)   see http_openai
+    POST /completion, /tokenize, /detokenize, /apply-template; GET /props   llama-server's, see http_llama
     GET  /metrics                      Prometheus text format
 
 Reads (health, slots, meta, decode progress, metrics) come from published snapshots and
@@ -53,6 +54,7 @@ from .http_state import StateRoutes
 from .http_state import path_number as _number
 from .http_state import slot_of as _slot_of
 from .logs import access_log_options
+from .http_llama import LlamaRoutes
 from .metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("hydra_rpc.http")
@@ -141,6 +143,7 @@ def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     r.add_delete("/v1/decode/{decode_request_id}", routes.decode_cancel)
     r.add_get("/metrics", routes.prometheus)
     OpenAIRoutes(app, max_body, metrics).add_to(r)
+    LlamaRoutes(app, max_body, metrics).add_to(r)
     ModelRoutes(app, max_body).add_to(r)
     StateRoutes(app).add_to(r)
     return webapp
@@ -251,7 +254,9 @@ class Routes:
         eng = self.engine
         if eng is None or not eng.ready:
             raise ApiError(503, "Loading model", headers={"Retry-After": "1"})
-        return json_response([slot_entry(s, eng.n_ctx_slot) for s in eng.snapshots])
+        ck = eng.cache.checkpoints  # the slot's context checkpoints (engine.checkpoints): n_tokens, size
+        return json_response([{**slot_entry(s, eng.n_ctx_slot), "checkpoints": ck.of_slot(s.slot_id)}
+                              for s in eng.snapshots])
 
     async def slot_meta(self, request: web.Request) -> web.Response:
         slot = _slot_of(request, self.engine)
@@ -266,14 +271,14 @@ class Routes:
         require_ready(eng)
         if action in FILE_ACTIONS:
             return await slot_file_action(request, eng, slot, action, self.max_body, self._busy)
-        snap = eng.snapshot(slot)
-        if snap.is_processing or snap.is_transferring or snap.queued:
-            raise self._busy(slot, snap)
-        try:
-            await eng.erase(slot)
-        except EngineBusy:  # became busy between the snapshot and the actor
-            raise self._busy(slot, eng.snapshot(slot)) from None
-        return json_response({"id_slot": slot, "n_erased": snap.n_past})
+        try:  # a busy slot is erased when its job ends, as llama-server defers it (engine/erase.py)
+            n_erased = await eng.erase(slot)
+        except EngineBusy as e:  # still busy past the bound: nothing was erased
+            snap = eng.snapshot(slot)
+            raise ApiError(503, str(e), headers={"Retry-After": "1"},
+                           extra={"reason": str(e), "slot_id": slot, "operation": snap.operation,
+                                  "queued": snap.queued}) from None
+        return json_response({"id_slot": slot, "n_erased": n_erased})
 
     @staticmethod
     def _busy(slot: int, snap: Any) -> ApiError:

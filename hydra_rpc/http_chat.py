@@ -102,12 +102,13 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 
 
-def _int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """A JSON integer (not a bool)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _finite(v: Any) -> bool:
-    """A JSON number that is a finite float (not a bool)."""
+def is_number(v: Any) -> bool:
+    """A JSON number that is a finite float (not a bool; an integer beyond float range is not)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:
@@ -120,12 +121,12 @@ def read_logprobs(body: dict[str, Any], kind: str) -> tuple[bool, int]:
     """(report logprobs, top alternatives per token) from OpenAI's ``logprobs``/``top_logprobs``
     (an integer ``logprobs`` on completions: the legacy form) or llama-server's ``n_probs``."""
     lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if kind == "text" and _int(lp):
+    if kind == "text" and is_int(lp):
         lp, top = True, lp
     if lp not in (None, True, False):
         raise ChatRequestError("'logprobs' must be a boolean", "logprobs")
     n = body.get("n_probs", top)
-    if n is not None and (not _int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
+    if n is not None and (not is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
         raise ChatRequestError(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     return bool(lp) or bool(n), n or 0
 
@@ -145,11 +146,11 @@ def read_logit_bias(value: Any, n_vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
     for tok, bias in pairs:
         tid = int(tok) if isinstance(tok, str) and tok.lstrip("-").isdigit() else tok
-        if not _int(tid) or not 0 <= tid < n_vocab:
+        if not is_int(tid) or not 0 <= tid < n_vocab:
             raise ChatRequestError(f"'logit_bias' names token {tok!r}, not an id in 0..{n_vocab - 1}", "logit_bias")
         if bias is False:
             bias = -math.inf
-        elif not _finite(bias):
+        elif not is_number(bias):
             raise ChatRequestError(f"'logit_bias' for token {tid} must be a number or false", "logit_bias")
         out.append((tid, float(bias)))
     return tuple(out)

@@ -27,8 +27,8 @@ from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResu
 from engine.sampling import GrammarSpec
 from engine.status import ModelChoice
 
-from .http_chat import (ChunkSink, dumps, finish_reason, logprobs_object, message_object, parse_message,
-                        read_logit_bias, read_logprobs)
+from .http_chat import (ChunkSink, dumps, finish_reason, is_int, is_number, logprobs_object, message_object,
+                        parse_message, read_logit_bias, read_logprobs)
 from .wire import client_behind, limit_send_buffer
 
 MAX_STOPS, MAX_STOP_BYTES = 16, 256
@@ -70,7 +70,9 @@ def engine_error(e: BaseException) -> ApiError:
         if e.retry_after_ms is not None:  # reloading with the reject policy: come back later
             return ApiError(503, str(e), headers={"Retry-After": str(max(1, math.ceil(e.retry_after_ms / 1000)))},
                             extra={"retry_after_ms": e.retry_after_ms})
-        return ApiError(429, str(e))  # the slot's queue is full
+        # the slot's queue (--slot-queue) is full: the request was deferred as far as llama-server
+        # defers one, and the client may come back (503 + Retry-After, not 429: nobody is rate-limited)
+        return ApiError(503, str(e), headers={"Retry-After": "1"}, extra={"retry_after_ms": 1000})
     if isinstance(e, BadInput):
         return ApiError(400, str(e))
     if isinstance(e, EngineUnavailable):
@@ -103,19 +105,6 @@ async def read_json_object(request: web.Request, max_body: int) -> dict[str, Any
 
 
 # ---------------------------------------------------------------- request parsing
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:  # an integer literal beyond float range
-        return False
-
-
 @dataclass
 class CompletionRequest:
     kind: str  # chat | text
@@ -150,7 +139,7 @@ def parse_completion_request(body: dict[str, Any], kind: str, engine: Any) -> Co
             p = p[0]  # a batch of one
         if isinstance(p, str):
             req.prompt = p
-        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        elif isinstance(p, list) and p and all(is_int(t) for t in p):
             req.tokens = p
         else:
             raise ApiError(400, "'prompt' must be a string or an array of token ids (one prompt per request)",
@@ -161,14 +150,14 @@ def parse_completion_request(body: dict[str, Any], kind: str, engine: Any) -> Co
     if body.get("echo") or (body.get("best_of") not in (None, 1)):
         raise ApiError(400, "'echo' and 'best_of' are not supported", param="echo")
     req.n_predict = _max_tokens(body, engine)
-    for key, check, what in (("temperature", lambda v: _is_num(v) and v >= 0, "a number ≥ 0"),
-                             ("top_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
-                             ("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
-                             ("top_k", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer ≥ 0"),
-                             ("seed", _is_int, "an integer"),
-                             ("repeat_penalty", lambda v: _is_num(v) and v > 0, "a number > 0"),
-                             ("frequency_penalty", lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-                             ("presence_penalty", lambda v: _is_num(v) and -2 <= v <= 2, "a number in [-2, 2]")):
+    for key, check, what in (("temperature", lambda v: is_number(v) and v >= 0, "a number ≥ 0"),
+                             ("top_p", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+                             ("min_p", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+                             ("top_k", lambda v: is_int(v) and 0 <= v < 2**31, "an integer ≥ 0"),
+                             ("seed", is_int, "an integer"),
+                             ("repeat_penalty", lambda v: is_number(v) and v > 0, "a number > 0"),
+                             ("frequency_penalty", lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+                             ("presence_penalty", lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]")):
         v = body.get(key)
         if v is None:
             continue
@@ -188,7 +177,7 @@ def parse_completion_request(body: dict[str, Any], kind: str, engine: Any) -> Co
                        param="stop")
     slot = body.get("slot", body.get("id_slot"))  # id_slot: llama-server's name
     if slot is not None and slot != -1:
-        if not _is_int(slot):
+        if not is_int(slot):
             raise ApiError(400, "'slot' must be an integer", param="slot")
         if not 0 <= slot < engine.n_slots:
             raise ApiError(404, f"unknown slot {slot} (this engine has slots 0..{engine.n_slots - 1})", param="slot")
@@ -233,7 +222,7 @@ def _max_tokens(body: dict[str, Any], engine: Any) -> int:
         v = body.get(key)
         if v is None:
             continue
-        if not _is_int(v) or v < -1:
+        if not is_int(v) or v < -1:
             raise ApiError(400, f"'{key}' must be an integer ≥ 0", param=key)
         if v >= 0:
             return v

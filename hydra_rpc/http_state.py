@@ -43,9 +43,9 @@ def slot_of(request: web.Request, engine: Any) -> int:
     if slot is None:
         raise ApiError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}")
     n = engine.n_slots if engine is not None else 0
-    if slot >= n:
-        raise ApiError(404, f"unknown slot {slot} (this engine has slots 0..{n - 1})")
-    return slot
+    if n <= 0:
+        raise ApiError(404, f"unknown slot {slot}: no slots yet (the model is loading)")
+    return slot % n  # as the Hydra port maps a key (hydra_rpc/keys.py): id 7 of 4 slots is slot 3
 
 
 class StateRoutes:

@@ -1,8 +1,11 @@
 """Slot keys: ASCII decimal, parsed the way the C++ engine's ``std::stoi`` does.
 
 ``stoi`` skips leading whitespace, takes an optional sign and digits, and ignores
-trailing garbage ("3abc" → 3). We keep that for compatibility but answer
-out-of-range ids with NOT_FOUND instead of the C++'s silent modulo.
+trailing garbage ("3abc" → 3). An id at or past the slot count maps onto the slots modulo
+their count, as the C++ engine maps it (key 7 with 4 slots is slot 3): a coordinator whose
+worker file names more slots than this engine has must reach the same slot here as there,
+and over HTTP (``/slots/{id}…``, hydra_rpc/http_state.py) too. A negative id is NOT_FOUND;
+a key that is not a number stays an error.
 """
 from __future__ import annotations
 
@@ -30,10 +33,10 @@ def parse_slot_key(key: bytes, op: int, n_slots: int) -> int:
         raise BadKey("empty key: this opcode needs a numeric slot id", rule="key.empty")
     m = _STOI.match(key)
     if not m:
-        raise BadKey(f"key {key[:32]!r} is not a slot number", rule="key.not_numeric")
+        raise BadKey(f"key {key[:32].decode('utf-8', 'replace')!r} is not a slot number", rule="key.not_numeric")
     slot = int(m.group(1))
     if not -_INT_MAX - 1 <= slot <= _INT_MAX:
         raise BadKey(f"slot id {m.group(1)[:20].decode()} out of int range", rule="key.range")
-    if slot < 0 or slot >= n_slots:
+    if slot < 0 or n_slots <= 0:
         raise NoSuchSlot(f"invalid slot ID {slot} (this engine has {n_slots} slots)", rule="key.slot")
-    return slot
+    return slot % n_slots

@@ -99,11 +99,15 @@ _APPLIED = {
     "--reasoning-budget": "at most N generated tokens in a think block, then the close tag is written (-1: no limit)",
     "--reasoning-budget-message": "written before the close tag when the budget is spent",
     "--cache-prompt": "the prompt cache: reuse prompt prefixes held by the slot, another slot or the RAM tier",
-    "--cache-reuse": "reuse chunks of the slot's cached prompt by KV shifting",
+    "--cache-reuse": "reuse chunks of the slot's cached prompt by KV shifting (not on a model that cannot "
+                     "shift: INFO prompt_cache.cache_reuse_refused says so)",
     "--slot-prompt-similarity": "a request naming no slot goes to the slot that holds most of its prompt",
     "--cache-ram": "RAM tier of the prompt cache: states of conversations whose slot was taken (MiB)",
     "--slot-save-path": "slot files (POST /slots/{id}?action=save|restore); the RAM tier spills there",
-    "--context-shift": "shift the context when a slot is full",
+    "--context-shift": "shift the context when a slot is full (not on a recurrent or hybrid model: ctx_full)",
+    "--ctx-checkpoints": "context checkpoints per slot, taken near a prompt's end on a recurrent, hybrid or "
+                         "sliding-window model and restored when a new prompt diverges inside the slot's tokens",
+    "--checkpoint-min-step": "when a slot's checkpoints are full, one this close to the one before it goes first",
     "--timeout": "idle keep-alive timeout of the HTTP side", "--metrics": "/metrics endpoint (501 without it)",
     "--slots": "/slots endpoint (501 with --no-slots)",
     "--host": "HTTP listen address", "--port": "HTTP port",
@@ -117,7 +121,6 @@ _MM = "multimodal input is not supported (text only)"
 _LOG = "hydra-rpc logs through its own logger (--log-format / --log-level)"
 _THREADS = "CPU affinity and polling are left to the OS and ggml"
 _ROUTER = "router mode (several models behind one server) is not implemented"
-_CACHE = "llama-server's context checkpoints are not implemented (the prompt cache keeps whole slot states)"
 _PARSE = "not implemented: think blocks and tool calls are parsed as the template and --reasoning-format say"
 _WEB = "no web UI, static files, CORS, MCP or built-in tools"
 _COMBINED = "COMBINED (peer) mode is not implemented: this engine always runs SOLO"
@@ -136,11 +139,12 @@ _NO_EFFECT = {
     **dict.fromkeys(["--mmproj-auto", "--mmproj-offload", "--mmproj-device", "--image-min-tokens", "--image-max-tokens",
                      "--mtmd-batch-max-tokens", "--video-fps", "--video-timestamp-interval", "--video-ffmpeg-dir",
                      "--media-path"], _MM),
-    **dict.fromkeys(["--log-disable", "--log-file", "--log-jsonl", "--log-prompts-dir", "--log-colors", "--verbose",
-                     "--verbosity", "--log-prefix", "--log-timestamps"], _LOG),
+    **dict.fromkeys(["--log-disable", "--log-file", "--log-jsonl", "--log-prompts-dir", "--log-colors",
+                     "--log-prefix", "--log-timestamps"], _LOG),
+    **dict.fromkeys(["--verbose", "--verbosity"], "hydra-llama-engine maps it onto --log-level (-v: DEBUG; -lv N: "
+                                                  "<= 1 ERROR, 2 WARNING, 3 INFO, >= 4 DEBUG); serve: use --log-level"),
     **dict.fromkeys(["--cpu-mask", "--cpu-range", "--cpu-strict", "--poll", "--cpu-mask-batch", "--cpu-range-batch",
                      "--cpu-strict-batch", "--poll-batch", "--numa"], _THREADS),
-    **dict.fromkeys(["--ctx-checkpoints", "--checkpoint-min-step"], _CACHE),
     "--cache-idle-slots": "the prompt cache saves a slot's state when another conversation takes it, not before",
     **dict.fromkeys(["--reasoning-effort", "--reasoning-preserve", "--skip-chat-parsing", "--prefill-assistant"],
                     _PARSE),

@@ -117,6 +117,8 @@ class LlamaEngineSettings:
     cache_ram: int = _default("cache_ram")  # MiB, -1: no limit, 0: off
     slot_prompt_similarity: float = _default("slot_prompt_similarity")
     slot_save_path: str | None = None
+    ctx_checkpoints: int = _default("ctx_checkpoints")
+    checkpoint_min_step: int = _default("checkpoint_min_step")
     context_shift: bool = False
     timeout: int = _default("timeout")
     metrics: bool = False

@@ -128,7 +128,8 @@ def engine_config(s: LlamaEngineSettings, model_path: str, rpc_allow: Sequence[s
         raise UsageError(f"--rpc / --rpc-allow: {e}; give HOST:PORT,...") from None
     return EngineConfig(model=model_params(s, model_path), defaults=t1_defaults(s), token_budget=s.n_batch,
                         thread_nice=nice, slot_prompt_similarity=s.slot_prompt_similarity, cache_ram_mib=s.cache_ram,
-                        slot_save_path=s.slot_save_path, rpc_allow=allow, reasoning_format=s.reasoning_format,
+                        slot_save_path=s.slot_save_path, ctx_checkpoints=s.ctx_checkpoints,
+                        checkpoint_min_step=s.checkpoint_min_step, rpc_allow=allow, reasoning_format=s.reasoning_format,
                         default_grammar=default_grammar(s), reasoning_budget=reasoning_budget(s), **kw)
 
 

@@ -9,6 +9,12 @@ starting at column 0 is always a record. The JSON format escapes through ``json.
 
 ``--log-format json`` also turns the server's own announcements ("listening on", "stopped",
 start-up errors) into JSON lines (:func:`announce`), so every line on stdout and stderr parses.
+
+Routine traffic (an OK reply, a health or /slots probe) is logged at the *routine level*:
+INFO for ``serve`` (one line per request), DEBUG for ``hydra-llama-engine``, where a
+coordinator polls ``/slots`` every second per node and llama-server itself logs requests only
+when verbose; there a periodic summary line (:data:`tally`) says what was served instead.
+Errors and refusals stay at INFO and above either way.
 """
 from __future__ import annotations
 
@@ -28,6 +34,34 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\\\u2028\u2029]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
 _NEEDS_QUOTES = re.compile(r'[\s"=]')
 _format = "text"  # what ``announce`` writes; set by ``setup_logging``
+_routine = logging.INFO  # the level of routine request lines; set by ``setup_logging``
+# HTTP paths that are probes, not work: routine whatever their status (a /slots answering 503
+# while the model loads is polled every second too).
+PROBE_PATHS = frozenset({"/health", "/v1/health", "/slots", "/metrics", "/props", "/v1/models", "/models"})
+
+
+class Tally:
+    """Requests answered since the last summary (counted whether or not they are logged).
+    ``errors``: Hydra replies other than OK, HTTP statuses >= 400 outside the probes."""
+
+    __slots__ = ("hydra", "http", "errors")
+
+    def __init__(self, hydra: int = 0, http: int = 0, errors: int = 0) -> None:
+        self.hydra, self.http, self.errors = hydra, http, errors
+
+    def take(self) -> "Tally":
+        """The counts so far, and zero again."""
+        out = Tally(self.hydra, self.http, self.errors)
+        self.hydra = self.http = self.errors = 0
+        return out
+
+
+tally = Tally()
+
+
+def routine_level() -> int:
+    """The level of routine lines (OK replies, probes, idle connections closed)."""
+    return _routine
 
 
 def escape(text: str) -> str:
@@ -90,11 +124,13 @@ def log_level_arg(s: str) -> str:
     return s.upper()
 
 
-def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
+def setup_logging(fmt: str = "text", level: str = "INFO", routine: str = "INFO") -> None:
     """Our loggers at ``level``; every other library's (asyncio, aiohttp, warnings) through the
-    same formatter at WARNING, so no line escapes the chosen format."""
-    global _format
+    same formatter at WARNING, so no line escapes the chosen format. ``routine``: the level of
+    routine request lines (DEBUG: only ``--log-level DEBUG`` shows them)."""
+    global _format, _routine
     _format = fmt
+    _routine = logging.getLevelName(routine.upper())
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     for name in ("hydra_rpc", "engine"):
@@ -119,8 +155,13 @@ def announce(line: str, *, stream: TextIO | None = None, level: str = "INFO", **
 def log_request(*, op: str, key: str, trace: str, status: str, req_bytes: int, resp_bytes: int,
                 started: float, peer: str, conn: int, rule: str | None = None, tokens: int | None = None) -> None:
     """One line per Hydra request. ``rule``: the error reason of a non-OK reply (the meta's
-    ``rule``, else its ``error`` text); ``tokens``: tokens sent by a streamed DECODE."""
-    if not log.isEnabledFor(logging.INFO):
+    ``rule``, else its ``error`` text); ``tokens``: tokens sent by a streamed DECODE. An OK
+    reply is routine (:func:`routine_level`); any other status is logged at INFO."""
+    tally.hydra += 1
+    level = _routine if status == "OK" else logging.INFO
+    if status != "OK":
+        tally.errors += 1
+    if not log.isEnabledFor(level):
         return
     fields: dict[str, Any] = {
         "op": op, "key": key, "trace": trace, "status": status, "req_bytes": req_bytes,
@@ -130,7 +171,7 @@ def log_request(*, op: str, key: str, trace: str, status: str, req_bytes: int, r
         fields["rule"] = rule
     if tokens is not None:
         fields["tokens"] = tokens
-    log.info("request", extra={"fields": fields})
+    log.log(level, "request", extra={"fields": fields})
 
 
 def _access_log_fields(request, response, seconds: float) -> dict[str, Any]:
@@ -150,10 +191,16 @@ def _access_logger_class() -> type:
 
         @property
         def enabled(self) -> bool:
-            return self.logger.isEnabledFor(logging.INFO)
+            return True  # every request is counted in the tally, logged or not
 
         def log(self, request, response, time: float) -> None:
-            self.logger.info("http", extra={"fields": _access_log_fields(request, response, time)})
+            tally.http += 1
+            probe = request.path in PROBE_PATHS
+            if not probe and response.status >= 400:
+                tally.errors += 1
+            level = _routine if probe or response.status < 400 else logging.INFO
+            if self.logger.isEnabledFor(level):
+                self.logger.log(level, "http", extra={"fields": _access_log_fields(request, response, time)})
 
     return HttpAccessLogger
 

@@ -6,6 +6,7 @@ Two kinds of series:
   duration histogram per op, payload bytes), HTTP requests (by route, method, code) and
   HTTP generations (by finish reason). The Hydra server calls :meth:`Metrics.observe_request`
   once per request; the HTTP side calls :meth:`observe_http` / :meth:`observe_generation`.
+* **llama-server's** ``llamacpp:*`` families (``metrics_llama.py``), appended to the text.
 * **state series**, read from the app at scrape time by :class:`_AppCollector`: tokens
   generated (the engine's own counter, so RPC and HTTP work both count), slots busy/queued,
   reload state and timings, open connections, ggml-RPC passthrough bytes. Reading at scrape
@@ -25,6 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from codec.enums import Op
+
+from .metrics_llama import LlamaMetrics
 
 # Latency buckets from 100 µs (a STATE_META on loopback) to 5 min (a long DECODE).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -58,6 +61,7 @@ class Metrics:
                                    "HTTP completions finished, by endpoint and finish reason (cancelled: the "
                                    "client went away)", ["endpoint", "reason"], registry=r)
         self._collector: _AppCollector | None = None
+        self.llama = LlamaMetrics()  # llama-server's llamacpp:* families, appended as it renders them
         # (op, status) → that request's series: ``labels()`` takes a lock and builds a key on
         # every call, a noticeable share of a STATE_META's server CPU; the op set is bounded
         self._request_series: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
@@ -98,7 +102,8 @@ class Metrics:
             self._collector.app, self._collector.http_connections = app, http_connections
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        engine = getattr(self._collector.app, "engine", None) if self._collector is not None else None
+        return generate_latest(self.registry) + self.llama.render(engine).encode()
 
 
 class _AppCollector:
@@ -193,9 +198,9 @@ class _AppCollector:
 
 def _prompt_cache(pc: Any) -> Iterable[Metric]:
     hits = CounterMetricFamily("hydra_prompt_cache_hits", "Prompts that reused cached tokens, by where they "
-                               "came from (own: the slot's KV, shared: another slot's, host: the RAM tier)",
-                               labels=["source"])
-    for source in ("own", "shared", "host"):
+                               "came from (own: the slot's KV, shared: another slot's, host: the RAM tier, "
+                               "checkpoint: a context checkpoint of the slot)", labels=["source"])
+    for source in ("own", "shared", "host", "checkpoint"):
         hits.add_metric([source], getattr(pc, f"from_{source}"))
     yield hits
     C, G = CounterMetricFamily, GaugeMetricFamily
@@ -203,6 +208,9 @@ def _prompt_cache(pc: Any) -> Iterable[Metric]:
             (C, "hydra_prompt_cache_lookups", pc.lookups, "Prompts lined up with a slot's KV cache"),
             (C, "hydra_prompt_cache_tokens_saved", pc.tokens_saved, "Prompt tokens reused instead of computed"),
             (C, "hydra_prompt_cache_chunks_shifted", pc.chunks_shifted, "--cache-reuse chunks shifted into place"),
+            (C, "hydra_prompt_cache_tokens_recomputed", pc.tokens_recomputed,
+             "Prompt tokens a slot held but computed again: its memory could not be cut back to them"),
+            (G, "hydra_prompt_cache_checkpoints", pc.checkpoints, "Context checkpoints kept, all slots"),
             (C, "hydra_prompt_cache_ram_saves", pc.ram_saves, "Slot states kept in the RAM tier"),
             (C, "hydra_prompt_cache_ram_restores", pc.ram_restores, "RAM tier states loaded back into a slot"),
             (C, "hydra_prompt_cache_ram_evictions", pc.ram_evictions, "RAM tier states dropped to make room"),

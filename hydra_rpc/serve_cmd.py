@@ -14,7 +14,7 @@ import ipaddress
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from codec.limits import Limits
 
@@ -29,9 +29,19 @@ BASE_MODEL_BANNER = """\
 hydra-rpc: serving Gemma 3 270M, a small BASE model: no instruction tuning, no chat template.
   It continues text; asked a chat question it mostly echoes the question back. Good for
   prompt continuation, state transfer (STATE_GET/STATE_PUT) and trying the protocol:
-    hydra-rpc call PREFILL --key 0 --json '{"prompt":"The capital of France is"}' > /dev/null
-    hydra-rpc call DECODE --key 0 --json '{"n_predict":16,"messages":null}'
+    hydra-rpc call PREFILL{target} --key 0 --json '{{"prompt":"The capital of France is"}}' > /dev/null
+    hydra-rpc call DECODE{target} --key 0 --json '{{"n_predict":16,"messages":null}}'
   To chat, serve an instruction-tuned GGUF: hydra-rpc serve --model PATH/TO/model-it.gguf"""
+DEFAULT_TARGET = ("127.0.0.1", 9503)  # hydra-rpc call's --target default
+DEFAULT_HTTP_PORT = 8080
+# What each printed port is: `--port` is the Hydra port here but the HTTP port in
+# hydra-llama-engine (as in llama-engine), so every "listening" line names its flag.
+SERVE_PORTS = {"hydra": "Hydra port, --port", "http": "HTTP, --http-port", "ggml": "ggml-RPC"}
+
+
+def target_flag(host: str, port: int) -> str:
+    """`` --target HOST:PORT`` for a hint about a server on ``host:port`` ('' for call's default)."""
+    return "" if (host, port) == DEFAULT_TARGET else f" --target {host}:{port}"
 
 
 def _alias(s: str) -> tuple[str, str]:
@@ -106,7 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--ggml-rpc-sessions", type=int, default=4, metavar="N",
                    help="--ggml-rpc-embedded: ggml-RPC sessions served at once (default 4)")
     h = p.add_argument_group("http")
-    h.add_argument("--http-port", type=int, default=8080, help="HTTP side (0: pick a free one)")
+    h.add_argument("--http-port", type=int, default=None,
+                   help=f"HTTP side (0: pick a free one; default: {DEFAULT_HTTP_PORT}, or 0 with --port 0, so a "
+                        "second server on free ports starts too)")
     h.add_argument("--no-http", action="store_true", help="do not serve the HTTP side")
     o = p.add_argument_group("logging")
     o.add_argument("--log-format", choices=["text", "json"], default="text",
@@ -161,7 +173,7 @@ def build_app(args: argparse.Namespace):
                         limits=Limits(max_drain=args.max_drain), ggml_rpc_upstream=args.ggml_rpc_upstream,
                         ggml_rpc_embedded=args.ggml_rpc_embedded, ggml_rpc_sessions=args.ggml_rpc_sessions,
                         ggml_rpc_port=settings.ggml_rpc_port, log_format=args.log_format, log_level=args.log_level)
-    http_port = None if args.no_http else args.http_port
+    http_port = None if args.no_http else http_port_of(args)
     app = App(scfg, ecfg, http_host=args.host, http_port=http_port,
               info_extra={"ignored_args": [a.as_dict() for a in settings.ignored_args]})
     announce_ignored(settings, "hydra-rpc serve")
@@ -169,8 +181,15 @@ def build_app(args: argparse.Namespace):
     return app
 
 
+def http_port_of(args: argparse.Namespace) -> int:
+    """--http-port, else 8080 — or a free port when --port 0 asks for free ports."""
+    if args.http_port is not None:
+        return args.http_port
+    return 0 if args.port == 0 else DEFAULT_HTTP_PORT
+
+
 def _startup_failure(e: Exception, args: argparse.Namespace) -> UsageError | None:
-    return startup_failure_of(e, f"{args.host} (--port {args.port}, --http-port {args.http_port})")
+    return startup_failure_of(e, f"{args.host} (--port {args.port}, --http-port {http_port_of(args)})")
 
 
 def startup_failure_of(e: Exception, where: str) -> UsageError | None:
@@ -182,6 +201,9 @@ def startup_failure_of(e: Exception, where: str) -> UsageError | None:
         return UsageError(f"cannot listen on {where}: "
                           f"{e.strerror or e}; pick free ports (0: any free port) or stop the other server")
     if isinstance(e, LlamaBackendError):
+        if str(e).startswith("cache types"):  # a quantized cache whose blocks do not divide the heads
+            return UsageError(f"cannot load the model: {e}; pick cache types this model's heads divide "
+                              "with -ctk/-ctv (--cache-type-k/--cache-type-v; f16 always fits)")
         return UsageError(f"cannot load the model: {e}; check --model (a GGUF file llama.cpp can read) and "
                           "--ctx-size/--parallel (the KV cache must fit in memory)")
     return None
@@ -189,13 +211,19 @@ def startup_failure_of(e: Exception, where: str) -> UsageError | None:
 
 async def serve(args: argparse.Namespace) -> int:
     app = build_app(args)
-    return await run_app(app, lambda e: _startup_failure(e, args),
-                         BASE_MODEL_BANNER if args.model == DEFAULT_MODEL else None)
+    banner = None
+    if args.model == DEFAULT_MODEL:
+        banner = lambda host, port: BASE_MODEL_BANNER.format(target=target_flag(host, port))  # noqa: E731
+    return await run_app(app, lambda e: _startup_failure(e, args), banner)
 
 
-async def run_app(app, startup_failure, banner: str | None = None) -> int:
+async def run_app(app, startup_failure, banner: Callable[[str, int], str] | None = None,
+                  ports: Mapping[str, str] = SERVE_PORTS,
+                  background: Callable[[object], Awaitable[None]] | None = None) -> int:
     """Start ``app``, say where it listens, serve until SIGINT/SIGTERM, shut down (a second
-    signal forces it). ``startup_failure(e)``: the UsageError a start-up error is, or None."""
+    signal forces it). ``startup_failure(e)``: the UsageError a start-up error is, or None.
+    ``banner(host, port)``: text shown once listening; ``ports``: what each port is called;
+    ``background(app)``: a task run while serving (cancelled at shutdown)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -212,16 +240,13 @@ async def run_app(app, startup_failure, banner: str | None = None) -> int:
     announce_connection_budget(app)
     settle_heap()
     host, port = app.address
-    announce(f"hydra-rpc listening on {host}:{port}", stream=sys.stdout, host=host, port=port)
-    if app.http is not None:
-        hh, hp = app.http.address[:2]
-        announce(f"hydra-rpc http on {hh}:{hp}", stream=sys.stdout, http_host=hh, http_port=hp)
-    if app.ggml_rpc is not None:
-        announce(f"hydra-rpc ggml-rpc on {app.ggml_rpc.host}:{app.ggml_rpc.port}", stream=sys.stdout,
-                 ggml_rpc_host=app.ggml_rpc.host, ggml_rpc_port=app.ggml_rpc.port)
+    announce_ports(app, ports)
     if banner:
-        announce(banner, stream=sys.stdout)
+        announce(banner(host, port), stream=sys.stdout)
+    task = asyncio.create_task(background(app)) if background else None
     await stop.wait()
+    if task is not None:
+        task.cancel()
     stop.clear()
     shutdown = asyncio.create_task(app.shutdown(force=False))
     forced = asyncio.create_task(stop.wait())
@@ -235,6 +260,20 @@ async def run_app(app, startup_failure, banner: str | None = None) -> int:
         loop.remove_signal_handler(sig)
     announce("hydra-rpc: stopped")
     return 0
+
+
+def announce_ports(app, ports: Mapping[str, str]) -> None:
+    """One line per port, each with the real port (0 asked for a free one) and its flag, then
+    the command that reaches the Hydra port."""
+    host, port = app.address
+    announce(f"hydra-rpc listening on {host}:{port} ({ports['hydra']})", stream=sys.stdout, host=host, port=port)
+    if app.http is not None:
+        hh, hp = app.http.address[:2]
+        announce(f"hydra-rpc http on {hh}:{hp} ({ports['http']})", stream=sys.stdout, http_host=hh, http_port=hp)
+    if app.ggml_rpc is not None:
+        announce(f"hydra-rpc ggml-rpc on {app.ggml_rpc.host}:{app.ggml_rpc.port} ({ports['ggml']})",
+                 stream=sys.stdout, ggml_rpc_host=app.ggml_rpc.host, ggml_rpc_port=app.ggml_rpc.port)
+    announce(f"hydra-rpc: try `hydra-rpc call INFO{target_flag(host, port)}`", stream=sys.stdout)
 
 
 def settle_heap() -> None:

@@ -26,6 +26,7 @@ from codec.framing import MAGIC_BYTES
 from .config import ServerConfig
 from .conn_budget import Acceptor, ConnectionBudget
 from .connection import Handler, HydraConnection
+from .logs import routine_level
 from .passthrough import GgmlPassthrough
 
 log = logging.getLogger("hydra_rpc.server")
@@ -89,7 +90,8 @@ class _Accepted(asyncio.BufferedProtocol):
             self.server.forget(self.conn_id)
 
     def _silent(self) -> None:
-        log.info("closed %s: sent nothing within %.0fs", self.peer, self.server.cfg.first_bytes_timeout)
+        # routine: a TCP health check connects and closes without a byte
+        log.log(routine_level(), "closed %s: sent nothing within %.0fs", self.peer, self.server.cfg.first_bytes_timeout)
         self.transport.close()
 
     def close(self) -> None:

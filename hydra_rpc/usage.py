@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import os
 import sys
 from typing import Iterator
@@ -23,6 +22,8 @@ class UsageError(Exception):
 
 
 def version_string() -> str:
+    import importlib.metadata  # here: 20 ms that only --version and error reports need
+
     try:
         ours = importlib.metadata.version("hydra-rpc")
     except importlib.metadata.PackageNotFoundError:  # running from a source tree
@@ -33,6 +34,17 @@ def version_string() -> str:
         llama = "not installed"
     py = ".".join(map(str, sys.version_info[:3]))
     return f"hydra-rpc {ours} (llama-cpp-python {llama}, Python {py})"
+
+
+class VersionAction(argparse.Action):
+    """``--version``: the versions, looked up only when asked for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_string())
+        parser.exit()
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -53,6 +65,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but an argument no parser knows is reported by the subcommand's parser,
+        so the message points at ``hydra-rpc COMMAND --help`` rather than the top level's."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            sub = getattr(self, "subcommands", {}).get(getattr(ns, "command", None), self)
+            sub.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
 
 
 def _pip() -> str:

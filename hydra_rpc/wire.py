@@ -170,6 +170,8 @@ class ResponseWriter:
     async def start(self, status: int, meta: dict | None, payload_len: int) -> None:
         if self.started:
             raise RuntimeError("response already started")
+        if self._w.transport.is_closing():  # the client left while its request ran (a refused STATE_PUT)
+            raise PeerGone("client went away before the response")
         m = encode_meta(meta)
         self.status, self.meta_len, self.payload_len = int(status), len(m), payload_len
         if status != Status.OK and meta:

@@ -14,6 +14,14 @@ docs/protocol.md §3, so a fuzzer run against it must find exactly these:
 With ``--fragile-config`` it also dies like llama.cpp on a CONFIGURE or PREFILL
 ``hydra_config`` whose ``flash_attn`` is not one of its values (``{"flash_attn": 7}``).
 
+With ``--tracebacks`` a CONFIGURE whose body is JSON but not an object raises inside the
+handler; the connection loop logs the traceback (to stderr, so ``target.log``) and answers
+ERROR as if nothing happened — a bug only the log shows.
+
+With ``--greedy-config`` a CONFIGURE ``{"n_ctx": N}`` (1 ≤ N ≤ 2^24) is accepted like our
+server accepts it (``deferred_keys``, tier T2, a reload) and N × 8 bytes are allocated and
+kept: memory the request asked for, not a leak.
+
 Standalone on purpose (stdlib + xxhash, no project imports), so nothing the fuzzer tests
 leaks into it. Usage: ``python tests/broken_server.py --port 0`` prints
 ``broken-server listening on HOST:PORT``.
@@ -26,6 +34,8 @@ import json
 import os
 import resource
 import struct
+import sys
+import traceback
 
 import xxhash
 
@@ -59,6 +69,10 @@ def abort_like_cpp() -> None:
 
 
 FRAGILE_CONFIG = False
+TRACEBACKS = False
+GREEDY_CONFIG = False
+KEPT: list[bytes] = []  # --greedy-config: the "KV cache" a CONFIGURE n_ctx asked for
+MAX_CTX = 1 << 24
 FLASH_ATTN_VALUES = ("on", "off", "auto", -1, 0, 1, True, False)
 
 
@@ -79,6 +93,18 @@ def answer(op: int, key: bytes, payload: bytes) -> bytes:
             abort_like_cpp()  # llama.cpp asserts on the flash_attn_type enum
     if op == 0x41:
         return response(OK, {"engine": "broken-server", "version": "E1", "capabilities": []})
+    if op == 0x40 and (TRACEBACKS or GREEDY_CONFIG):
+        try:
+            body = json.loads(payload or b"{}")
+        except ValueError:
+            body = {}
+        if TRACEBACKS:
+            body.keys()  # AttributeError for a list, a number, a string: the planted bug
+        n_ctx = body.get("n_ctx") if GREEDY_CONFIG and isinstance(body, dict) else None
+        if type(n_ctx) is int and 1 <= n_ctx <= MAX_CTX:
+            KEPT[:] = [b"\x01" * (n_ctx * 8)]  # touched, so it counts in the peak RSS
+            return response(OK, {"success": True, "tier": "T2", "params_applied": {}, "deferred_keys": ["n_ctx"],
+                                 "rejected_keys": {}, "reload": "loading"})
     slot = slot_of(key)
     if slot is None and op != 0x40 and op != 0x44 and op != 0x45:
         return response(NOT_FOUND, {"error": "invalid slot ID"})
@@ -127,7 +153,14 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 await writer.drain()
                 return
             payload = await read_exact(reader, payload_len)
-            writer.write(answer(op, key, b"" if op in NO_PAYLOAD else payload))
+            try:
+                reply = answer(op, key, b"" if op in NO_PAYLOAD else payload)
+            except Exception:  # --tracebacks: logged, then answered as if all was well
+                print(f"ERROR request op=0x{op:02x} failed", file=sys.stderr, flush=True)
+                traceback.print_exc(file=sys.stderr)
+                sys.stderr.flush()
+                reply = response(ERROR, {"error": "internal error"})
+            writer.write(reply)
             await writer.drain()
     except (ConnectionError, asyncio.IncompleteReadError):
         pass
@@ -148,8 +181,12 @@ if __name__ == "__main__":
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--fragile-config", action="store_true")
+    ap.add_argument("--tracebacks", action="store_true")
+    ap.add_argument("--greedy-config", action="store_true")
     args = ap.parse_args()
     FRAGILE_CONFIG = args.fragile_config
+    TRACEBACKS = args.tracebacks
+    GREEDY_CONFIG = args.greedy_config
     try:
         asyncio.run(main(args.host, args.port))
     except KeyboardInterrupt:

@@ -72,8 +72,8 @@ class MemoryTransport(asyncio.Transport):
         return {"peername": ("127.0.0.1", 40000)}.get(name, default)
 
     def write(self, data) -> None:
-        if self.closed:
-            return
+        if self.closed:  # as uvloop's TCPTransport (asyncio's would drop the data and log)
+            raise RuntimeError(f"unable to perform operation on {self!r}; the handler is closed")
         self.written += data
         if not self._write_paused and len(self.written) > self._write_high:
             self._write_paused = True

@@ -96,6 +96,7 @@ class ScriptedBackend:
         self.n_swa = n_swa
         self.kv_shareable = kv_shareable
         self.can_shift = n_swa == 0
+        self.recurrent = False
         self.script = script
         self.decode_gate = decode_gate
         self.serial = next(_serials)  # written into every state it produces: which model made it
@@ -264,6 +265,13 @@ class ScriptedBackend:
         self.kv[seq] = []
         _, self.kv[seq] = parse_state(raw)
         return len(raw)
+
+    def checkpoint_get(self, seq: int) -> bytes:
+        return self.state_seq_get(seq)  # scripted states are small: the whole of it
+
+    def checkpoint_set(self, seq: int, data: bytes) -> bool:
+        self.state_seq_set(seq, data)
+        return True
 
     def close(self) -> None:
         self.closed = True

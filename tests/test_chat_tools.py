@@ -323,3 +323,31 @@ def test_logit_bias_values_beyond_float_range_are_a_400(qwen):
             client.post("/chat/completions", body={"messages": ASK, "max_tokens": 1, "logit_bias": {"5": bias}},
                         cast_to=object)
         assert e.value.body["param"] == "logit_bias"
+
+
+# ---------------------------------------------------------------- a template with no tool format
+@pytest.fixture(scope="module")
+def generic():
+    """The tiny model's own template knows no tool format: llama-server's generic JSON form."""
+    sp = start_server("--model", "tiny", "--parallel", "1", "--threads", "1", "--log-level", "WARNING")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sp.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield client
+    client.close()
+    assert sp.stop() == 0, sp.log
+    assert "Traceback" not in sp.log, sp.log
+
+
+def test_the_generic_form_answers_a_call_or_a_response(generic):
+    r = generic.chat.completions.create(model="m", messages=ASK, tools=[CALC], tool_choice="required",
+                                        max_tokens=120, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    check_call(r.choices[0].message.tool_calls[0], "calculator")
+    for seed in range(3):  # auto: the grammar allows {"tool_call": …} or {"response": "…"}, nothing else
+        r = generic.chat.completions.create(model="m", messages=ASK, tools=[CALC], max_tokens=120, temperature=1,
+                                            seed=seed)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            check_call(choice.message.tool_calls[0], "calculator")
+        elif choice.finish_reason == "stop":
+            assert not choice.message.tool_calls and "response" not in choice.message.content

@@ -40,7 +40,7 @@ def test_info_meta_is_json_on_stdout_status_on_stderr(server):
 
 
 def test_non_ok_reply_exits_1_with_its_meta_on_stdout(server):
-    r = call(server, "STATE_META", "--key", "9")
+    r = call(server, "STATE_META", "--key=-1")  # a negative slot (a larger one maps modulo the slots)
     assert r.returncode == 1 and b"NOT_FOUND" in r.stderr
     assert "error" in json.loads(r.stdout)
 
@@ -64,6 +64,28 @@ def test_out_saves_the_meta_of_a_meta_only_reply(server, tmp_path):
     out = tmp_path / "meta.json"
     r = call(server, "STATE_META", "--key", "0", "--out", str(out))
     assert r.returncode == 0 and json.loads(out.read_text()) == json.loads(r.stdout)
+
+
+def test_out_is_untouched_by_an_error_reply(server, tmp_path):
+    """A typo (STATE_GET of a slot that does not exist) must not destroy a saved KV file."""
+    out = tmp_path / "slot0.kv"
+    out.write_bytes(b"precious KV state")
+    r = call(server, "STATE_GET", "--key=-1", "--out", str(out))
+    assert r.returncode == 1 and b"NOT_FOUND" in r.stderr
+    assert out.read_bytes() == b"precious KV state"
+    assert f"not saved: the reply is NOT_FOUND, not OK; {out} is left untouched".encode() in r.stderr
+    assert list(tmp_path.iterdir()) == [out]  # no temporary file left behind either
+
+
+def test_configure_that_applied_nothing_exits_1_naming_the_keys(server):
+    r = call(server, "CONFIGURE", "--json", '{"temp":"hot","no_such_key":1}')
+    assert r.returncode == 1 and b"OK (0x00)" in r.stderr, r.stderr
+    err = r.stderr.decode()
+    assert "CONFIGURE applied none of its keys:" in err and "rejected temp:" in err
+    assert "unrecognized no_such_key" in err
+    r = call(server, "CONFIGURE", "--json", '{"temp":0.7,"no_such_key":1}')  # one applied: a change was made
+    assert r.returncode == 0 and "sampling.temp" in json.loads(r.stdout)["params_applied"], r.stderr
+    assert call(server, "CONFIGURE", "--json", "{}").returncode == 0  # nothing asked, nothing refused
 
 
 def test_verbose_shows_both_headers_decoded(server):
@@ -97,7 +119,7 @@ def _examples(text: str) -> list[str]:
         s = line.strip()
         if cur:
             cur += "\n" + s
-        elif s.startswith(("hydra-rpc call", "python -c")):
+        elif s.startswith(("hydra-rpc call", f"{shlex.quote(sys.executable)} -c")):
             cur = s
         else:
             continue
@@ -118,10 +140,14 @@ def test_describe_examples_work_against_the_server(server, tmp_path, op):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     commands = _examples(text)
     assert commands, text
+    assert "python -c" not in text.replace(f"{sys.executable} -c", ""), "examples must name the venv's interpreter"
     for cmd in commands:
-        cmd = cmd.replace("hydra-rpc call", hydra).replace("python -c", f"{shlex.quote(sys.executable)} -c")
-        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, timeout=60, cwd=tmp_path,
-                           env=env)
+        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd.replace("hydra-rpc call", hydra)],
+                           capture_output=True, timeout=60, cwd=tmp_path, env={**env, "PATH": "/usr/bin:/bin"})
+        if '"cache_type_k":"q8_0"' in cmd:  # the tiny model's 16-element heads cannot hold q8_0's 32-blocks
+            assert r.returncode == 1 and b"CONFIGURE applied none of its keys" in r.stderr, (cmd, r.stderr)
+            assert b"needs attention heads of a multiple of 32" in r.stderr, r.stderr
+            continue
         assert r.returncode == 0 and b"OK (0x00)" in r.stderr, (cmd, r.stdout, r.stderr)
 
 
@@ -129,10 +155,14 @@ def test_the_default_model_banner_commands_work(server, tmp_path):
     """The commands `serve` prints for the base model (checked here on the tiny model)."""
     from hydra_rpc.serve_cmd import BASE_MODEL_BANNER
 
+    from hydra_rpc.serve_cmd import target_flag
+
     assert "BASE model" in BASE_MODEL_BANNER and "--model PATH" in BASE_MODEL_BANNER
-    commands = _examples(BASE_MODEL_BANNER)
+    assert target_flag("127.0.0.1", 9503) == ""  # call's default target needs no flag
+    commands = _examples(BASE_MODEL_BANNER.format(target=target_flag(server.host, server.port)))
     assert [c.split()[2] for c in commands] == ["PREFILL", "DECODE"]
-    hydra = f"{shlex.quote(sys.executable)} -m hydra_rpc.cli call --target {server.host}:{server.port}"
+    assert all(f"--target {server.host}:{server.port}" in c for c in commands), commands
+    hydra = f"{shlex.quote(sys.executable)} -m hydra_rpc.cli call"
     for cmd in commands:
         r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd.replace("hydra-rpc call", hydra)],
                            capture_output=True, timeout=60, cwd=tmp_path)

@@ -14,6 +14,7 @@ from codec.decoder import ResponseDecoder, ResponseEnd, ResponseStart
 from codec.decoder import PayloadChunk
 from codec.enums import Op, Status
 from codec.framing import encode_request, encode_request_header
+from codec.errors import MalformedPayload
 from codec.limits import Limits
 from codec.payloads import decode_meta
 from hydra_rpc.config import ServerConfig
@@ -29,10 +30,12 @@ class Fakes:
     def __init__(self):
         self.release = asyncio.Event()
         self.seen_peer_gone: list[bool] = []
+        self.late_running = False
 
     def table(self):
         return {int(ECHO): self.echo, int(SINK): self.sink, int(Op.INFO): self.info, int(HOLD): self.hold,
-                int(Op.DECODE): self.boom, int(Op.SWAP_QUANT): self.silent, int(Op.STATE_GET): self.big}
+                int(Op.DECODE): self.boom, int(Op.SWAP_QUANT): self.silent, int(Op.STATE_GET): self.big,
+                int(Op.STATE_META): self.refuse_late}
 
     async def echo(self, req, resp):
         data = await req.body.read_all()
@@ -55,6 +58,12 @@ class Fakes:
 
     async def silent(self, req, resp):
         pass
+
+    async def refuse_late(self, req, resp):
+        """Refuses its payload once released (a STATE_PUT whose blob fails to parse)."""
+        self.late_running = True
+        await self.release.wait()
+        raise MalformedPayload("bad blob", rule="test.late")
 
     async def big(self, req, resp):
         await resp.start(Status.OK, None, 3 << 20)
@@ -247,3 +256,16 @@ async def test_close_mid_frame_ends_the_connection_without_a_reply():
     h.t.feed_eof()
     await asyncio.wait_for(h.task, 5)
     assert h.t.take_written() == b""
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_for_a_client_that_left_is_not_a_traceback(caplog):
+    """The client resets while its request runs; the refusal then has nobody to go to: the
+    connection ends quietly (the fuzzer logged a RuntimeError from the closed transport)."""
+    h = Harness()
+    h.t.feed(encode_request(Op.STATE_META, b"0"))
+    await h.until(lambda: h.fakes.late_running, "the request running")
+    h.t.close()  # the reset: the transport is closing before the handler answers
+    h.fakes.release.set()
+    await asyncio.wait_for(h.task, 5)
+    assert "Traceback" not in caplog.text and "handler failed" not in caplog.text

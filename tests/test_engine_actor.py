@@ -173,7 +173,7 @@ async def test_state_ops_refuse_a_busy_slot():
     async with scripted_engine(n_ctx_slot=4096) as env:
         eng = env.engine
         job = await long_generation(eng, 0)
-        for call in (eng.state_get(0), eng.state_put(0, [1], b""), eng.erase(0)):
+        for call in (eng.state_get(0), eng.state_put(0, [1], b"")):  # an erase waits (test_engine_erase.py)
             with pytest.raises(EngineBusy, match="slot 0 is"):
                 await call
         job.cancel()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 
@@ -13,7 +14,7 @@ from codec.hashing import kv_hash_str
 from codec.kvblob import parse_kv_blob
 from codec.payloads import decode_token_frames, encode_swap_quant
 from hydra_rpc.client import HydraClient
-from tests.helpers import poll_until
+from tests.helpers import poll_until, serving
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 
@@ -267,13 +268,40 @@ async def _count_pieces(c: HydraClient) -> int:
 
 
 @pytest.mark.asyncio
-async def test_client_disconnect_mid_decode_frees_the_slot(server):
-    c = await HydraClient.connect(server.host, server.port)
-    await c.send(Op.DECODE, "2", json.dumps({"n_predict": 100000, "messages": [{"role": "user", "content": "x"}]}).encode())
-    await c.read_head()
-    await c.reader.readexactly(64)
-    c.writer.transport.abort()  # RST mid-stream
-    poll = await HydraClient.connect(server.host, server.port)
-    m = await wait_meta(poll, "2", lambda m: not m["is_processing"])
-    assert m["n_past"] < 4000
-    await poll.close()
+@pytest.mark.timeout(120)
+async def test_client_disconnect_mid_decode_cancels_the_generation_and_frees_the_slot():
+    """A PIN DECODE that cannot end on its own — greedy, n_predict at its maximum, a 128-token
+    slot with --context-shift, so a full slot shifts and goes on — ends only when its client's
+    RST cancels it. Broken cancellation leaves the slot busy and the wait for an idle slot
+    fails, on any host speed and whatever the slot size."""
+    with serving("--model", "tiny", "--no-http", "--parallel", "1", "--ctx-size", "128", "--context-shift",
+                 "--log-level", "WARNING") as sp:
+        poll = await HydraClient.connect(sp.host, sp.port)
+        c = await HydraClient.connect(sp.host, sp.port)
+        try:
+            n_ctx_slot = (await poll.request(Op.INFO)).meta["kv_cache"]["n_ctx_slot"]
+            body = {"n_predict": 2**31 - 1, "messages": [{"role": "user", "content": "x"}]}
+            await c.send(Op.DECODE, "0", json.dumps(body).encode())
+            hdr, _ = await c.read_head()
+            assert hdr.status == Status.OK
+            # More pieces than the slot holds: the context has shifted, so the generation does
+            # not stop at a full context (or at an end of generation) by itself.
+            pieces = 0
+            async with asyncio.timeout(60), contextlib.aclosing(c.pin_pieces()) as stream:
+                async for _ in stream:
+                    pieces += 1
+                    if pieces > n_ctx_slot:
+                        break
+            assert pieces > n_ctx_slot
+            assert (await poll.request(Op.STATE_META, "0")).meta["is_processing"] is True
+            c.writer.transport.abort()  # RST mid-stream: cancels the generation
+            idle = await wait_meta(poll, "0", lambda m: not m["is_processing"], timeout=30)
+            assert idle["n_past"] <= n_ctx_slot
+            # the slot is free: the next job runs at once, and nothing else writes into it after
+            r = await poll.request(Op.PREFILL, "0", json.dumps({"prompt": "the quick brown fox"}).encode())
+            assert r.ok, r
+            after = await wait_meta(poll, "0", lambda m: not m["is_processing"], timeout=30)
+            assert after["n_past"] == r.meta["n_past"], (after, r.meta)
+        finally:
+            await poll.close()
+            await c.close()

@@ -29,7 +29,8 @@ TEMPLATE = ("{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 # the fleet's params with this host's model, template, context and ports
 FLEET = {**FLEET_GLOBAL, **FLEET_NODE, "ctx-size": 8192}
-NO_EFFECT = {"--cont-batching", "--perf", "--log-verbosity", "--rpc-engine", "--yarn-orig-ctx"}
+# --log-verbosity is applied (hydra-llama-engine maps it onto --log-level)
+NO_EFFECT = {"--cont-batching", "--perf", "--rpc-engine", "--yarn-orig-ctx"}
 
 
 class LlamaEngine(ChildProcess):

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from codec.decode_v3 import encode_decode_v3
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
-from tests.helpers import poll_until
+from tests.helpers import poll_until, slot_meta_http
 
 MAX_BODY = 1 << 20
 DECODE_MAX = 4  # results kept, so eviction is cheap to reach
@@ -71,14 +71,26 @@ async def test_slots_lists_every_slot_and_meta_matches_state_meta(http, client):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("path, status", [("/slots/4/state/meta", 404), ("/slots/99/state/meta", 404),
-                                          ("/slots/x/state/meta", 400), ("/slots/%C2%B2/state/meta", 400),
+@pytest.mark.parametrize("path, status", [("/slots/-1/state/meta", 400), ("/slots/x/state/meta", 400),
+                                          ("/slots/%C2%B2/state/meta", 400),
                                           ("/slots/" + "9" * 5000 + "/state/meta", 400), ("/no/such/route", 404),
                                           ("/v1/decode/%C2%B2", 404), ("/v1/decode/" + "1" * 5000, 404)])
 async def test_unknown_slot_or_route(http, path, status):
     got, body = await get_json(http, path)
     assert got == status
     assert_error_object(body, status)
+
+
+@pytest.mark.asyncio
+async def test_slot_ids_map_modulo_the_slot_count_on_both_ports(http, client):
+    """As the C++ engine maps a key: id 4 + k of 4 slots is slot k, over HTTP and on the Hydra port."""
+    for raw, slot in (("4", 0), ("7", 3), ("99", 3)):
+        status, meta = await get_json(http, f"/slots/{raw}/state/meta")
+        r = await client.request(Op.STATE_META, raw.encode())
+        assert status == 200 and r.status == Status.OK
+        assert meta["slot_id"] == r.meta["slot_id"] == slot
+    async with http.get("/slots/6/state") as r:  # the state routes too
+        assert r.status == 200 and r.headers["X-Hydra-N-Past"] == str((await slot_meta_http(http, 2))["n_past"])
 
 
 @pytest.mark.asyncio
@@ -91,8 +103,8 @@ async def test_erase_idle_slot_then_state_meta_shows_empty(http, client):
         assert r.status == 200 and body["id_slot"] == 1 and body["n_erased"] > 0
     r = await client.request(Op.STATE_META, b"1")
     assert r.status == Status.OK and r.meta["n_past"] == 0
-    async with http.post("/slots/9", params={"action": "erase"}) as r:
-        assert r.status == 404
+    async with http.post("/slots/9", params={"action": "erase"}) as r:  # 9 of 4 slots is slot 1, as on the Hydra port
+        assert r.status == 200 and (await r.json()) == {"id_slot": 1, "n_erased": 0}
     async with http.post("/slots/1", params={"action": "dance"}) as r:
         assert r.status == 400
         assert_error_object(await r.json(), 400)
@@ -101,21 +113,29 @@ async def test_erase_idle_slot_then_state_meta_shows_empty(http, client):
         assert_error_object(await r.json(), 501)
 
 
+async def deferred(http) -> float:
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "llamacpp:requests_deferred")
+
+
 @pytest.mark.asyncio
-async def test_erase_busy_slot_is_409_with_reason(http):
+async def test_erase_of_a_busy_slot_is_answered_when_its_generation_ends(http):
+    """As llama-server: the erase is deferred, not refused (a coordinator tolerates only 404/501)."""
     body = {"messages": HELLO, "max_tokens": 4000, "slot": 2, "stream": True}
     async with http.post("/v1/chat/completions", json=body) as stream:
         # Headers come after the first token: the slot is generating now.
         assert stream.status == 200
-        async with http.post("/slots/2", params={"action": "erase"}) as r:
-            err = await r.json()
-            assert r.status == 409, err
-            assert_error_object(err, 409)
-            assert "slot 2 is processing" in err["reason"]
-        stream.close()  # the client leaves mid-stream
-    await wait_idle(http, 2)
-    async with http.post("/slots/2", params={"action": "erase"}) as r:
-        assert r.status == 200
+        erase = asyncio.create_task(http.post("/slots/2", params={"action": "erase"}))
+        await poll_until(lambda: deferred(http), lambda n: n == 1)  # llama-server counts it there too
+        assert not erase.done()
+        stream.close()  # the client leaves mid-stream: the generation ends, then the erase runs
+        r = await erase
+        reply = await r.json()
+        assert r.status == 200 and reply["id_slot"] == 2 and reply["n_erased"] > 0
+    meta = await wait_idle(http, 2)
+    assert meta["n_past"] == 0
 
 
 # ---------------------------------------------------------------- bad input

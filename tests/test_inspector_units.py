@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+import tempfile
 
 import dpkt
 import pytest
@@ -316,12 +317,22 @@ def test_pcap_writer_round_trip_and_gzip():
     for ts, pkt in dpkt.pcap.Reader(io.BytesIO(raw)):
         ngw.writepkt(pkt, ts=ts)
     for data in (raw, gzip.compress(raw), ng.getvalue()):
+        # stdin is decoded live: the request is shown before its response exists (as in the tap)
         proc = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "inspect", "-", "--json"], input=data,
                               capture_output=True, timeout=60, check=True)
         recs = [json.loads(line) for line in proc.stdout.splitlines()]
         assert [(r["direction"], r.get("op"), r.get("status")) for r in recs] == [
-            ("request", "INFO", "OK"), ("response", "INFO", "OK")]
-        assert recs[0]["trace"] == "x" * 40000 and recs[0]["pair"] == 2 and recs[1]["latency_ms"] > 0
+            ("request", "INFO", None), ("response", "INFO", "OK")]
+        assert recs[0]["trace"] == "x" * 40000 and recs[1]["pair"] == 1 and recs[1]["latency_ms"] > 0
+    with tempfile.NamedTemporaryFile(suffix=".pcap") as f:  # a file is read whole: the request has its status
+        f.write(raw)
+        f.flush()
+        proc = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "inspect", f.name, "--json"],
+                              capture_output=True, timeout=60, check=True)
+    recs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["direction"], r.get("op"), r.get("status")) for r in recs] == [
+        ("request", "INFO", "OK"), ("response", "INFO", "OK")]
+    assert recs[0]["pair"] == 2 and recs[1]["latency_ms"] > 0
     stats = ReadStats()
     assert len(list(read_segments(io.BytesIO(raw), stats))) == stats.tcp == 8  # 3 handshake, 3 data, 2 FIN
 

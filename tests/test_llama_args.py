@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 
+from engine.executors import PRIO_NICE
 from engine.params_table import BY_CLI
 from hydra_rpc import llama_args
+from hydra_rpc.llama_argv import parse_llama_argv
 from hydra_rpc.llama_args import APPLIED, ARGS, BY_NAME, NO_EFFECT, REFUSED, render_status_markdown, status
 from hydra_rpc.llama_args_data import ARG_CPP_SHA256, LLAMA_CPP_SOURCE, SERVER_ARGS
 
@@ -20,7 +24,7 @@ FLEET_PARAMS = [  # every key of the fleet's global and node params
     "chat-template-file", "n-cpu-moe", "n-gpu-layers", "override-tensor", "ctx-size", "parallel", "temp",
     "repeat-penalty", "top-k", "top-p", "slot-prompt-similarity", "ggml-rpc-port", "rpc-engine",
 ]
-APPLIED_AT_LEAST = [  # the issue's list
+APPLIED_AT_LEAST = [  # the fleet's arguments that must take effect
     "model", "ctx-size", "parallel", "threads", "threads-batch", "batch-size", "ubatch-size", "n-gpu-layers",
     "flash-attn", "cache-type-k", "cache-type-v", "kv-unified", "rope-scaling", "rope-scale", "rope-freq-base",
     "yarn-ext-factor", "yarn-attn-factor", "yarn-beta-fast", "yarn-beta-slow", "override-tensor", "n-cpu-moe", "temp",
@@ -57,9 +61,97 @@ def test_the_fleets_params_are_known_and_not_refused(key):
     assert status(arg)[0] in (APPLIED, NO_EFFECT), key
 
 
+# Each applied argument with a value other than its default, and where that value must arrive in
+# what `hydra-llama-engine` builds from the command line: the engine's config (model, context,
+# sampling defaults), the server's config, the process priority it sets. ``B`` is that build.
+EFFECTS = {
+    "model": (["--model", "{model_b}"], lambda b: b.engine.model.model_path, "{model_b}"),
+    "ctx-size": (["--ctx-size", "8192"], lambda b: b.engine.model.n_ctx, 8192),
+    "parallel": (["-np", "3"], lambda b: b.engine.model.n_slots, 3),
+    "threads": (["--threads", "3"], lambda b: b.engine.model.n_threads, 3),
+    "threads-batch": (["-tb", "2"], lambda b: b.engine.model.n_threads_batch, 2),
+    "batch-size": (["-b", "256"], lambda b: (b.engine.model.n_batch, b.engine.token_budget), (256, 256)),
+    "ubatch-size": (["-ub", "128"], lambda b: b.engine.model.ubatch_size, 128),
+    "n-gpu-layers": (["-ngl", "7"], lambda b: b.engine.model.n_gpu_layers, 7),
+    "flash-attn": (["-fa", "on"], lambda b: b.engine.model.flash_attn, "on"),
+    "cache-type-k": (["-ctk", "q8_0"], lambda b: b.engine.model.cache_type_k, "q8_0"),
+    "cache-type-v": (["-ctv", "q8_0"], lambda b: b.engine.model.cache_type_v, "q8_0"),
+    # with the slot count given, llama-server's default is a KV buffer per slot (auto: unified)
+    "kv-unified": (["-np", "2", "--kv-unified"], lambda b: b.engine.model.kv_unified, True, ["-np", "2"]),
+    "rope-scaling": (["--rope-scaling", "yarn"], lambda b: b.engine.model.rope_scaling, "yarn"),
+    "rope-scale": (["--rope-scale", "4"], lambda b: b.engine.model.rope_freq_scale, 0.25),
+    "rope-freq-base": (["--rope-freq-base", "20000"], lambda b: b.engine.model.rope_freq_base, 20000.0),
+    "yarn-ext-factor": (["--yarn-ext-factor", "0.5"], lambda b: b.engine.model.yarn_ext_factor, 0.5),
+    "yarn-attn-factor": (["--yarn-attn-factor", "0.5"], lambda b: b.engine.model.yarn_attn_factor, 0.5),
+    "yarn-beta-fast": (["--yarn-beta-fast", "16"], lambda b: b.engine.model.yarn_beta_fast, 16.0),
+    "yarn-beta-slow": (["--yarn-beta-slow", "2"], lambda b: b.engine.model.yarn_beta_slow, 2.0),
+    "override-tensor": (["-ot", r"blk\.0\..*=CPU"], lambda b: b.engine.model.override_tensor, ((r"blk\.0\..*", "CPU"),)),
+    "n-cpu-moe": (["--n-cpu-moe", "2"], lambda b: b.engine.model.n_cpu_moe, 2),
+    "temp": (["--temp", "0.5"], lambda b: b.engine.defaults.get("sampling.temp"), 0.5),
+    "top-k": (["--top-k", "7"], lambda b: b.engine.defaults.get("sampling.top_k"), 7),
+    "top-p": (["--top-p", "0.5"], lambda b: b.engine.defaults.get("sampling.top_p"), 0.5),
+    "min-p": (["--min-p", "0.2"], lambda b: b.engine.defaults.get("sampling.min_p"), 0.2),
+    "repeat-penalty": (["--repeat-penalty", "1.3"], lambda b: b.engine.defaults.get("sampling.penalty_repeat"), 1.3),
+    "seed": (["--seed", "1234"], lambda b: b.engine.defaults.get("sampling.seed"), 1234),
+    "chat-template-file": (["--chat-template-file", "{template}"], lambda b: b.engine.model.chat_template, "{{ 1 }}"),
+    "jinja": (["--no-jinja"], lambda b: b.engine.model.jinja, False),
+    "chat-template-kwargs": (["--chat-template-kwargs", '{"enable_thinking":false}'],
+                             lambda b: json.loads(b.engine.model.chat_template_kwargs).get("enable_thinking"), False),
+    "cache-prompt": (["--no-cache-prompt"], lambda b: b.engine.model.cache_prompt, False),
+    "context-shift": (["--context-shift"], lambda b: b.engine.model.context_shift, True),
+    "timeout": (["--timeout", "77"], lambda b: b.server.http_timeout, 77.0),
+    "metrics": (["--metrics"], lambda b: b.server.http_metrics, True),
+    "slots": (["--no-slots"], lambda b: b.server.http_slots, False),
+    "prio": (["--prio", "2"], lambda b: b.nice, PRIO_NICE[2]),
+    "prio-batch": (["--prio-batch", "1"], lambda b: b.engine.thread_nice, PRIO_NICE[1]),
+    "ggml-rpc-port": (["--ggml-rpc-port", "9599"], lambda b: b.server.ggml_rpc_port, 9599),
+    "rpc": (["--rpc", "127.0.0.1:50052"], lambda b: b.engine.model.rpc_servers, ("127.0.0.1:50052",)),
+    "rpc-port": (["--rpc-port", "9598"], lambda b: b.server.port, 9598),
+    "host": (["--host", "127.0.0.2"], lambda b: (b.server.host, b.kw["http_host"]), ("127.0.0.2", "127.0.0.2")),
+    "port": (["--port", "8181"], lambda b: (b.kw["http_port"], b.server.port), (8181, 8182)),
+}
+
+
+@pytest.fixture
+def build(monkeypatch, tmp_path, tiny_model_path):
+    """``build(*argv)``: what hydra-llama-engine's ``build_app`` makes of ``--model tiny argv``
+    (the App it would start is only recorded, the process priority only noted)."""
+    import hydra_rpc.app
+    from hydra_rpc import llama_cli, llama_engine_cmd
+
+    made = {}
+
+    class RecordedApp:
+        def __init__(self, server, engine, **kw):
+            made.update(server=server, engine=engine, kw=kw)
+
+    monkeypatch.setattr(hydra_rpc.app, "App", RecordedApp)
+    monkeypatch.setattr(llama_cli, "set_thread_nice", lambda nice: made.__setitem__("nice", nice))
+    monkeypatch.setattr(llama_engine_cmd, "announce_ignored", lambda s, prog: None)
+
+    def run(*argv: str) -> SimpleNamespace:
+        made.clear()
+        made["nice"] = None
+        llama_engine_cmd.build_app(parse_llama_argv(["--model", tiny_model_path, *argv], env={}))
+        return SimpleNamespace(**made)
+
+    return run
+
+
 @pytest.mark.parametrize("key", APPLIED_AT_LEAST)
-def test_applied(key):
+def test_applied(key, build, tmp_path, tiny_model_b_path):
+    """Each argument the table calls applied changes what the server is built with."""
     assert status(BY_NAME[f"--{key}"][0])[0] == APPLIED
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ 1 }}")
+    fill = {"model_b": tiny_model_b_path, "template": str(template)}
+    argv, effect, want, *base = EFFECTS[key]
+    base = base[0] if base else []
+    argv = [fill[a.strip("{}")] if a.startswith("{") and a.strip("{}") in fill else a for a in argv]
+    if isinstance(want, str) and want.startswith("{") and want.strip("{}") in fill:
+        want = fill[want.strip("{}")]
+    assert effect(build(*base)) != want, f"--{key}: the default already gives {want!r}; the check proves nothing"
+    assert effect(build(*argv)) == want
 
 
 def test_every_argument_has_one_status_with_a_note():

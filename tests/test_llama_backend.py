@@ -432,3 +432,31 @@ def test_load_reports_progress_and_threads_change_between_decodes(tiny_model_pat
         assert m._threads_now == 2
     finally:
         m.close()
+
+
+def test_a_batch_holds_its_sequences_in_ascending_order() -> None:
+    """llama.cpp views a ubatch's KV streams as one range: sequences out of order would split a
+    step into several passes over the weights (engine/llama_backend/batch.py)."""
+    from engine.llama_backend.batch import LlamaBatch
+
+    batch = LlamaBatch(16, 4)
+    try:
+        out = batch.fill([BatchItem(3, [5], 7), BatchItem(1, [6, 9], 2), BatchItem(0, [8], 4)])
+        assert list(batch._tok[:4]) == [8, 6, 9, 5] and list(batch._pos[:4]) == [4, 2, 3, 7]
+        assert batch._row_seq[:4] == [0, 1, 1, 3]
+        assert out == {0: 0, 1: 2, 3: 3}  # each sequence's logits row follows it
+    finally:
+        batch.free()
+
+
+def test_logits_do_not_depend_on_the_order_items_are_given(m: LoadedModel) -> None:
+    prompts = {s: m.tokenize(f"sequence {s} says") for s in range(3)}
+
+    def last_logits(order: list[int]) -> dict[int, np.ndarray]:
+        m.clear_all()
+        m.decode([BatchItem(s, prompts[s], 0) for s in order])
+        return {s: m.logits(s, copy=True) for s in order}
+
+    a, b = last_logits([0, 1, 2]), last_logits([2, 0, 1])
+    for s in range(3):
+        np.testing.assert_allclose(a[s], b[s], rtol=1e-4, atol=1e-4)

@@ -74,3 +74,31 @@ def test_split_headers_pairing_and_pin_pieces(tmp_path, passes):
     assert len({fr for _, _, fr in answers}) == 3  # the pipelined pair was sent in one frame
     pieces = [p for ly in layers for p in ly.get("hydra.pin.piece", [])]
     assert pieces == [p for p in PIECES if p]  # an empty piece has no text field
+
+
+def test_response_time_request_response_links_and_meta_tree(tmp_path):
+    """hydra.time and hydra.request_in on each response, hydra.response_in on each request (a
+    second pass, as HTTP's), the meta as a JSON tree; the columns stay Hydra's."""
+    lua, pcap = tmp_path / "hydra.lua", tmp_path / "synthetic.pcap"
+    lua.write_text(generate())
+    _capture(pcap)
+    fields = ["frame.number", "frame.time_relative", "hydra.op", "hydra.status", "hydra.time", "hydra.request_in",
+              "hydra.response_in", "json.key", "_ws.col.Protocol"]
+    proc = subprocess.run(["tshark", "-n", "-2", "-X", f"lua_script:{lua}", "-r", str(pcap), "-Y", "hydra", "-T",
+                           "json", *[a for f in fields for a in ("-e", f)]], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "Lua" not in proc.stderr, proc.stderr
+    frames = {int(ly["frame.number"][0]): ly for ly in (fr["_source"]["layers"] for fr in json.loads(proc.stdout))}
+    when = {n: float(ly["frame.time_relative"][0]) for n, ly in frames.items()}
+    # first response: INFO (meta {"engine":"x"}), its request is the frame of the INFO's last segment
+    info_resp = next(n for n, ly in sorted(frames.items()) if ly.get("hydra.status") == ["0x00"])
+    req = int(frames[info_resp]["hydra.request_in"][0])
+    assert frames[req]["hydra.op"] == [f"0x{Op.INFO:02x}"]
+    assert int(frames[req]["hydra.response_in"][0]) == info_resp
+    assert float(frames[info_resp]["hydra.time"][0]) == pytest.approx(when[info_resp] - when[req], abs=1e-6)
+    assert frames[info_resp]["json.key"] == ["engine"]
+    not_found = next(ly for ly in frames.values() if ly.get("hydra.status") == [f"0x{Status.NOT_FOUND:02x}"])
+    assert not_found["json.key"] == ["error"] and float(not_found["hydra.time"][0]) > 0
+    assert all(ly["_ws.col.Protocol"] == ["HYDRA"] for ly in frames.values())
+    # every request was answered: each has a response_in (the PIN DECODE's first response too)
+    requests = [ly for ly in frames.values() if "hydra.op" in ly]
+    assert requests and all("hydra.response_in" in ly for ly in requests)

@@ -108,17 +108,37 @@ async def test_reject_policy_answers_busy_while_pending(small_and_b):
 @pytest.mark.asyncio
 async def test_failed_reload_leaves_serving_intact(tiny_model_path, tmp_path):
     corrupt = tmp_path / "corrupt.gguf"
-    corrupt.write_bytes(b"GGUF" + b"\x00" * 64 + b"garbage" * 100)
+    corrupt.write_bytes(b"GGUF" + b"\x00" * 64 + b"garbage" * 100)  # a GGUF by its magic: the build fails
     with serving("--model", "tiny", "--no-http", "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
         gen0 = (await info(c))["config_generation"]
-        for bad in (str(tmp_path / "missing.gguf"), str(corrupt)):
-            assert (await c.request(Op.CONFIGURE, "", json.dumps({"model_path": bad}).encode())).ok
+        # a chat template that cannot work fails the build (it is compiled at load), not every chat after it
+        for bad in ({"model_path": str(corrupt)}, {"chat_template": "x"}, {"chat_template": "{% if %}"}):
+            assert (await c.request(Op.CONFIGURE, "", json.dumps(bad).encode())).ok
             m = await wait_reload_settled(c)
             assert m["reload"]["state"] == "failed" and m["reload"]["error"], m["reload"]
             assert m["config_generation"] == gen0 and m["model_name"] == "hydra-tiny-a"
             r = await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())
             assert r.ok and r.meta["config_generation"] == gen0
+        assert "chat template" in m["reload"]["error"]
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_configure_refuses_a_model_that_is_no_gguf_file(tmp_path):
+    """Refused when asked (rejected_keys), not by a reload that fails later."""
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    with serving("--model", "tiny", "--no-http", "--log-level", "WARNING") as server:
+        c = await HydraClient.connect(server.host, server.port)
+        for key, path, why in (("model", str(tmp_path / "missing.gguf"), "does not exist"),
+                               ("model_path", str(text), "is not a GGUF file"),
+                               ("model.path", str(tmp_path), "is a directory")):
+            r = await c.request(Op.CONFIGURE, "", json.dumps({key: path, "temp": 0.5}).encode())
+            assert r.ok and r.meta["success"] is True, r.meta
+            assert why in r.meta["rejected_keys"]["model"], r.meta
+            assert r.meta["deferred_keys"] == [] and r.meta["params_applied"] == {"sampling.temp": 0.5}
+            assert (await info(c))["reload"]["state"] == "idle"
         await c.close()
 
 
@@ -168,11 +188,14 @@ async def test_t2_n_ctx_change_takes_effect(tiny_model_path):
 
 
 @pytest.mark.asyncio
-async def test_prefill_model_alias_swaps_and_reports_load_time(tiny_model_path, tiny_model_b_path):
-    with serving("--model", "tiny", "--model-alias", f"fast={tiny_model_b_path}", "--no-http",
-                          "--log-level", "WARNING") as server:
+async def test_prefill_model_alias_swaps_and_reports_load_time(tiny_model_path, tiny_model_b_path, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))  # not a model llama.cpp can load
+    with serving("--model", "tiny", "--model-alias", f"fast={tiny_model_b_path}", "--model-alias",
+                 f"base={tiny_model_path}", "--model-alias", f"broken={broken}", "--no-http",
+                 "--log-level", "WARNING") as server:
         c = await HydraClient.connect(server.host, server.port)
-        assert (await info(c))["preset_aliases"] == ["fast"]
+        assert sorted((await info(c))["preset_aliases"]) == ["base", "broken", "fast"]
         r = await c.request(Op.PREFILL, "0", json.dumps({"model": "fast", "messages": USER}).encode())
         assert r.ok and r.meta["model_fallback"] is False and r.meta["model_load_ms"] > 0
         assert r.meta["model_name"] == "hydra-tiny-b"
@@ -181,8 +204,26 @@ async def test_prefill_model_alias_swaps_and_reports_load_time(tiny_model_path, 
         r = await c.request(Op.PREFILL, "0", json.dumps({"model": "nope", "messages": USER}).encode())
         assert r.ok and r.meta["model_fallback"] is True
         from codec.payloads import encode_swap_quant
-        r = await c.request(Op.SWAP_QUANT, "", encode_swap_quant("fast", ""))
-        assert r.ok and r.meta["success"] is True
+        before = await info(c)
+        assert before["model_name"] == "hydra-tiny-b"
+        # SWAP_QUANT to the other alias: answered once the other model is live
+        r = await c.request(Op.SWAP_QUANT, "", encode_swap_quant("base", ".*"), timeout=60)
+        assert r.ok and r.meta["success"] is True and r.meta["swapped"] is True, r.meta
+        after = await info(c)
+        assert after["model_name"] == "hydra-tiny-a" and after["reload"]["state"] == "swapped", after["reload"]
+        assert after["config_generation"] == r.meta["config_generation"] > before["config_generation"]
+        r = await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())
+        assert r.ok and r.meta["model_name"] == "hydra-tiny-a"
+        # the same alias again: nothing to swap, and the reply says so
+        r = await c.request(Op.SWAP_QUANT, "", encode_swap_quant("base", ""), timeout=60)
+        assert r.ok and r.meta["success"] is True and r.meta["swapped"] is False, r.meta
+        assert (await info(c))["config_generation"] == after["config_generation"]
+        # a swap whose build fails swapped nothing: ERROR, and the live model is untouched
+        r = await c.request(Op.SWAP_QUANT, "", encode_swap_quant("broken", ""), timeout=60)
+        assert r.status == Status.ERROR and r.meta["success"] is False and r.meta["swapped"] is False, r
+        m = await wait_reload_settled(c)
+        assert m["model_name"] == "hydra-tiny-a" and m["reload"]["state"] == "failed", m["reload"]
+        assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": USER}).encode())).ok
         await c.close()
 
 

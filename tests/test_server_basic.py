@@ -50,9 +50,15 @@ async def test_error_paths_answer_once_and_stay_in_sync(client, raw, expect):
 
 
 @pytest.mark.asyncio
-async def test_out_of_range_slot_is_not_found(client):
-    r = await client.request(Op.STATE_META, b"7")
-    assert r.status == Status.NOT_FOUND
+async def test_slot_keys_map_modulo_the_slot_count_as_the_cpp_engine(client):
+    n = (await client.request(Op.INFO)).meta["slots_total"]
+    for key, slot in ((str(n).encode(), 0), (str(2 * n + 1).encode(), 1), (b" +%d" % (n + 1), 1)):
+        r = await client.request(Op.STATE_META, key)
+        assert r.status == Status.OK and r.meta["slot_id"] == slot % n, (key, r)
+    r = await client.request(Op.STATE_META, b"-1")
+    assert r.status == Status.NOT_FOUND and r.meta["rule"] == "key.slot"
+    r = await client.request(Op.STATE_META, b"slot1")
+    assert r.status == Status.ERROR and r.meta["rule"] == "key.not_numeric"
     await assert_info_ok(client)
 
 

@@ -33,11 +33,18 @@ class LlamaBatch:
             L.llama_batch_free(self.raw)
             self.raw = None
 
-    def fill(self, items: Sequence[BatchItem]) -> dict[int, int]:
+    def fill(self, items: Sequence[BatchItem], keep_order: bool = False) -> dict[int, int]:
         """Write ``items`` into the batch; returns {seq: output row} for their logits rows.
 
+        Rows go in ascending sequence order: llama.cpp views the KV of a ubatch's streams as
+        one range s0..s1, so with one stream per sequence (kv_unified off) a batch whose
+        sequences come in another order is split into several ubatches — each a full pass
+        over the weights (docs/performance.md, "Many streams: batches in stream order").
+        ``keep_order`` exists only to measure that (``tools/bench/stream_order.py``).
         Raises ValueError for an invalid item (the batch is then unusable until refilled).
         """
+        if not keep_order:
+            items = sorted(items, key=lambda it: it.seq)
         total = sum(len(it.tokens) for it in items)
         if total > self.capacity:
             raise ValueError(f"{total} tokens in one decode() exceed n_batch={self.capacity}; split the prompt")

@@ -109,6 +109,7 @@ def load(p: ModelParams, progress: "Callable[[float], None] | None" = None) -> "
                         before_context=lambda m: check_kv_fits(m, p), progress=progress)
     try:
         model.kv_cache  # noqa: B018 - described here, off the event loop
+        model.tensor_overrides = overrides.report(str(p.model_path)) if overrides.patterns else ()
     except BaseException:
         model.close()
         raise

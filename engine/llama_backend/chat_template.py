@@ -34,6 +34,13 @@ class ChatTemplate:
         self.architecture = architecture
         self._compiled: Any = None
 
+    def compile(self) -> None:
+        """Compile a jinja template now (the loader thread), so a broken one fails the model's
+        build — a reload to it then fails and the old model keeps serving — instead of every
+        chat answering 500 afterwards. Raises jinja2's TemplateError."""
+        if self.format == "jinja" and self._compiled is None:
+            self._compiled = _compile_template(self.source or "")
+
     @property
     def format(self) -> str:
         """"jinja" (GGUF template), "gemma" (fallback for gemma3) or "generic" (fallback)."""

@@ -92,6 +92,7 @@ class LoadedModel:
         self._batch: LlamaBatch | None = None
         self._closed = False
         self._kv_cache: KvCacheInfo | None = None
+        self.tensor_overrides: tuple[dict[str, Any], ...] = ()  # what -ot / --n-cpu-moe moved (build.load)
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
@@ -152,12 +153,28 @@ class LoadedModel:
             self._builtin_template = template if template and (not jinja or not is_jinja_source(template)) else None
             self.chat = ChatTemplate(None if self._builtin_template else template, self._identity["architecture"])
             self.chat_kwargs = dict(chat_kwargs or {})
+            if chat_template is not None:  # one given by the operator or a CONFIGURE (llama-server
+                self._check_chat_template()  # refuses an unsupported --chat-template at start too)
             self._chat_syntax: ChatFormat | None = None
             self._utf8_masks: np.ndarray | None = None
             self._pieces: list[bytes] | None = None
         except BaseException:
             self.close()
             raise
+
+    def _check_chat_template(self) -> None:
+        """A template that cannot work fails the build, not the first chat: a jinja source is
+        compiled; a built-in name (``chatml``; --no-jinja) is tried on one message, as
+        llama.cpp then looks the name up."""
+        try:
+            if self._builtin_template:
+                render_builtin(self._builtin_template, [{"role": "user", "content": "hi"}], True)
+            else:
+                self.chat.compile()
+        except LlamaBackendError as e:
+            raise LlamaBackendError(f"chat template: {e}") from None
+        except Exception as e:  # jinja2's TemplateError and what its compiler raises
+            raise LlamaBackendError(f"chat template does not compile: {type(e).__name__}: {e}") from None
 
     # ---- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
@@ -407,6 +424,11 @@ class LoadedModel:
     def n_swa(self) -> int:
         return int(L.llama_model_n_swa(self._model)) if self._model is not None else 0
 
+    @property
+    def recurrent(self) -> bool:
+        m = self._model
+        return m is not None and bool(L.llama_model_is_recurrent(m) or L.llama_model_is_hybrid(m))
+
     def seq_copy(self, src: int, dst: int) -> None:
         """Make ``dst`` a copy of ``src`` (``dst`` is cleared first). Cheap with a unified KV cache."""
         src, dst = self._check_seq(src), self._check_seq(dst)
@@ -417,7 +439,7 @@ class LoadedModel:
         self._logit_idx.pop(dst, None)
 
     # ---- the batched step ----------------------------------------------------------------
-    def decode(self, items: Sequence[BatchItem]) -> None:
+    def decode(self, items: Sequence[BatchItem], keep_order: bool = False) -> None:
         """Decode the tokens of all ``items`` in ONE ``llama_decode`` call.
 
         Each item is one sequence (at most one item per sequence); its tokens get positions
@@ -430,7 +452,7 @@ class LoadedModel:
         if not items:
             return
         ctx = self._ctx_handle()
-        out = self._batch.fill(items)
+        out = self._batch.fill(items, keep_order)  # keep_order: only to measure it (LlamaBatch.fill)
         clear_llama_errors()
         rc = int(L.llama_decode(ctx, self._batch.raw))
         if rc != 0:
@@ -543,6 +565,25 @@ class LoadedModel:
         mv = memoryview(buf).cast("B")
         dst = (ctypes.c_uint8 * len(mv)).from_buffer(mv)
         return int(L.llama_state_seq_get_data(self._ctx_handle(), dst, len(mv), seq))
+
+    def checkpoint_get(self, seq: int) -> bytes:
+        """``seq``'s partial state (``PARTIAL_ONLY``: the recurrent part of a hybrid memory, the
+        window part of an iSWA cache): a context checkpoint, as llama-server takes them."""
+        seq = self._check_seq(seq)
+        ctx, flags = self._ctx_handle(), L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(L.llama_state_seq_get_size_ext(ctx, seq, flags))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        n = int(L.llama_state_seq_get_data_ext(ctx, buf, size, seq, flags))
+        return bytes(memoryview(buf).cast("B")[:n])
+
+    def checkpoint_set(self, seq: int, data: bytes) -> bool:
+        """Load a :meth:`checkpoint_get` capture into ``seq``; the cells it does not cover stay."""
+        seq = self._check_seq(seq)
+        self._logit_idx.pop(seq, None)
+        src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
+        clear_llama_errors()
+        return int(L.llama_state_seq_set_data_ext(self._ctx_handle(), src, len(data), seq,
+                                                 L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) > 0
 
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         """Replace ``seq``'s cells with a snapshot from :meth:`state_seq_get`; returns bytes read.

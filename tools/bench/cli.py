@@ -184,17 +184,24 @@ def _run_once(names: list[str], ctx, machine: dict, out: Path, command: str, arg
 
 
 def _to_docs(runs: list[list], out: Path, n: int) -> None:
-    """Charts and summaries to docs/performance/ (one folder per run with --runs), the table
-    (combined over the runs with --runs) into docs/performance.md."""
-    from .report import combined_table, replace_table, table
+    """Charts, summaries and each run's raw results (``<scenario>.json``, the table's source)
+    to docs/performance/ (one folder per run with --runs), the table (combined over the runs
+    with --runs) into docs/performance.md."""
+    from .report import combined_table, replace_table, table, write_docs_json
 
-    dirs = [(out / f"run-{i + 1}", DOCS_IMAGES / f"run-{i + 1}") for i in range(n)] if n > 1 else []
-    dirs.append((dirs[-1][0] if dirs else out, DOCS_IMAGES))  # the last run's charts are the page's
-    for src, dst in dirs:
+    dirs = [(out / f"run-{i + 1}", DOCS_IMAGES / f"run-{i + 1}", runs[i]) for i in range(n)] if n > 1 else []
+    # the last run's charts are the page's; its JSON there only when it is the one run
+    dirs.append((dirs[-1][0] if dirs else out, DOCS_IMAGES, [] if dirs else runs[-1]))
+    for src, dst, results in dirs:
         dst.mkdir(parents=True, exist_ok=True)
         for f in [*src.glob("*.png"), src / "summary.md"]:
             if f.is_file():
                 shutil.copy2(f, dst / f.name)
+        for stale in dst.glob("*.json"):  # the folder holds this run's results only
+            stale.unlink()
+        for res in results:
+            if (src / f"{res.scenario}.json").is_file():
+                write_docs_json(src / f"{res.scenario}.json", dst / f"{res.scenario}.json")
     text = combined_table(runs) if n > 1 else table(runs[-1])
     if not DOCS_PAGE.is_file() or not replace_table(DOCS_PAGE, text):
         print(f"hydra-rpc bench: {DOCS_PAGE} has no bench:table markers; table not copied", file=sys.stderr)

@@ -37,7 +37,6 @@ within a server; ratios are taken per repetition against the same repetition's b
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from tools.spawn import ROOT, cpu_used
 
 from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread
 from .procs import HydraServer
+from .traffic import sse_events
 
 NAME = "constrained"
 TEMPLATES = Path(ROOT) / "tests" / "templates"
@@ -93,26 +93,18 @@ async def chat(http: Any, base: str, fields: dict[str, Any], max_tokens: int) ->
     first = last = None
     kinds: dict[str, int] = {}
     finish, timings, usage = None, {}, {}
-    async with http.post(f"{base}/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise BenchError(f"/v1/chat/completions answered {r.status}: {(await r.text())[:300]}")
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            t = now()
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise BenchError(f"in-band error: {str(ev['error'])[:300]}")
-            usage = ev.get("usage") or usage
-            for ch in ev.get("choices") or []:
-                first = t if first is None else first
-                for k, v in (ch.get("delta") or {}).items():
-                    if v and k != "role":
-                        kinds[k] = kinds.get(k, 0) + 1
-                if ch.get("finish_reason"):
-                    finish, last = ch["finish_reason"], t
-                    timings = ev.get("timings") or timings
+    async for t, ev in sse_events(http, f"{base}/v1/chat/completions", body):
+        if "error" in ev:
+            raise BenchError(f"in-band error: {str(ev['error'])[:300]}")
+        usage = ev.get("usage") or usage
+        for ch in ev.get("choices") or []:
+            first = t if first is None else first
+            for k, v in (ch.get("delta") or {}).items():
+                if v and k != "role":
+                    kinds[k] = kinds.get(k, 0) + 1
+            if ch.get("finish_reason"):
+                finish, last = ch["finish_reason"], t
+                timings = ev.get("timings") or timings
     n = usage.get("completion_tokens") or timings.get("predicted_n") or 0
     span = (last - first) if first is not None and last is not None else 0.0
     return {"tokens": n, "prompt_tokens": usage.get("prompt_tokens"),

@@ -12,11 +12,11 @@ its own system prompt, so nothing carries over from the one before.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread, summarize
 from .procs import HydraServer
+from .traffic import sse_events
 
 NAME = "prompt-cache"
 VARIANTS = ["cache", "no-cache"]
@@ -42,19 +42,12 @@ async def completion(http: Any, base: str, prompt: str, max_tokens: int) -> dict
     t0 = now()
     ttft = None
     text, timings = [], {}
-    async with http.post(f"{base}/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise BenchError(f"/v1/completions answered {r.status}: {(await r.text())[:300]}")
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            for ch in ev.get("choices") or []:
-                if ch.get("text"):
-                    ttft = ttft if ttft is not None else now() - t0
-                    text.append(ch["text"])
-            timings = ev.get("timings") or timings
+    async for t, ev in sse_events(http, f"{base}/v1/completions", body):
+        for ch in ev.get("choices") or []:
+            if ch.get("text"):
+                ttft = ttft if ttft is not None else t - t0
+                text.append(ch["text"])
+        timings = ev.get("timings") or timings
     total = now() - t0
     return {"text": "".join(text), "ttft_ms": round((ttft if ttft is not None else total) * 1000, 3),
             "total_ms": round(total * 1000, 3), "prompt_ms": timings.get("prompt_ms"),

@@ -1,6 +1,8 @@
 """The markdown summary: one table of every scenario's rows, and the machine it ran on."""
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +137,92 @@ def combined_table(runs: list[list[Result]]) -> str:
     for scenario, errors in failed.items():
         lines.append(f"| {scenario} | **failed** in {'; '.join(errors)} | " + " | " * (n + 3) + " |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- committed artifacts
+
+#: a raw result copied to docs/ larger than this has its sample lists thinned (evenly, first and
+#: last kept) until it fits; the summary and rows, which the table is made of, are never touched
+DOCS_JSON_MAX_BYTES = 1_000_000
+
+
+def _thin(samples: Any, keep: int) -> Any:
+    if isinstance(samples, dict):
+        return {k: _thin(v, keep) for k, v in samples.items()}
+    if isinstance(samples, list) and len(samples) > keep:
+        step = (len(samples) - 1) / (keep - 1)
+        return [_thin(samples[round(i * step)], keep) for i in range(keep)]
+    if isinstance(samples, list):
+        return [_thin(v, keep) for v in samples]
+    return samples
+
+
+def write_docs_json(src: Path, dst: Path, limit: int = DOCS_JSON_MAX_BYTES) -> Path:
+    """Copy one scenario's raw result (``<scenario>.json``: samples, summary, rows, machine,
+    config, commit) to ``dst``; past ``limit`` bytes its samples are thinned and the JSON
+    says so (``samples_thinned_to``)."""
+    text = src.read_text()
+    if len(text.encode()) > limit:
+        data = json.loads(text)
+        keep = 4096
+        while keep >= 16:
+            data["samples"] = _thin(json.loads(text)["samples"], keep)
+            data["samples_thinned_to"] = keep
+            text = json.dumps(data, indent=1) + "\n"
+            if len(text.encode()) <= limit:
+                break
+            keep //= 2
+    dst.write_text(text)
+    return dst
+
+
+def load_results(folder: Path) -> list[Result]:
+    """The results a run wrote (``<scenario>.json``), as :func:`table` and
+    :func:`combined_table` take them."""
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        d = json.loads(path.read_text())
+        if not isinstance(d, dict) or "rows" not in d or "scenario" not in d:
+            continue
+        out.append(Result(d["scenario"], config=d.get("config") or {}, summary=d.get("summary") or {},
+                          rows=[Row.from_dict(r) for r in d["rows"]], notes=d.get("notes") or [],
+                          machine=d.get("machine") or {}, error=d.get("error") or ""))
+    return out
+
+
+def table_block(doc: Path) -> str:
+    """The text between the bench:table markers of ``doc`` ("" without them)."""
+    text = doc.read_text()
+    a, b = text.find(TABLE_START), text.find(TABLE_END)
+    return text[a + len(TABLE_START):b].strip() if 0 <= a < b else ""
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def numbers_without_artifact(block: str, runs: list[list[Result]]) -> list[str]:
+    """Every number in the value columns of a ``combined_table`` block (each run's value, the
+    min–max, the ratio span) that the committed results of ``runs`` do not give for that
+    row, as "scenario | metric: number". Empty when each figure comes from an artifact."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for results in runs:
+        for res in results:
+            for r in res.rows:
+                s = found.setdefault((res.scenario, r.metric), set())
+                for x in (r.value, r.lo, r.hi):
+                    if x is not None:
+                        s.add(_num(x))
+                if r.ratio is not None:
+                    s.add(f"{r.ratio:.2f}")
+    missing = []
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 7 or cells[0] in ("scenario", "") or set(cells[0]) <= {"-"}:
+            continue
+        scenario, metric, values = cells[0], cells[1], cells[2:-2]  # up to the budget and verdict
+        have = found.get((scenario, metric), set())
+        for cell in values:
+            for n in _NUMBER.findall(cell):
+                if n not in have:
+                    missing.append(f"{scenario} | {metric}: {n}")
+    return missing

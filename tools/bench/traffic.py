@@ -6,9 +6,10 @@ arrival of a decoded piece are on the same clock.
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 from codec import payloads as P
 from codec.enums import Op, Status, op_name
@@ -236,3 +237,15 @@ async def wait_generation(host: str, port: int, generation: int, timeout: float 
             raise BenchError(f"reload to generation {generation} failed: {info['reload']}")
         await asyncio.sleep(0.02)
     raise BenchError(f"config generation {generation} not live after {timeout:.0f}s")
+
+
+async def sse_events(http: Any, url: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """POST ``body`` to an OpenAI streaming endpoint and yield (arrival time, event) for each
+    ``data:`` event before ``[DONE]``; a refusal is a BenchError with the server's answer."""
+    async with http.post(url, json=body) as r:
+        if r.status != 200:
+            raise BenchError(f"{url} answered {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield now(), json.loads(line[6:])

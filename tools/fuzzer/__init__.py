@@ -22,6 +22,8 @@ Layout (each module is small enough to read in one sitting):
 * ``ggml_mode``  — ggml-RPC cases through a passthrough (``--protocol ggml``);
 * ``codec_mode`` — in-process decoder fuzzing with differential checks (``--codec``);
 * ``minimize``   — shrinking a failing case while it still fails the same oracle;
+* ``explain``    — a finding's input (opcode, key, mutated field and value), tracebacks in
+                   ``target.log``, memory growth the request asked for;
 * ``runner``     — the run loop, findings, reproducers, replay;
 * ``progress``   — live progress, the summary table;
 * ``cli``        — ``add_arguments`` / ``run`` for the ``hydra-rpc fuzz`` subcommand.

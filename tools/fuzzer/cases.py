@@ -27,6 +27,7 @@ CLASSES = (
     "desync",  # extra / missing / mismatched responses, or the follow-up INFO on it failed
     "bad-status",  # a response carried a status the protocol does not define
     "malformed",  # a response broke the framing (truncated, meta not a JSON object, …)
+    "traceback",  # (spawn) the target logged a Python traceback while it handled this case
     "invariant",  # a stateful invariant (n_past bookkeeping, META always answers) failed
     "codec-error",  # a decoder raised something other than a CodecError on garbage
     "codec-diff",  # two decoder paths (construct/struct, whole/split) disagreed
@@ -72,6 +73,7 @@ class Case:
     messages: list[Message] = field(default_factory=list)
     program: list[dict[str, Any]] | None = None  # stateful step program (symbolic)
     decoder: str | None = None  # codec mode: which decoder gets messages[0].data
+    mutated: dict[str, str] | None = None  # {"field": ..., "value": ...}: what the generator changed
 
     @property
     def size(self) -> int:
@@ -88,11 +90,11 @@ class Case:
 
     def with_messages(self, messages: list[Message]) -> "Case":
         return Case(self.seed, self.index, self.phase, self.generator, self.note, self.protocol, messages,
-                    self.program, self.decoder)
+                    self.program, self.decoder, self.mutated)
 
     def with_program(self, program: list[dict[str, Any]]) -> "Case":
         return Case(self.seed, self.index, self.phase, self.generator, self.note, self.protocol,
-                    list(self.messages), program, self.decoder)
+                    list(self.messages), program, self.decoder, self.mutated)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -103,12 +105,15 @@ class Case:
             out["program"] = self.program
         if self.decoder is not None:
             out["decoder"] = self.decoder
+        if self.mutated:
+            out["mutated"] = self.mutated
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Case":
         return cls(d["seed"], d["index"], d["phase"], d["generator"], d.get("note", ""), d.get("protocol", "hydra"),
-                   [Message.from_json(m) for m in d.get("messages", [])], d.get("program"), d.get("decoder"))
+                   [Message.from_json(m) for m in d.get("messages", [])], d.get("program"), d.get("decoder"),
+                   d.get("mutated"))
 
 
 @dataclass
@@ -131,6 +136,8 @@ class Outcome:
     sent: list[bytes] = field(default_factory=list)  # concrete messages (stateful: resolved steps)
     exit: dict[str, Any] | None = None  # spawn mode: how the target died
     notes: list[str] = field(default_factory=list)  # non-findings worth knowing ("slow", "closed")
+    expected: list[str] = field(default_factory=list)  # would-be findings the request asked for (explain.py)
+    traceback: str = ""  # spawn mode: the traceback(s) the target logged during the case
     elapsed: float = 0.0
 
     def fail(self, oracle: str, detail: str, rule: str = "") -> None:

@@ -20,6 +20,7 @@ import json
 import random
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from hydra_rpc.usage import UsageError
@@ -196,6 +197,7 @@ async def _replay(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot read the case file {args.replay}: {e}") from None
     protocol = doc.get("case", {}).get("protocol", "hydra")
     target = None
+    scratch = None
     if protocol != "codec":
         recorded = doc.get("target")
         spawn = None if args.target else doc.get("spawn")  # an explicit --target is used as it is
@@ -203,7 +205,10 @@ async def _replay(args: argparse.Namespace) -> int:
             recorded = recorded.rsplit(":", 1)[0] + ":0"  # a fresh free port for the spawned copy
         args.codec = False
         target = _target(args, recorded, spawn)
-        target.log_dir = None  # a replay leaves the run's target.log alone
+        # A replay leaves the run's target.log alone: the spawned copy logs to a scratch
+        # directory (read by the traceback oracle, removed afterwards).
+        scratch = tempfile.TemporaryDirectory(prefix="hydra-fuzz-replay-")
+        target.log_dir = Path(scratch.name)
     cfg = RunConfig(deadline=args.deadline, slots=args.slots) if args.deadline != 2.0 else None
     try:
         if target is not None:
@@ -216,6 +221,8 @@ async def _replay(args: argparse.Namespace) -> int:
     finally:
         if target is not None:
             await target.close()
+        if scratch is not None:
+            scratch.cleanup()
     if args.json:
         print(json.dumps(report, indent=2))
     return code

@@ -104,7 +104,8 @@ class ConfigValues(Family):
         hydra_config = tp.op == Op.PREFILL
         where = "PREFILL hydra_config" if hydra_config else "CONFIGURE"
         return Mutation(self.name, f"{where} {key}={value[:24]}",
-                        burst(frame(tp.op, tp.key, _body(key, value, hydra_config), tp.trace)))
+                        burst(frame(tp.op, tp.key, _body(key, value, hydra_config), tp.trace)),
+                        f"{where} {key}", value[:48] + ("…" if len(value) > 48 else ""))
 
     def random(self, tp: Template, rng: random.Random) -> Mutation:
         return self.make(tp, rng.randrange(len(self._cases)), rng)

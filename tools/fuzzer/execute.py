@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 
 from .cases import Case, Message, Outcome
-from .oracles import (Baseline, Hang, Plan, SentFrame, Slow, after_case, await_reply, followup_probe, judge,
-                      plan_frames)
+from .oracles import (Baseline, Hang, Plan, SentFrame, Slow, after_case, await_reply, check_log, followup_probe,
+                      judge, plan_frames)
 from .responses import Closed, Inbox, Malformed, Stalled, read_response, reset_close
 from .target import Target
 
@@ -29,6 +29,7 @@ class RunConfig:
 async def run_case(case: Case, target: Target, baseline: Baseline | None, cfg: RunConfig) -> Outcome:
     t0 = time.perf_counter()
     rss0 = target.peak_rss_kb() if target is not None else None
+    log0 = target.log_offset() if target is not None else None
     checks = dict(rss_before=rss0, max_rss_growth_kb=cfg.max_rss_growth_mb * 1024)
     if case.protocol == "codec":
         from .codec_mode import run_codec_case
@@ -46,6 +47,8 @@ async def run_case(case: Case, target: Target, baseline: Baseline | None, cfg: R
     else:
         out = await run_messages(case, target, baseline, cfg)
         await after_case(target, baseline, cfg.deadline, out, **checks)
+    if case.protocol != "codec" and target is not None:
+        check_log(target, log0, out)
     out.elapsed = time.perf_counter() - t0
     return out
 

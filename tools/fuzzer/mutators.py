@@ -61,6 +61,8 @@ class Mutation:
     generator: str
     note: str
     messages: list[Message]
+    field: str = ""  # the header field / key / rule the generator changed (summary: "mutated FIELD = VALUE")
+    value: str = ""
 
 
 def burst(data: bytes, then: str = "none") -> list[Message]:
@@ -104,13 +106,13 @@ class OpSweep(Family):
 
     def make(self, tp: Template, variant: int, rng: random.Random) -> Mutation:
         return Mutation(self.name, f"op 0x{variant:02x} with a smuggled INFO as payload",
-                        burst(frame(variant, b"0", CANARY, b"fuzz")))
+                        burst(frame(variant, b"0", CANARY, b"fuzz")), "op", f"0x{variant:02x}")
 
     def random(self, tp: Template, rng: random.Random) -> Mutation:
         op = rng.randrange(256)
         pad = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 9)))
         return Mutation(self.name, f"op 0x{op:02x}, payload {len(pad)} junk bytes + smuggled INFO",
-                        burst(frame(op, str(rng.randrange(4)).encode(), pad + CANARY)))
+                        burst(frame(op, str(rng.randrange(4)).encode(), pad + CANARY)), "op", f"0x{op:02x}")
 
 
 MAGICS = (b"\x48\x59", b"\x59\x59", b"\x59\x00", b"\x59\x49", b"\xff\xff", b"\x58\x48", b"\x59\xc8", b"YHYH")
@@ -131,9 +133,10 @@ class Magic(Family):
         magic = MAGICS[variant % len(MAGICS)][:2]
         bad = frame(tp.op, tp.key, tp.payload, tp.trace, magic=magic)
         if variant < len(MAGICS):
-            return Mutation(self.name, f"{tp.name} with magic {magic.hex(' ')}", burst(bad))
+            return Mutation(self.name, f"{tp.name} with magic {magic.hex(' ')}", burst(bad), "magic", magic.hex(" "))
         good = encode_request(Op.INFO)
-        return Mutation(self.name, f"INFO, then {tp.name} with magic {magic.hex(' ')}", burst(good + bad))
+        return Mutation(self.name, f"INFO, then {tp.name} with magic {magic.hex(' ')}", burst(good + bad),
+                        "magic (2nd request)", magic.hex(" "))
 
 
 class Flags(Family):
@@ -147,7 +150,7 @@ class Flags(Family):
     def make(self, tp: Template, variant: int, rng: random.Random) -> Mutation:
         f = self.VALUES[variant]
         return Mutation(self.name, f"{tp.name} with flags 0x{f:02x}",
-                        burst(frame(tp.op, tp.key, tp.payload, tp.trace, flags=f)))
+                        burst(frame(tp.op, tp.key, tp.payload, tp.trace, flags=f)), "flags", f"0x{f:02x}")
 
 
 KEYS = (b"", b"-1", b"+1", b" \t1", b"1abc", b"\xff\xfe", b"\x00", b"0\x00", b"99999999999999999999",
@@ -169,7 +172,7 @@ class Key(Family):
     def make(self, tp: Template, variant: int, rng: random.Random) -> Mutation:
         k = KEYS[variant]
         return Mutation(self.name, f"{tp.name} with key {k[:16]!r} ({len(k)} bytes)",
-                        burst(frame(tp.op, k, tp.payload, tp.trace)))
+                        burst(frame(tp.op, k, tp.payload, tp.trace)), "key", f"{k[:16]!r} ({len(k)} bytes)")
 
 
 TRACES = (b"\xff\xfe\xfd", b"\x00\x00\x00\x00", "é".encode("utf-16"), b"t" * 1024, b"t" * 1025, b"t" * 65535)
@@ -185,7 +188,7 @@ class Trace(Family):
     def make(self, tp: Template, variant: int, rng: random.Random) -> Mutation:
         tr = TRACES[variant]
         return Mutation(self.name, f"{tp.name} with trace {tr[:12]!r} ({len(tr)} bytes)",
-                        burst(frame(tp.op, tp.key, tp.payload, tr)))
+                        burst(frame(tp.op, tp.key, tp.payload, tr)), "trace", f"{tr[:12]!r} ({len(tr)} bytes)")
 
 
 class LengthLie(Family):
@@ -217,7 +220,8 @@ class LengthLie(Family):
         value = int(d[1:]) if d[0] == "=" else actual + int(d)
         payload = tp.payload[:4096] if self.huge else tp.payload
         data = frame(tp.op, tp.key, payload, tp.trace, **{self.field: value})
-        return Mutation(self.name, f"{tp.name}: {self.field} {value} (actual {actual})", burst(data))
+        return Mutation(self.name, f"{tp.name}: {self.field} {value} (actual {actual})", burst(data), self.field,
+                        f"{value} (actual {actual})")
 
     def random(self, tp: Template, rng: random.Random) -> Mutation:
         if self.huge:
@@ -226,7 +230,8 @@ class LengthLie(Family):
         limit = 0xFFFF if self.field != "payload_len" else 1 << 20
         value = min(limit, max(0, actual + rng.choice((-1, 1)) * rng.choice((1, 2, 3, 8, 64, 4096))))
         data = frame(tp.op, tp.key, tp.payload, tp.trace, **{self.field: value})
-        return Mutation(self.name, f"{tp.name}: {self.field} {value} (actual {actual})", burst(data))
+        return Mutation(self.name, f"{tp.name}: {self.field} {value} (actual {actual})", burst(data), self.field,
+                        f"{value} (actual {actual})")
 
 
 # ---------------------------------------------------------------------------------- transport
@@ -275,12 +280,14 @@ class Truncate(Family):
     def make(self, tp: Template, variant: int, rng: random.Random) -> Mutation:
         cut = boundaries(tp)[variant]
         data = tp.encode()
-        return Mutation(self.name, f"{tp.name} cut after {cut} of {len(data)} bytes", burst(data[:cut]))
+        return Mutation(self.name, f"{tp.name} cut after {cut} of {len(data)} bytes", burst(data[:cut]),
+                        "length", f"cut after {cut} of {len(data)} bytes")
 
     def random(self, tp: Template, rng: random.Random) -> Mutation:
         data = tp.encode()
         cut = rng.randrange(1, len(data))
-        return Mutation(self.name, f"{tp.name} cut after {cut} of {len(data)} bytes", burst(data[:cut]))
+        return Mutation(self.name, f"{tp.name} cut after {cut} of {len(data)} bytes", burst(data[:cut]),
+                        "length", f"cut after {cut} of {len(data)} bytes")
 
 
 class Abrupt(Family):

@@ -15,7 +15,10 @@ Oracles (finding classes in ``cases.CLASSES``):
               that still makes progress, seen through STATE_META, is not a hang);
 * desync    — no reply to bytes that were not a request, no extra replies, the follow-up
               INFO on the same connection answers like the baseline, replies match requests;
-* resource  — (spawn) the target's peak RSS does not jump during one case;
+* resource  — (spawn) the target's peak RSS does not jump during one case (unless a reply in it
+              accepted a setting that rebuilds the context or model: then the jump is what the
+              request asked for, reported as expected, not as a finding);
+* traceback — (spawn) the target logs no Python traceback while it handles the case;
 * bad-status / malformed — every reply has a defined status and sane framing.
 """
 from __future__ import annotations
@@ -30,8 +33,9 @@ from codec.errors import BadMagic
 from codec.framing import REQUEST_HEADER_SIZE, decode_request_header, encode_request
 
 from .cases import Outcome
+from .explain import exception_type, requested_growth, tracebacks
 from .responses import Closed, Conn, Malformed, Resp, Stalled, read_response
-from .target import Target
+from .target import Target, exit_text
 
 _STOI = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
 PROBE = encode_request(Op.INFO, b"", b"", b"probe")
@@ -245,8 +249,28 @@ async def after_case(target: Target, baseline: Baseline, deadline: float, out: O
     await _liveness(target, baseline, deadline, out)
     after = target.peak_rss_kb()
     if rss_before is not None and after is not None and after - rss_before > max_rss_growth_kb:
-        out.fail("resource", f"the target's peak RSS grew by {(after - rss_before) // 1024} MiB during this case "
-                             f"({rss_before // 1024} → {after // 1024} MiB)")
+        grew = (f"the target's peak RSS grew by {(after - rss_before) // 1024} MiB during this case "
+                f"({rss_before // 1024} → {after // 1024} MiB)")
+        asked = requested_growth(out.responses)
+        if asked:  # a CONFIGURE n_ctx=16777216 the target accepted: it did what it was told
+            out.expected.append(f"requested-memory: {grew}; {asked}")
+        else:
+            out.fail("resource", grew)
+
+
+def check_log(target: Target, offset: int | None, out: Outcome) -> None:
+    """A Python traceback the (spawned) target logged while it handled this case is a finding of
+    its own: an exception the server did not expect, even when its reply looked fine."""
+    if offset is None:
+        return
+    found = tracebacks(target.log_since(offset))
+    if not found:
+        return
+    exc, where, text = found[-1]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    out.traceback = "\n\n".join(t for _, _, t in found)[-8000:]
+    out.fail("traceback", f"the target logged a traceback: {exc}" + (f" at {where}" if where else "") + more,
+             rule=exception_type(exc))
 
 
 DYING_GRACE = 15.0  # a spawned target that stopped answering may be dying (llama.cpp prints a backtrace first)
@@ -261,7 +285,9 @@ async def _died(target: Target, out: Outcome, grace: float) -> bool:
         info = target.exit_info()
         if info is not None:
             out.exit = info
-            out.fail("crash", f"the target exited: {info}")
+            rss = target.last_peak_rss_kb()
+            out.fail("crash", f"the target exited ({exit_text(info)}"
+                              + (f"; peak RSS {rss // 1024} MiB" if rss is not None else "") + f"): {info}")
             return True
         if loop.time() >= end:
             return False

@@ -159,7 +159,7 @@ class JsonStructure(Family):
     def make(self, tp: Template, variant: int, rng: random.Random) -> Mutation:
         note, payload = self._variants(tp)[variant]
         return Mutation(self.name, f"{tp.name}: {note} ({len(payload)} bytes)",
-                        burst(frame(tp.op, tp.key, payload, tp.trace)))
+                        burst(frame(tp.op, tp.key, payload, tp.trace)), "JSON payload", note)
 
 
 # ---------------------------------------------------------------------------------- DECODE v3 rules
@@ -263,7 +263,7 @@ class V3Rules(Family):
     def make(self, tp: Template, variant: int, rng: random.Random) -> Mutation:
         rule, payload, declared = v3_rules(tp)[variant]
         data = frame(Op.DECODE, tp.key, payload, tp.trace, payload_len=declared)
-        return Mutation(self.name, f"{tp.name}: breaks rule {rule}", burst(data))
+        return Mutation(self.name, f"{tp.name}: breaks rule {rule}", burst(data), "DECODE v3 rule", rule)
 
 
 # ---------------------------------------------------------------------------------- KV blobs
@@ -311,7 +311,7 @@ class KvBlobCorruption(Family):
         note, blob = blob_variants()[variant]
         payload = blob if tp.kind == "kvblob" else _v3_with(tp, kv=blob)
         return Mutation(self.name, f"{tp.name}: blob {note} ({len(blob)} bytes)",
-                        burst(frame(tp.op, tp.key, payload, tp.trace)))
+                        burst(frame(tp.op, tp.key, payload, tp.trace)), "KV blob", note)
 
 
 # ---------------------------------------------------------------------------------- small payload families

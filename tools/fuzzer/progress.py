@@ -87,26 +87,27 @@ def summary_table(results: dict[str, Any]) -> str:
         head += f"; minimizing the findings took {results['total_s'] - results['elapsed_s']:.1f}s more"
     lines.append(head)
     if results.get("restarts"):
-        lines.append(f"target restarted {results['restarts']} time(s); exits: {results.get('exits')}")
+        lines += restart_lines(results)
     if results.get("notes"):
         lines.append("notes (not findings): " + ", ".join(f"{k} {v}" for k, v in sorted(results["notes"].items())))
     lines += _coverage_lines(results)
+    lines += expected_lines(results)
     findings = results["findings"]
     if not findings:
         cov = results.get("coverage") or {}
         lines.append("No findings in the cases run (see the WARNING above)." if cov.get("unfinished") else
                      "No findings: every oracle held for every case.")
         return "\n".join(lines)
-    rows = [("class", "count", "generator", "first case", "after", "bytes orig→min", "case file")]
-    for f in findings:
-        size = f"{f['original_bytes']}→{f['minimized_bytes']}" if f.get("minimized_bytes") is not None else "-"
-        rows.append((f["class"] + (f":{f['rule']}" if f.get("rule") else ""), str(f["count"]), f["generator"],
-                     f"{f['seed']}/{f['index']}", f"{f.get('found_after_s', 0):.1f}s", size, f.get("file") or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for n, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines.append(f"findings ({len(findings)}): each with the input that caused it and the oracle it failed")
+    for n, f in enumerate(findings, 1):
+        size = f"{f['original_bytes']}→{f['minimized_bytes']} bytes" if f.get("minimized_bytes") is not None else ""
+        head = (f"{n}. {f['class']}{':' + f['rule'] if f.get('rule') else ''} ×{f['count']} — first case "
+                f"{f['seed']}/{f['index']} after {f.get('found_after_s', 0):.1f}s" + (f", {size}" if size else ""))
+        lines.append(head)
+        lines.append(f"   input:  {f.get('input_line') or f['generator']}")
+        lines.append(f"   oracle: {f['class']}: {f.get('detail', '')}")
+        if f.get("file"):
+            lines.append(f"   case:   {f['file']}  (replay: hydra-rpc fuzz --replay {f['file']})")
     by_class = Counter()
     for f in findings:
         by_class[f["class"]] += f["count"]
@@ -114,6 +115,52 @@ def summary_table(results: dict[str, Any]) -> str:
     if results.get("flaky"):
         lines.append(f"did not reproduce on re-run (not saved): {results['flaky']}")
     return "\n".join(lines)
+
+
+def expected_lines(results: dict[str, Any]) -> list[str]:
+    """Would-be findings the request itself asked for (a CONFIGURE n_ctx the target accepted)."""
+    exp = results.get("expected") or []
+    if not exp:
+        return []
+    n = results.get("expected_count", len(exp))
+    out = [f"expected, not findings ({n}): the target did what the request told it to"]
+    for e in exp[:5]:
+        out.append(f"  case {e['case']}: {e['input']}: {e['detail']}")
+    if n > 5:
+        out.append(f"  … {n - 5} more in results.json (\"expected\")")
+    return out
+
+
+def _restart_text(r: dict[str, Any]) -> str:
+    if r.get("exit"):
+        e = r["exit"]
+        how = f"it had died ({'killed by ' + e['signal'] if 'signal' in e else 'exit code ' + str(e['returncode'])})"
+    elif r.get("stopped"):
+        st = r["stopped"]
+        code = (f", {'killed by ' + st['signal'] if 'signal' in st else 'exit code ' + str(st['returncode'])}"
+                if "returncode" in st else "")
+        how = f"still running, stopped by {st['by']}{code}"
+    else:
+        how = "not running"
+    rss = f", peak RSS {r['peak_rss_mib']} MiB" if r.get("peak_rss_mib") is not None else ""
+    return f"{r.get('reason', 'restart')}: {how}{rss}"
+
+
+def restart_lines(results: dict[str, Any], limit: int = 8) -> list[str]:
+    """"target restarted N time(s)" and, for each, why: the finding or the death, how the old
+    process ended (exit code / signal) and its peak RSS."""
+    log = results.get("restart_log") or []
+    n = results["restarts"]
+    deaths = [e for e in results.get("exits") or []]
+    died = ", ".join(sorted({("killed by " + e["signal"]) if "signal" in e else f"exit code {e['returncode']}"
+                             for e in deaths}))
+    out = [f"target restarted {n} time(s): {len(deaths)} after it died" + (f" ({died})" if died else "")
+           + f", {n - len(deaths)} by the fuzzer after a finding or during minimization"]
+    for i, r in enumerate(log[:limit], 1):
+        out.append(f"  restart {i}: {_restart_text(r)}")
+    if len(log) > limit:
+        out.append(f"  … {len(log) - limit} more in results.json (\"restart_log\")")
+    return out
 
 
 def _coverage_lines(results: dict[str, Any]) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from .cases import CASE_FORMAT, Case, Failure, Outcome, safe_name, signature
 from .coverage import Coverage
+from .explain import describe_input, input_line
 from .execute import RunConfig, run_case
 from .minimize import Minimizer
 from .oracles import Baseline, probe_info, take_baseline
@@ -28,6 +29,7 @@ from .progress import Progress
 from .target import Target, TargetError
 
 KEEP_PRECEDING = 5
+KEEP_EXPECTED = 50  # expected (not finding) events kept in results.json
 STATE_POISONING = ("crash", "hang", "liveness", "resource")
 CONFIRM_GRACE = 0.5  # a re-run waits this long for a legal close before the follow-up INFO
 
@@ -65,7 +67,9 @@ class Finding:
     preceding: list[int] = field(default_factory=list)  # indexes of the cases run just before it
 
     def to_json(self) -> dict[str, Any]:
+        inp = describe_input(self.case)
         return {"class": self.failure.oracle, "rule": self.failure.rule, "signature": self.sig,
+                "input": inp, "input_line": input_line(inp),
                 "generator": self.case.generator, "seed": self.case.seed, "index": self.case.index,
                 "detail": self.failure.detail, "count": self.count, "indexes": self.indexes[:100],
                 "file": self.file, "original_bytes": self.original_bytes, "minimized_bytes": self.minimized_bytes,
@@ -98,6 +102,8 @@ class Runner:
         self.findings: dict[str, Finding] = {}
         self.by_class: Counter = Counter()
         self.notes: Counter = Counter()
+        self.expected: list[dict[str, Any]] = []  # would-be findings the request asked for
+        self.expected_count = 0
         self.flaky: Counter = Counter()
         self.cases_run = 0
         self.phase = "-"
@@ -161,13 +167,15 @@ class Runner:
                 break
             case = self.case_at(self.opts.seed, i)
             self.phase = case.phase
-            if not await self._target_ready():
+            if not await self._target_ready(self._died_after()):
                 break
             out = await run_case(case, self.target, self.baseline, self.opts.cfg)
             self.cases_run += 1
             self.coverage.count(case)
             for note in out.notes:
                 self.notes[note.split(":")[0]] += 1
+            for note in out.expected:
+                self._expected(case, note)
             if out.failures:
                 await self._on_finding(case, out)
             self.recent.append(i)
@@ -207,11 +215,26 @@ class Runner:
         results["stopped_early"] = "interrupted"
         return results
 
-    async def _target_ready(self) -> bool:
+    def _died_after(self) -> str:
+        last = self.recent[-1] if self.recent else None
+        return (f"it had died after case {self.opts.seed}/{last}" if last is not None
+                else "it had died before the first case")
+
+    def _expected(self, case: Case, note: str) -> None:
+        self.expected_count += 1
+        kind, _, detail = note.partition(": ")
+        line = input_line(describe_input(case))
+        if len(self.expected) < KEEP_EXPECTED:
+            self.expected.append({"kind": kind, "case": f"{case.seed}/{case.index}", "input": line,
+                                  "detail": detail})
+        self.progress.message(f"[{case.seed}/{case.index}] expected, not a finding ({kind}): {line[:120]}: "
+                              f"{detail[:160]}")
+
+    async def _target_ready(self, reason: str = "") -> bool:
         if self.target is None:
             return True
         try:
-            if await self.target.ensure_running():
+            if await self.target.ensure_running(reason):
                 self.progress.message(f"restarted the target (start #{self.target.starts})")
         except TargetError as e:
             self.stopped_early = f"cannot restart the target: {e}"
@@ -219,13 +242,14 @@ class Runner:
             return False
         return True
 
-    async def _after_poisoning(self, failure: Failure) -> None:
+    async def _after_poisoning(self, failure: Failure, case: Case | None = None, what: str = "") -> None:
         """A crash/hang/liveness finding may leave the target unusable: restart or wait for it."""
         if self.target is None or failure.oracle not in STATE_POISONING:
             return
         if self.target.spawn:
             try:
-                await self.target.restart()
+                c = f"{case.seed}/{case.index}" if case is not None else "?"
+                await self.target.restart("after " + (what or "a {o} finding in case {c}").format(o=failure.oracle, c=c))
             except TargetError as e:
                 self.stopped_early = f"cannot restart the target: {e}"
             return
@@ -248,10 +272,10 @@ class Runner:
             known.count += 1
             known.indexes.append(case.index)
             self.by_class[failure.oracle] += 1
-            await self._after_poisoning(failure)
+            await self._after_poisoning(failure, case, "another {o} (a known signature) in case {c}")
             return
         self.progress.update(self.cases_run, self.phase, self.by_class, activity=f"confirming {sig}", force=True)
-        await self._after_poisoning(failure)
+        await self._after_poisoning(failure, case)
         if not await self._healthy():
             # The target (or, behind a passthrough, its upstream) did not come back: nothing
             # can be re-run against it. Save what we saw and stop rather than blame every later case.
@@ -271,7 +295,7 @@ class Runner:
             self.flaky[sig] += 1
             self.progress.message(f"[{case.seed}/{case.index}] {failure.oracle} did not reproduce on a re-run "
                                   f"({case.generator}): {failure.detail[:120]}")
-            await self._after_poisoning(failure)
+            await self._after_poisoning(failure, case, "a {o} that did not reproduce, case {c}")
             return
         self.by_class[failure.oracle] += 1
         finding = Finding(sig, failure, case, indexes=[case.index], original_bytes=case.size,
@@ -282,7 +306,7 @@ class Runner:
                               f"{failure.detail[:160]}")
         # Saved at once (an interrupted run keeps it); minimized after the run (``minimize_all``).
         finding.file = self._write(finding, case, case, confirm, 0, 0.0)
-        await self._after_poisoning(failure)
+        await self._after_poisoning(failure, case, "the confirming re-run of case {c} ({o})")
 
     async def minimize_all(self) -> None:
         """Shrink every confirmed finding, in the order found, and rewrite its case file."""
@@ -298,7 +322,7 @@ class Runner:
                 finding.original_bytes, finding.minimized_bytes = case.size, final_case.size
             finding.case = final_case
             finding.file = self._write(finding, case, final_case, final_out, attempts, secs)
-            await self._after_poisoning(failure)
+            await self._after_poisoning(failure, case, "minimizing case {c} ({o})")
 
     async def _healthy(self, wait: float = 10.0) -> bool:
         """Does the target answer like at the start (for a while, if it is busy recovering)?"""
@@ -324,7 +348,7 @@ class Runner:
             await asyncio.sleep(0.5)
 
     async def _rerun(self, case: Case, failure: Failure) -> Outcome | None:
-        if not await self._target_ready():
+        if not await self._target_ready(f"it had died after case {case.seed}/{case.index}, before its re-run"):
             return None
         return await run_case(case, self.target, self.baseline, replace(self.opts.cfg, grace=CONFIRM_GRACE))
 
@@ -338,8 +362,8 @@ class Runner:
             # frees, gigabytes still being zeroed): after a failing attempt, start the next one
             # from a fresh target, or an innocent candidate looks guilty.
             if last["dirty"] and failure.oracle in STATE_POISONING and self.target is not None and self.target.spawn:
-                await self.target.restart()
-            elif not await self._target_ready():
+                await self.target.restart(f"minimizing {sig}: a fresh target after a failing attempt")
+            elif not await self._target_ready(f"it had died during the minimization of {sig}"):
                 return False
             if last["dirty"] and not await self._healthy():
                 raise TargetError("the target did not recover between minimization attempts")
@@ -368,6 +392,8 @@ class Runner:
         name = safe_name(f"{finding.failure.oracle}-{case.generator}-s{case.seed}-i{case.index}") + ".json"
         path = self.opts.out / name
         doc = case_document(case, out, finding.failure, self.target, self.opts, original, attempts, secs)
+        doc["input"] = describe_input(case)
+        doc["input_line"] = input_line(doc["input"])
         doc["replay"] = f"{self.opts.replay_cmd} {path}"
         if finding.preceding and self.opts.protocol != "codec":
             idx = " ".join(f"--index {i}" for i in [*finding.preceding, original.index])
@@ -397,6 +423,8 @@ class Runner:
             "findings": [f.to_json() for f in self.findings.values()],
             "by_class": dict(self.by_class), "notes": dict(self.notes), "flaky": dict(self.flaky),
             "restarts": max(0, t.starts - 1) if t and t.spawn else 0, "exits": t.exits if t else [],
+            "restart_log": list(t.restarts) if t else [],
+            "expected": self.expected, "expected_count": self.expected_count,
             "stopped_early": self.stopped_early,
             "budget": {"seconds": self.opts.seconds, "cases": self.opts.cases},
             "coverage": self.coverage.report(self.stopped_by, self.cases_run / elapsed if elapsed else 0.0),
@@ -425,6 +453,8 @@ def case_document(case: Case, out: Outcome, failure: Failure, target: Target | N
         "received": out.responses,
         "received_hex": out.received.hex(),
         "exit": out.exit, "notes": out.notes,
+        **({"target_traceback": out.traceback} if out.traceback else {}),
+        **({"expected": out.expected} if out.expected else {}),
         "target": target.address if target else None,
         "spawn": target.spawn if target else None,
         "settings": {"deadline": opts.cfg.deadline, "slots": opts.cfg.slots, "max_stream": opts.cfg.max_stream,
@@ -458,7 +488,11 @@ async def replay(path: Path, target: Target | None, cfg: RunConfig | None) -> tu
     report = {"case": str(path), "recorded": {"oracle": doc.get("oracle"), "rule": doc.get("rule")},
               "reproduced": out.same_failure(Failure(doc.get("oracle", ""), "", doc.get("rule", ""))),
               "failures": [f.to_json() for f in out.failures], "received": out.responses, "exit": out.exit,
-              "notes": out.notes}
+              "notes": out.notes, "expected": out.expected, "input_line": input_line(describe_input(case))}
+    if out.traceback:
+        report["target_traceback"] = out.traceback
+    for note in out.expected:
+        print(f"expected, not a finding: {note}", file=sys.stderr)
     # The verdict is the result of a replay, not progress: it is printed whatever --progress says.
     if out.failures:
         p = out.primary

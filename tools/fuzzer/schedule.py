@@ -125,7 +125,9 @@ def case_at(seed: int, index: int, settings: GenSettings = GenSettings()) -> Cas
 
 
 def _to_case(seed: int, index: int, phase: str, mut: M.Mutation) -> Case:
-    return Case(seed, index, phase, mut.generator, mut.note, messages=M.guard_first_byte(mut.messages))
+    mutated = {"field": mut.field, "value": mut.value} if mut.field else None
+    return Case(seed, index, phase, mut.generator, mut.note, messages=M.guard_first_byte(mut.messages),
+                mutated=mutated)
 
 
 def stateful_case(seed: int, index: int, phase: str, rng: random.Random, settings: GenSettings) -> Case:

@@ -54,7 +54,7 @@ def describe_exit(returncode: int) -> dict[str, Any]:
     return out
 
 
-def _exit_text(info: dict[str, Any]) -> str:
+def exit_text(info: dict[str, Any]) -> str:
     return f"killed by {info['signal']}" if "signal" in info else f"exit code {info['returncode']}"
 
 
@@ -69,7 +69,11 @@ class Target:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.exits: list[dict[str, Any]] = []  # every death we saw, in order
+        # every restart, with why: {"reason", "exit" (how it had died) or "stopped" (how our
+        # SIGTERM ended a still running one), "peak_rss_mib"}
+        self.restarts: list[dict[str, Any]] = []
         self._log: IO[bytes] | None = None
+        self._last_rss_kb: int | None = None
 
     @property
     def address(self) -> str:
@@ -106,7 +110,7 @@ class Target:
             if self.proc.poll() is not None:
                 last = self.log_tail(1).strip()
                 raise TargetError(f"could not start the --spawn command: it exited during start-up "
-                                  f"({_exit_text(describe_exit(self.proc.returncode))})"
+                                  f"({exit_text(describe_exit(self.proc.returncode))})"
                                   + (f"; its last line: {last[:300]}" if last else ""))
             try:
                 r, w = await self.connect(0.5)
@@ -132,36 +136,54 @@ class Target:
             with open(f"/proc/{self.proc.pid}/status") as f:
                 for line in f:
                     if line.startswith("VmHWM:"):
-                        return int(line.split()[1])
+                        self._last_rss_kb = int(line.split()[1])
+                        return self._last_rss_kb
         except (OSError, ValueError):
             return None
         return None
+
+    def last_peak_rss_kb(self) -> int | None:
+        """The peak RSS last read (a target that just died keeps the value read before)."""
+        return self.peak_rss_kb() or self._last_rss_kb
 
     @property
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
 
-    async def restart(self) -> None:
+    async def restart(self, reason: str = "") -> None:
         if not self.spawn:
             return
         info = self.exit_info()
+        record: dict[str, Any] = {"reason": reason or "restart"}
+        rss = self.peak_rss_kb()
+        if rss is not None:
+            record["peak_rss_mib"] = rss // 1024
+        elif self._last_rss_kb is not None:
+            record["peak_rss_mib"] = self._last_rss_kb // 1024  # the last we read before it died
         if info is not None:
             self.exits.append(info)
-        await self.stop()
+            record["exit"] = info
+        stopped = await self.stop()
+        if info is None and stopped is not None:
+            record["stopped"] = stopped
+        self.restarts.append(record)
         await self.start()
 
-    async def ensure_running(self) -> bool:
+    async def ensure_running(self, reason: str = "") -> bool:
         """Spawn mode: start it again if it died. Returns True if a restart happened."""
         if self.spawn and not self.alive:
-            await self.restart()
+            await self.restart(reason or "it was found dead before the next case")
             return True
         return False
 
-    async def stop(self) -> None:
+    async def stop(self) -> dict[str, Any] | None:
+        """Stop the spawned target; how it ended when we had to stop it (None: it was not running)."""
         p = self.proc
         if p is None:
-            return
+            return None
+        how = None
         if p.poll() is None:
+            how = "SIGTERM"
             try:
                 os.killpg(p.pid, signal.SIGTERM)  # our own process group (start_new_session)
             except (ProcessLookupError, PermissionError):
@@ -169,12 +191,17 @@ class Target:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, p.wait, 10)
             except subprocess.TimeoutExpired:
+                how = "SIGKILL after SIGTERM was ignored for 10 s"
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     p.kill()
                 await asyncio.get_running_loop().run_in_executor(None, p.wait, 5)
         self.proc = None
+        self._last_rss_kb = None
+        if how is None:
+            return None
+        return {"by": how, **(describe_exit(p.returncode) if p.returncode is not None else {})}
 
     async def close(self) -> None:
         await self.stop()
@@ -187,6 +214,26 @@ class Target:
         r, w = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, limit=1 << 20), timeout)
         set_nodelay(w)
         return r, w
+
+    def log_offset(self) -> int | None:
+        """How far target.log goes now (None: no log of the target's output to read)."""
+        if not self.spawn or self.log_dir is None:
+            return None
+        try:
+            return (self.log_dir / "target.log").stat().st_size
+        except OSError:
+            return None
+
+    def log_since(self, offset: int, limit: int = 1 << 20) -> str:
+        """What the target printed after ``offset`` (at most ``limit`` bytes)."""
+        if self.log_dir is None:
+            return ""
+        try:
+            with open(self.log_dir / "target.log", "rb") as f:
+                f.seek(offset)
+                return f.read(limit).decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def log_tail(self, n: int = 40) -> str:
         if self.log_dir is None or not (self.log_dir / "target.log").exists():

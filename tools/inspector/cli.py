@@ -1,16 +1,19 @@
 """hydra-rpc inspect: see what crosses a Hydra engine port (Hydra and ggml-RPC).
 
 Inputs (one of):
-  FILE | -r FILE          pcap / pcapng, gzip'd or not; ``-`` reads stdin
+  FILE | -r FILE          pcap / pcapng, gzip'd or not; ``-`` reads stdin as it arrives
+                          (tcpdump -U -w - … | hydra-rpc inspect -)
+  -i IFACE                live capture through tcpdump (or dumpcap); --port N narrows it
   --listen H:P --upstream H:P [--write F.pcap]
                           live tap: a transparent proxy that decodes as it forwards
   --hex | --raw           one direction's bytes on stdin (hex text pasted from a log, or raw)
   --dissector             print a Wireshark Lua dissector for Hydra framing and exit
 
 Output: one line per message (default), ``-V`` field tree with byte offsets, ``-x`` hex dump,
-``--json`` NDJSON (every field with name, value, offset, length), ``--stats`` counts and
-latency percentiles. ``-Y`` filters messages, e.g. ``-Y 'op == DECODE and status != OK'``;
-``-Y help`` prints the filter language.
+``--json`` NDJSON (every field with name, value, offset, length), ``-T fields -e F …``
+tab-separated values (as tshark), ``--stats`` counts and latency percentiles. ``-Y`` filters
+messages, e.g. ``-Y 'op == DECODE and status != OK'``; ``-Y help`` prints the filter
+language. Times are seconds since the capture's first packet, filtered or not (as tshark's).
 
 Exit status: 0 on success (also when the capture holds malformed traffic: that is shown, not
 fatal), 1 when the input cannot be read at all, 2 on a usage or filter error.
@@ -24,7 +27,7 @@ import signal
 import sys
 from typing import TextIO
 
-from .filters import FilterError, compile_filter
+from .filters import FilterError, check_field, compile_filter
 from .model import Message
 from .render import Renderer, ndjson
 from hydra_rpc.config import hostport_arg
@@ -57,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i = p.add_argument_group("input")
     i.add_argument("file", nargs="?", help="capture file (pcap/pcapng, may be gzip'd); '-' for stdin")
     i.add_argument("-r", dest="read_file", metavar="FILE", help="same as the positional FILE (tshark style)")
+    i.add_argument("-i", dest="iface", metavar="IFACE",
+                   help="capture live on IFACE (e.g. lo) through tcpdump or dumpcap; --port N narrows the capture")
     i.add_argument("--listen", type=hostport_arg, metavar="HOST:PORT", help="live tap: accept clients here …")
     i.add_argument("--upstream", type=hostport_arg, metavar="HOST:PORT", help="… and forward them to this server")
     i.add_argument("--write", metavar="FILE.pcap", help="live tap: also record the traffic as a pcap")
@@ -82,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("-x", dest="hexdump", action="store_true", help="hex + ASCII dump of each message")
     o.add_argument("--hex-bytes", type=_size, default=4096, metavar="N", help="bytes per message in -x (default 4096)")
     o.add_argument("--json", action="store_true", help="NDJSON: one object per message, every field with offsets")
+    o.add_argument("-T", dest="output_format", choices=["text", "fields", "json"], default="text",
+                   help="output format as tshark's: fields (with -e) prints tab-separated values; json = --json")
+    o.add_argument("-e", dest="fields", action="append", default=[], metavar="FIELD",
+                   help="-T fields: a field to print (repeatable): any -Y field (op, status, key, latency, …), "
+                        "a dotted protocol field (hydra.kv.n_past), or time (seconds since the first packet)")
     o.add_argument("--stats", action="store_true", help="per-op counts, statuses, latency p50/p95/p99, bytes")
     o.add_argument("-q", dest="quiet", action="store_true", help="no per-message output (with --stats)")
     o.add_argument("-Y", dest="filter", default="", metavar="FILTER", help="show only messages matching FILTER")
@@ -100,7 +110,13 @@ class Output:
         self.stats = Stats()
         self.shown = 0
         self.numbered = 0
-        self.quiet = args.quiet or (args.stats and not (args.verbose or args.hexdump or args.json))
+        self.quiet = args.quiet or (args.stats and not (args.verbose or args.hexdump or args.json or args.fields))
+
+    def first_packet(self, ts: float) -> None:
+        """Times are capture-relative (tshark's frame.time_relative): from the first packet, not
+        from the first message a filter lets through."""
+        if self.r.t0 is None:
+            self.r.t0 = ts
 
     def number(self, m: Message) -> None:
         self.numbered += 1
@@ -118,6 +134,8 @@ class Output:
         a = self.args
         if a.json:
             self.out.write(ndjson(m) + "\n")
+        elif a.output_format == "fields":
+            self.out.write(self.fields_line(m) + "\n")
         else:
             parts = [self.r.tree(m) if a.verbose else self.r.summary(m)]
             if a.hexdump:
@@ -126,6 +144,13 @@ class Output:
         if self.live:
             self.out.flush()
 
+    def fields_line(self, m: Message) -> str:
+        values = m.filter_values()
+        if m.ts_first is not None:
+            self.first_packet(m.ts_first)
+            values["time"] = f"{m.ts_first - self.r.t0:.6f}"
+        return "\t".join(_field_text(values.get(name)) for name in self.args.fields)
+
     def finish(self) -> None:
         if self.args.stats:
             if self.args.json:
@@ -133,6 +158,36 @@ class Output:
             else:
                 self.out.write(self.stats.render() + "\n")
         self.out.flush()
+
+
+def _field_text(v) -> str:
+    """A -T fields value: as tshark prints it (empty when absent; tabs and newlines escaped so a
+    client's key cannot add a column or a line)."""
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, float):
+        return f"{v:.6f}"
+    text = v.hex() if isinstance(v, bytes) else str(v)
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _check_output(args: argparse.Namespace) -> str | None:
+    """The -T/-e combination's mistake, if any."""
+    if args.output_format == "json":
+        args.json = True
+    if args.output_format == "fields" and not args.fields:
+        return "-T fields needs at least one -e FIELD (e.g. -e op -e status -e latency)"
+    if args.fields and args.output_format != "fields":
+        return "-e FIELD prints only with -T fields"
+    for name in args.fields:
+        if name != "time":
+            try:
+                check_field(name)
+            except FilterError as e:
+                return f"-e: {e}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,15 +217,21 @@ def _run(args: argparse.Namespace) -> int:
     except FilterError as e:
         print(f"hydra-rpc inspect: bad filter: {e}", file=sys.stderr)
         return 2
+    mistake = _check_output(args)
+    if mistake:
+        print(f"hydra-rpc inspect: {mistake} (see `hydra-rpc inspect --help`)", file=sys.stderr)
+        return 2
     opts = Options(keep=max(64 * 1024, args.max_keep), hex_keep=args.hex_bytes, server_ports=frozenset(args.port),
                    decode_as=args.decode_as, ggml_version=args.ggml_version,
                    ggml_fork=None if args.ggml_fork in (None, "upstream") else args.ggml_fork)
     path = args.file or args.read_file
-    modes = [bool(path), bool(args.listen or args.upstream), bool(args.hex or args.raw)]
+    modes = [bool(path), bool(args.iface), bool(args.listen or args.upstream), bool(args.hex or args.raw)]
     if sum(modes) != 1:
-        print("hydra-rpc inspect: give exactly one input: FILE, --listen/--upstream, or --hex/--raw",
+        print("hydra-rpc inspect: give exactly one input: FILE, -i IFACE, --listen/--upstream, or --hex/--raw",
               file=sys.stderr)
         return 2
+    if path == "-" or args.iface:
+        return _run_live(args, opts, match)
     if args.listen or args.upstream:
         if not (args.listen and args.upstream):
             print("hydra-rpc inspect: the tap needs both --listen and --upstream", file=sys.stderr)
@@ -198,6 +259,7 @@ def _run_file(path: str, args: argparse.Namespace, opts: Options, match) -> int:
     try:
         with f:
             for seg in read_segments(f, rstats, magic):
+                out.first_packet(seg.ts)
                 for ev in reasm.add(seg):
                     session.handle(ev)
     except CaptureError as e:
@@ -222,6 +284,43 @@ def _run_file(path: str, args: argparse.Namespace, opts: Options, match) -> int:
         print("hydra-rpc inspect: the capture file ends inside a packet record (cut short?)", file=sys.stderr)
     if rstats.packets == 0:
         print("hydra-rpc inspect: the capture holds no packets", file=sys.stderr)
+    return 0
+
+
+def _run_live(args: argparse.Namespace, opts: Options, match) -> int:
+    """stdin or -i: every message shown (and flushed) as soon as it is decoded."""
+    from .live import NoCaptureTool, decode_stream, run_interface
+    from .pcap_io import CaptureError, ReadStats, open_capture
+
+    out = Output(args, sys.stdout, match, live=True)
+
+    def emit(m: Message) -> None:
+        out.number(m)
+        out.show(m)
+
+    if args.iface:
+        try:
+            rc = run_interface(args.iface, args.port, opts, emit, out.first_packet)
+        except NoCaptureTool as e:
+            print(f"hydra-rpc inspect: {e}", file=sys.stderr)
+            return 1
+        out.finish()
+        return rc
+    stats = ReadStats()
+    try:
+        f, magic = open_capture("-")
+        with f:
+            decode_stream(f, magic, opts, emit, out.first_packet, stats)
+    except CaptureError as e:
+        print(f"hydra-rpc inspect: stdin: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    except (OSError, EOFError) as e:
+        print(f"hydra-rpc inspect: stdin: read stopped: {e}; showing what was read", file=sys.stderr)
+    out.finish()
+    if stats.truncated_file:
+        print("hydra-rpc inspect: the capture on stdin ends inside a packet record (cut short?)", file=sys.stderr)
     return 0
 
 

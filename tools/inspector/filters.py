@@ -98,7 +98,8 @@ VALUES = {
 }
 
 
-def _check_field(name: str) -> None:
+def check_field(name: str) -> None:
+    """Raise FilterError unless ``name`` is a field a message can have."""
     if name in FIELDS or name.startswith(PROTOCOL_PREFIXES):
         return
     raise FilterError(f"unknown field {name!r}; fields: {', '.join(FIELDS)}, and the dotted protocol fields "
@@ -215,7 +216,7 @@ class _Parser:
         kind, name, _ = self.peek()
         if kind != "word" or name.lower() in ("and", "or", "not", "in") or name.lower() in _WORD_OPS:
             raise self.fail("expected a field name")
-        _check_field(name)
+        check_field(name)
         self.take()
         kind, text, _ = self.peek()
         op = text if kind == "op" and text in _CMP | {"~"} else _WORD_OPS.get(text.lower()) if kind == "word" else None

@@ -18,8 +18,13 @@ What a Wireshark user sees matches ``hydra-rpc inspect`` on the framing:
   ``DESEGMENT_ONE_MORE_SEGMENT`` while a header is incomplete), so a header split across
   TCP segments reassembles;
 * each connection keeps a FIFO of its requests (Hydra is one request at a time), so every
-  response names the opcode it answers (``hydra.request_op``) and the frame of its request
-  (``hydra.response_to``);
+  response names the opcode it answers (``hydra.request_op``), the frame of its request
+  (``hydra.request_in``; also ``hydra.response_to``) and the seconds since that request
+  (``hydra.time``, as ``http.time``); a request names its response's frame
+  (``hydra.response_in``) once the response has been seen: on a second pass (the GUI,
+  ``tshark -2``), as HTTP's does;
+* a response's meta is shown as text (``hydra.meta``) and, through Wireshark's JSON
+  dissector, as a tree (``json.member``, ``json.key``, …);
 * after a PIN DECODE (a JSON DECODE without ``"stream": false``) answered ``OK`` with no meta
   and no payload, the server side is ``[u32 len][piece]`` frames until it closes
   (``hydra.pin.piece``), as the inspector decodes it;
@@ -96,9 +101,13 @@ local f_payload = ProtoField.bytes("hydra.payload", "Payload")
 local f_dir = ProtoField.string("hydra.direction", "Direction")
 local f_answers = ProtoField.uint8("hydra.request_op", "Answers", base.HEX, op_names)
 local f_resp_to = ProtoField.framenum("hydra.response_to", "Response to the request in frame")
+local f_request_in = ProtoField.framenum("hydra.request_in", "Request in frame", base.NONE, frametype.REQUEST)
+local f_response_in = ProtoField.framenum("hydra.response_in", "Response in frame", base.NONE, frametype.RESPONSE)
+local f_time = ProtoField.double("hydra.time", "Time since request (s)")
 local f_piece_len = ProtoField.uint32("hydra.pin.len", "PIN piece length")
 local f_piece = ProtoField.string("hydra.pin.piece", "PIN piece")
-hydra.fields = { $field_vars, f_key, f_trace, f_meta, f_payload, f_dir, f_answers, f_resp_to, f_piece_len, f_piece }
+hydra.fields = { $field_vars, f_key, f_trace, f_meta, f_payload, f_dir, f_answers, f_resp_to,
+                 f_request_in, f_response_in, f_time, f_piece_len, f_piece }
 local ef_bad_magic = ProtoExpert.new("hydra.bad_magic", "Bad magic: the server closes without a reply",
                                      expert.group.MALFORMED, expert.severity.ERROR)
 local ef_unpaired = ProtoExpert.new("hydra.unpaired", "Response with no request before it in the capture",
@@ -107,6 +116,7 @@ hydra.experts = { ef_bad_magic, ef_unpaired }
 
 hydra.prefs.port = Pref.uint("Server TCP port", $port, "TCP port of the engine")
 local tcp_stream = Field.new("tcp.stream")
+local json_dissector = Dissector.get("json")
 
 -- `-X lua_script1:port=N` overrides the preference (preferences cannot be assigned).
 local port_arg = nil
@@ -202,7 +212,11 @@ $req_adds
     if buf:len() > pos then t:add(f_payload, buf(pos)) end
     if not pinfo.visited then
         c.tail = c.tail + 1
-        c.pending[c.tail] = { op = op, frame = pinfo.number, pin = op == $decode and pin_request(buf, pos) }
+        memo.req = { op = op, frame = pinfo.number, ts = pinfo.abs_ts, pin = op == $decode and pin_request(buf, pos) }
+        c.pending[c.tail] = memo.req
+    end
+    if memo.req.response_frame ~= nil then  -- known once its response was dissected (a second pass)
+        t:add(f_response_in, memo.req.response_frame):set_generated()
     end
     local name = op_names[op] or string.format("0x%02X", op)
     local key = kl > 0 and printable(buf($req_size, kl):raw()) or ""
@@ -216,14 +230,22 @@ local function dissect_response(buf, pinfo, tree, c, memo)
     local ml = $ml
     t:add(f_dir, "response")
 $resp_adds
-    if ml > 0 then t:add_packet_field(f_meta, buf($resp_size, ml), ENC_UTF_8) end
+    if ml > 0 then
+        t:add_packet_field(f_meta, buf($resp_size, ml), ENC_UTF_8)
+        -- the meta as a tree; the JSON dissector must not take over the columns
+        local proto_col, info_col = tostring(pinfo.cols.protocol), tostring(pinfo.cols.info)
+        pcall(function() json_dissector:call(buf($resp_size, ml):tvb(), pinfo, t) end)
+        pinfo.cols.protocol = proto_col
+        pinfo.cols.info:set(info_col)
+    end
     if buf:len() > $resp_size + ml then t:add(f_payload, buf($resp_size + ml)) end
     if not pinfo.visited then
         local req = c.pending[c.head]
         if req ~= nil then
             c.pending[c.head] = nil
             c.head = c.head + 1
-            memo.op, memo.frame = req.op, req.frame
+            memo.op, memo.frame, memo.time = req.op, req.frame, pinfo.abs_ts - req.ts
+            req.response_frame = pinfo.number
             c.pin = req.pin and st == $ok and ml == 0 and $pl == 0
         end
     end
@@ -231,6 +253,8 @@ $resp_adds
     if memo.op ~= nil then
         t:add(f_answers, memo.op):set_generated()
         t:add(f_resp_to, memo.frame):set_generated()
+        t:add(f_request_in, memo.frame):set_generated()
+        t:add(f_time, memo.time):set_generated()
         local op = op_names[memo.op] or string.format("0x%02X", memo.op)
         t:append_text(": " .. name .. " (" .. op .. ")")
         pinfo.cols.info:append(name .. " (" .. op .. ") ")

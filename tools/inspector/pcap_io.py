@@ -61,7 +61,11 @@ class _Prefixed(io.RawIOBase):
             b[:n] = self._head[:n]
             self._head = self._head[n:]
             return n
-        data = self._rest.read(len(b))
+        # read1: what the pipe holds now (at least a byte), not len(b) bytes — a plain read
+        # waits for a whole buffer, so packets from `tcpdump -U -w -` would show up only in
+        # 8 KiB batches, or at tcpdump's exit
+        read1 = getattr(self._rest, "read1", self._rest.read)
+        data = read1(len(b))
         b[: len(data)] = data
         return len(data)
 
@@ -70,10 +74,12 @@ class _Prefixed(io.RawIOBase):
         super().close()
 
 
-def _peek(f: BinaryIO, n: int) -> tuple[bytes, BinaryIO]:
+def peek(f: BinaryIO, n: int) -> tuple[bytes, BinaryIO]:
+    """``(the first n bytes, a stream that still starts with them)``: ``f`` may be a pipe."""
     head = b""
+    read1 = getattr(f, "read1", f.read)
     while len(head) < n:  # a pipe may deliver fewer bytes per read
-        more = f.read(n - len(head))
+        more = read1(n - len(head))
         if not more:
             break
         head += more
@@ -86,10 +92,10 @@ def open_capture(path: str) -> tuple[BinaryIO, bytes]:
     Everything is read forward only, so a capture can be piped in (``tcpdump -w - | …``).
     """
     raw: BinaryIO = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
-    head, f = _peek(raw, 2)
+    head, f = peek(raw, 2)
     if head == GZIP_MAGIC:
         f = gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[assignment]
-    magic, f = _peek(f, 4)
+    magic, f = peek(f, 4)
     return f, magic
 
 

@@ -1,0 +1,129 @@
+"""Context checkpoints: llama-server's ``--ctx-checkpoints N`` (alias ``--swa-checkpoints``).
+
+A recurrent or hybrid model's sequence state is the state after its last token: it cannot be
+cut back to a shorter prefix (``seq_rm`` of a partial range fails), so a prompt that differs
+from what a slot holds anywhere but at its end — a chat template that rewrites an earlier
+turn, or merely the last token re-decoded to get its logits (a DECODE after a PREFILL) —
+would be computed again from zero. A sliding-window cache has the same problem for prefixes
+older than its window. A checkpoint is the part of a slot's state that cannot be cut back
+(``checkpoint_get``: llama.cpp's ``PARTIAL_ONLY`` capture, the recurrent state or the window
+cache), taken while a prompt is fed; the attention KV of the prefix stays in the slot.
+
+As llama-server does (server-context.cpp, ``create_checkpoint`` and its callers):
+
+* taken before the chunk that starts 4 + n_batch and 4 tokens before a prompt's end — the
+  prompt is cut into chunks there (``chunk_len``), so those positions exist;
+* at most ``max_per_slot`` per slot: when full, one within ``min_step`` tokens of the
+  checkpoint before it goes first, else the oldest; one at the same position is replaced;
+* restored when a new prompt diverges inside the slot's tokens (``best`` + ``restore``):
+  the newest checkpoint whose tokens are a prefix of both; the slot's cells after it are
+  removed, and checkpoints past the kept prefix are dropped (``prune``).
+
+A checkpoint is only valid together with the slot's attention cells of the same prefix, so
+it is used only while the slot's tokens still start with its tokens, and forgotten when the
+slot's state is replaced from outside (STATE_PUT, erase) or the model changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .backend import ModelBackend
+
+#: tokens before a prompt's end where checkpoints are taken (plus 4 + n_batch), as llama-server
+END_OFFSET = 4
+
+
+@dataclass
+class Checkpoint:
+    tokens: list[int]  # the prefix the state is at: positions [0, len)
+    state: bytes
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Checkpoints:
+    """Every slot's checkpoints (inference thread; the loop reads the counters)."""
+
+    max_per_slot: int = 32  # llama-server's default n_ctx_checkpoints
+    min_step: int = 8192  # llama-server's checkpoint_min_step
+    per_slot: dict[int, list[Checkpoint]] = field(default_factory=dict)
+    created: int = 0
+    restored: int = 0
+
+    def wanted(self, model: ModelBackend) -> bool:
+        """Checkpoints help a memory that cannot be cut back: recurrent state, or a window
+        cache that forgets (not with ``--swa-full``, whose window cache keeps every cell)."""
+        return self.max_per_slot > 0 and (model.recurrent or (model.n_swa > 0 and not model.kv_shareable))
+
+    @staticmethod
+    def points(end: int, n_batch: int) -> tuple[int, ...]:
+        """Where checkpoints of a prompt of ``end`` tokens are taken."""
+        return tuple(p for p in (end - END_OFFSET - n_batch, end - END_OFFSET) if p > 0)
+
+    def chunk_len(self, held: int, want: int, end: int, n_batch: int) -> int:
+        """A prefill chunk of at most ``want`` tokens from ``held`` on, ending at the next
+        checkpoint position so that the state there exists between two decodes."""
+        for p in self.points(end, n_batch):
+            if held < p < held + want:
+                return p - held
+        return want
+
+    def before_chunk(self, model: ModelBackend, seq: int, tokens: list[int], end: int, n_batch: int) -> None:
+        """Take a checkpoint if the slot (holding ``tokens``) is at a checkpoint position of a
+        prompt of ``end`` tokens, before its next chunk is decoded."""
+        if len(tokens) not in self.points(end, n_batch) or -1 in tokens:
+            return
+        kept = self.per_slot.setdefault(seq, [])
+        if kept and kept[-1].tokens == tokens:
+            return  # this very state is kept already (a restored checkpoint being re-fed)
+        kept[:] = [c for c in kept if c.n != len(tokens)]
+        while len(kept) >= self.max_per_slot:
+            close = [i for i in range(1, len(kept)) if kept[i].n <= kept[i - 1].n + self.min_step]
+            del kept[close[0] if close else 0]
+        kept.append(Checkpoint(list(tokens), model.checkpoint_get(seq)))
+        kept.sort(key=lambda c: c.n)
+        self.created += 1
+
+    def best(self, seq: int, held: list[int], target: list[int], limit: int) -> Checkpoint | None:
+        """The newest checkpoint of ``seq`` at most ``limit`` tokens long whose tokens start
+        both what the slot holds and the new prompt."""
+        for c in reversed(self.per_slot.get(seq, ())):
+            if c.n <= limit and held[:c.n] == c.tokens and target[:c.n] == c.tokens:
+                return c
+        return None
+
+    def restore(self, model: ModelBackend, seq: int, c: Checkpoint) -> bool:
+        """Put ``seq`` back at checkpoint ``c``: its state, then the attention cells after it
+        removed. False (the slot then holds what it held) when llama.cpp refuses either."""
+        if not model.checkpoint_set(seq, c.state) or not model.seq_rm(seq, c.n, -1):
+            return False
+        self.restored += 1
+        return True
+
+    def prune(self, seq: int, tokens: list[int]) -> None:
+        """The slot now holds ``tokens``: checkpoints that are not a prefix of them are stale."""
+        kept = self.per_slot.get(seq)
+        if kept:
+            kept[:] = [c for c in kept if c.n <= len(tokens) and tokens[:c.n] == c.tokens]
+
+    def forget(self, seq: int | None = None) -> None:
+        """Drop one slot's checkpoints (its state was replaced), or every slot's (a new model)."""
+        if seq is None:
+            self.per_slot.clear()
+        else:
+            self.per_slot.pop(seq, None)
+
+    # read from the event loop while the inference thread changes them: copy first (atomic
+    # under the GIL), never iterate a live dict
+    def count(self) -> int:
+        return sum(len(v) for v in list(self.per_slot.values()))
+
+    def n_bytes(self) -> int:
+        return sum(len(c.state) for v in list(self.per_slot.values()) for c in list(v))
+
+    def of_slot(self, seq: int) -> list[dict[str, int]]:
+        """``/slots``: a slot's checkpoints, oldest first."""
+        return [{"n_tokens": c.n, "size": len(c.state)} for c in list(self.per_slot.get(seq, ()))]

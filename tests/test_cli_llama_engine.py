@@ -1,0 +1,137 @@
+"""``hydra-llama-engine`` as an operator meets it: free ports that stay free ports, every port
+printed with its flag, and logs a fleet can live with (probes and OK requests at DEBUG, a
+periodic summary at INFO, llama-server's -v/-lv mapped onto --log-level)."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from hydra_rpc.llama_argv import parse_llama_argv
+from hydra_rpc.llama_engine_cmd import hydra_port, split_log_args
+from hydra_rpc.usage import UsageError
+from tools.spawn import HYDRA_HTTP, HYDRA_LISTENING, ChildProcess
+
+SUMMARY = re.compile(r"summary .*hydra_requests=(\d+) http_requests=(\d+) errors=(\d+) .*slots_busy=(\d+)/(\d+)")
+SUMMARY_JSON = re.compile(r'"msg": "summary", .*"hydra_requests": (\d+), "http_requests": (\d+), "errors": (\d+)')
+
+
+def engine(*args: str) -> ChildProcess:
+    cmd = [sys.executable, "-m", "hydra_rpc.llama_engine_cmd", "--host", "127.0.0.1", "-m", "tiny", *args]
+    return ChildProcess(cmd, "hydra-llama-engine", keep_lines=None)
+
+
+def _ports(p: ChildProcess) -> tuple[int, int]:
+    hydra = p.wait_for(HYDRA_LISTENING, 120)
+    http = p.wait_for(HYDRA_HTTP, 120)
+    return int(hydra.group(2)), int(http.group(2))
+
+
+def _get(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _call(port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "call", *args, "--target", f"127.0.0.1:{port}"],
+                          capture_output=True, timeout=60)
+
+
+def _until_counted(p: ChildProcess, hydra: int, http: int, timeout: float = 30.0,
+                   pattern: re.Pattern[str] = SUMMARY) -> tuple[int, int, int]:
+    """Sum the summary lines until they count at least ``hydra`` and ``http`` requests."""
+    got = [0, 0, 0]
+    deadline = time.monotonic() + timeout
+    while got[0] < hydra or got[1] < http:
+        m = p.wait_for(pattern, max(0.1, deadline - time.monotonic()))
+        got = [got[i] + int(m.group(i + 1)) for i in range(3)]
+    return got[0], got[1], got[2]
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--port", "0"], 0),  # was 0 + 1 = port 1, a privileged port
+    (["--port", "8080"], 8081),  # llama-engine's default rule stays
+    (["--port", "0", "--rpc-port", "9000"], 9000),
+    (["--port", "8080", "--rpc-port", "0"], 0),  # an explicit free port
+])
+def test_hydra_port_defaults_never_land_on_port_1(argv, want):
+    assert hydra_port(parse_llama_argv(argv, {})) == want
+
+
+def test_port_65535_leaves_no_room_for_the_hydra_port():
+    with pytest.raises(UsageError, match="--rpc-port"):
+        hydra_port(parse_llama_argv(["--port", "65535"], {}))
+
+
+def test_log_arguments_map_onto_the_level_and_leave_the_rest():
+    opts, rest, env = split_log_args(["--reverse-prompt", "-v", "-c", "256", "-lv", "2", "--log-format=json"],
+                                     {"LLAMA_ARG_LOG_VERBOSITY": "5", "HOME": "/x"})
+    assert (opts.level, opts.format) == ("WARNING", "json")  # the command line over the environment
+    assert rest == ["--reverse-prompt", "-v", "-c", "256"]  # "-v" here is --reverse-prompt's value
+    assert env == {"HOME": "/x"}
+    assert split_log_args(["--verbose"], {})[0].level == "DEBUG"
+    assert split_log_args(["-lv", "4"], {})[0].level == "DEBUG"
+    assert split_log_args(["--log-level", "error"], {})[0].level == "ERROR"
+
+
+def test_bad_log_level_is_refused_like_llama_server_refuses():
+    r = subprocess.run([sys.executable, "-m", "hydra_rpc.llama_engine_cmd", "-m", "tiny", "--log-level", "LOUD"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and 'argument "--log-level": unknown level' in r.stderr
+
+
+def test_port_0_gives_two_free_ports_each_printed_with_its_flag(tiny_model_path):
+    with engine("--port", "0", "--log-summary", "0") as p:
+        hydra, http = _ports(p)
+        assert hydra > 1024 and http > 1024 and hydra != http
+        assert re.search(rf"listening on 127\.0\.0\.1:{hydra} \(Hydra port, --rpc-port\)", p.log), p.log
+        assert re.search(rf"http on 127\.0\.0\.1:{http} \(HTTP, --port\)", p.log), p.log
+        assert f"hydra-rpc call INFO --target 127.0.0.1:{hydra}" in p.log
+        for port in (hydra, http):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert _call(hydra, "INFO").returncode == 0
+
+
+def test_probes_and_ok_requests_are_debug_and_a_summary_counts_them(tiny_model_path):
+    with engine("--port", "0", "--log-summary", "0.2", "--log-format", "json") as p:
+        hydra, http = _ports(p)
+        for path in ("/health", "/slots", "/slots"):
+            _get(http, path)
+        assert _call(hydra, "INFO").returncode == 0
+        assert _call(hydra, "STATE_META", "--key=-1").returncode == 1  # NOT_FOUND: not routine
+        n_hydra, n_http, errors = _until_counted(p, hydra=2, http=3, pattern=SUMMARY_JSON)
+        assert (n_hydra, n_http, errors) == (2, 3, 1)
+        records = [json.loads(line) for line in p.log.splitlines() if line.strip()]  # every line is JSON
+        requests = [r for r in records if r["msg"] in ("request", "http")]
+        assert [(r["level"], r["status"]) for r in requests] == [("INFO", "NOT_FOUND")], requests
+        summary = next(r for r in records if r["msg"] == "summary")
+        assert summary["level"] == "INFO" and {"tokens", "prompt_tokens", "slots_busy"} <= set(summary)
+
+
+def test_verbose_shows_every_request(tiny_model_path):
+    with engine("--port", "0", "--log-summary", "0.2", "-lv", "5") as p:
+        hydra, http = _ports(p)
+        _get(http, "/slots")
+        assert _call(hydra, "INFO").returncode == 0
+        _until_counted(p, hydra=1, http=1)
+        assert re.search(r" DEBUG hydra_rpc\.http: http method=GET path=/slots status=\d+", p.log), p.log
+        assert re.search(r" DEBUG hydra_rpc: request op=INFO .*status=OK", p.log), p.log
+
+
+def test_serve_port_0_makes_the_http_port_free_too(tiny_model_path):
+    cmd = [sys.executable, "-m", "hydra_rpc.cli", "serve", "--model", "tiny", "--port", "0"]
+    with ChildProcess(cmd, "serve") as first, ChildProcess(cmd, "serve") as second:
+        ports = [_ports(first), _ports(second)]  # the second would fail on 8080 if it were the default
+        assert len({*ports[0], *ports[1]}) == 4 and 8080 not in {*ports[0], *ports[1]}
+        assert re.search(r"listening on [\d.]+:\d+ \(Hydra port, --port\)", first.log)
+        assert re.search(r"http on [\d.]+:\d+ \(HTTP, --http-port\)", first.log)

@@ -1,0 +1,282 @@
+"""Every feature on every model kind the fleet runs: the generated hybrid (qwen35), MoE
+(qwen35moe) and sliding-window (gemma3) models through real servers (engine.model_kinds).
+
+Each answer is checked against the model itself: a greedy continuation computed here by
+llama.cpp in a fresh context, token for token — so a state that restored "successfully" but
+wrongly, or a checkpoint restored at the wrong position, fails the test.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+
+import aiohttp
+import pytest
+
+from codec.decode_v3 import encode_decode_v3
+from codec.enums import Op, Status
+from hydra_rpc.client import HydraClient
+from tests.helpers import poll_until, serving, start_server
+
+KINDS = ["tiny-hybrid", "tiny-moe", "tiny-swa"]
+RECURRENT = {"tiny-hybrid", "tiny-moe"}
+MSG = [{"role": "user", "content": "Tell me about the tiny model and its layers, in a few words please."}]
+N = 8
+
+
+def greedy_reference(kind: str, tokens: list[int], n: int = N) -> list[int]:
+    """``n`` greedy tokens after ``tokens``, from a fresh context of ``kind`` in this process."""
+    from engine.backend import BatchItem
+    from engine.llama_backend.model import LoadedModel
+    from engine.model_files import resolve_model
+    from engine.sampling import GREEDY
+
+    with LoadedModel(resolve_model(kind), n_ctx=1024, n_seq_max=1) as m:
+        s = m.make_sampler(GREEDY)
+        m.decode([BatchItem(0, tokens, 0)])
+        out: list[int] = []
+        for _ in range(n):
+            out.append(m.sample(0, s))
+            m.decode([BatchItem(0, [out[-1]], len(tokens) + len(out) - 1)])
+        s.free()
+        return out
+
+
+def chat_tokens(kind: str, messages: list[dict]) -> list[int]:
+    from engine.llama_backend.model import LoadedModel
+    from engine.model_files import resolve_model
+
+    with LoadedModel(resolve_model(kind), n_ctx=256, n_seq_max=1) as m:
+        return m.chat_tokens(messages)
+
+
+@contextlib.asynccontextmanager
+async def connected(*servers):
+    """Hydra clients of ``servers``, closed however the test ends."""
+    clients = [await HydraClient.connect(sp.host, sp.port) for sp in servers]
+    try:
+        yield clients[0] if len(clients) == 1 else clients
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def frames(payload: bytes) -> list[int]:
+    return [struct.unpack_from("<I", payload, i)[0] for i in range(0, len(payload), 9)]
+
+
+async def greedy_decode(c: HydraClient, slot: str, n: int = N) -> tuple[list[int], dict]:
+    body = {"n_predict": n, "messages": None, "stream": False, "temperature": 0}
+    r = await c.request(Op.DECODE, slot, json.dumps(body).encode(), timeout=60)
+    assert r.ok, r
+    return frames(r.payload), r.meta
+
+
+async def prompt_cache(c: HydraClient) -> dict:
+    return (await c.request(Op.INFO)).meta["prompt_cache"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    """Two servers of one kind: A (HTTP, slot files) and B (the other end of a transfer)."""
+    kind = request.param
+    files = tmp_path_factory.mktemp("slots")
+    a = start_server("--model", kind, "--parallel", "2", "--ctx-size", "4096", "--slot-save-path", str(files),
+                     "--log-level", "WARNING")
+    b = start_server("--model", kind, "--parallel", "2", "--ctx-size", "4096", "--no-http", "--log-level", "WARNING")
+    yield kind, a, b
+    for sp in (a, b):
+        assert sp.stop() == 0, sp.log
+        assert "Traceback" not in sp.log, sp.log
+
+
+@pytest.mark.asyncio
+async def test_prefill_then_decode_in_every_dialect(pair):
+    kind, a, _ = pair
+    prompt = chat_tokens(kind, MSG)
+    want = greedy_reference(kind, prompt)
+    async with connected(a) as c:
+        await _every_dialect(kind, c, prompt, want)
+
+
+async def _every_dialect(kind: str, c: HydraClient, prompt: list[int], want: list[int]) -> None:
+    r = await c.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())
+    assert r.ok and r.meta["n_past"] == len(prompt) and r.meta["logits_size"] == 512 * 4
+    got, meta = await greedy_decode(c, "0")  # re-decodes the last prompt token: a cut-back
+    assert got == want
+    if kind in RECURRENT:  # not cut back but restored from the checkpoint taken 4 tokens before the end
+        assert meta["cache_tokens"] == len(prompt) - 4
+        assert (await prompt_cache(c))["from_checkpoint"] >= 1
+    # E1: raw tokens in, then E1 DECODE (the model's own continuation once more)
+    r = await c.request(Op.PREFILL, "1", struct.pack(f"<{len(prompt)}i", *prompt))
+    assert r.ok and r.meta["n_past"] == len(prompt)
+    r = await c.request(Op.DECODE, "1", json.dumps({"n_predict": N, "messages": MSG, "stream": False,
+                                                     "temperature": 0}).encode())
+    assert r.ok and frames(r.payload) == want
+    # PIN: a stream of pieces ended by the close
+    await c.send(Op.DECODE, "1", json.dumps({"n_predict": 4, "messages": MSG}).encode())
+    head, _ = await c.read_head()
+    assert head.status == Status.OK
+
+
+@pytest.mark.asyncio
+async def test_state_moves_between_slots_and_servers(pair):
+    kind, a, b = pair
+    prompt = chat_tokens(kind, MSG)
+    want = greedy_reference(kind, prompt)
+    with serving("--model", "tiny", "--no-http", "--log-level", "WARNING") as other:
+        async with connected(other) as co:  # a state of another kind: the plain llama model
+            assert (await co.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).ok
+            foreign = (await co.request(Op.STATE_GET, "0")).payload
+    async with connected(a, b) as (ca, cb):
+        await _transfer(kind, ca, cb, prompt, want, foreign)
+
+
+async def _transfer(kind: str, ca: HydraClient, cb: HydraClient, prompt: list[int], want: list[int],
+                    foreign: bytes) -> None:
+    assert (await ca.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).ok
+    g = await ca.request(Op.STATE_GET, "0")
+    assert g.ok and g.meta["n_past"] == len(prompt)
+    for c, slot in ((ca, "1"), (cb, "0")):
+        p = await c.request(Op.STATE_PUT, slot, g.payload)
+        assert p.ok and p.meta["restored"] and p.meta["n_past"] == len(prompt), p
+        before = await prompt_cache(c)
+        got, meta = await greedy_decode(c, slot)
+        assert got == want
+        if kind in RECURRENT:
+            # a restored recurrent state cannot be cut back to re-decode its last token: the
+            # prompt is computed again from the blob's tokens, and the reply and INFO say so
+            assert meta["cache_tokens"] == 0
+            assert (await prompt_cache(c))["cut_refused"] == before["cut_refused"] + 1
+    # a state of another kind is refused cleanly, and the server goes on serving
+    r = await cb.request(Op.STATE_PUT, "1", foreign)
+    assert r.status in (Status.BAD_REQUEST, Status.ERROR) and "error" in r.meta, r
+    assert (await cb.request(Op.PREFILL, "1", json.dumps({"messages": MSG}).encode())).ok
+
+
+@pytest.mark.asyncio
+async def test_merged_decode_v3_with_a_kv_segment(pair):
+    kind, a, b = pair
+    prompt = chat_tokens(kind, MSG)
+    async with connected(a, b) as (ca, cb):
+        body = await _merged(ca, cb, a.http_port)
+    assert body["usage"]["completion_tokens"] == N
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # the restored KV serves; a recurrent state, which cannot be cut back to re-decode the last
+    # prompt token, is computed again — and the reply says so
+    assert cached == 0 if kind in RECURRENT else cached == len(prompt) - 1
+
+
+async def _merged(ca: HydraClient, cb: HydraClient, http_port: int) -> dict:
+    pre = await cb.request(Op.PREFILL, "1", json.dumps({"messages": MSG}).encode())
+    kv = pre.payload[:len(pre.payload) - pre.meta["logits_size"]]
+    hdr = {"generation": {"n_predict": N, "sampling": {"temperature": 0}, "stop": [], "stream": False}}
+    r = await ca.request(Op.DECODE, "1", encode_decode_v3(hdr, json.dumps(MSG).encode(), kv))
+    assert r.ok and r.meta["valid"] and r.meta["n_past_after_restore"] == pre.meta["n_past"], r
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{http_port}") as http:
+        async def fetch():
+            async with http.get(f"/v1/decode/{r.meta['decode_request_id']}") as resp:
+                return resp.status, await resp.json()
+        _, body = await poll_until(fetch, lambda s: s[0] == 200)
+    return body
+
+
+@pytest.mark.asyncio
+async def test_multi_turn_chat_over_http_reuses_the_slot(pair):
+    """Turn 2 re-renders turn 1's answer, whose tokens differ from those generated: the slot's
+    KV diverges inside its tokens, which a recurrent model cannot cut back — a checkpoint serves."""
+    kind, a, _ = pair
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{a.http_port}") as http:
+        async def chat(messages):
+            body = {"messages": messages, "max_tokens": N, "temperature": 0, "slot": 0}
+            async with http.post("/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        one = await chat(MSG)
+        turn2 = [*MSG, {"role": "assistant", "content": "x" + one["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And then?"}]
+        two = await chat(turn2)
+        cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= one["usage"]["prompt_tokens"] - 4 - 1, two["usage"]
+        async with http.get("/slots") as resp:
+            slot0 = (await resp.json())[0]
+        if kind in RECURRENT or kind == "tiny-swa":
+            assert slot0["checkpoints"] and all(ck["size"] > 0 for ck in slot0["checkpoints"])
+    want = greedy_reference(kind, chat_tokens(kind, turn2))
+    from engine.llama_backend.model import LoadedModel
+    from engine.model_files import resolve_model
+
+    with LoadedModel(resolve_model(kind), n_ctx=256, n_seq_max=1) as m:
+        assert two["choices"][0]["message"]["content"] == m.detokenize(want).decode("utf-8", "replace")
+    async with connected(a) as c:
+        pc = await prompt_cache(c)
+    assert pc["ctx_checkpoints"] == 32 and (pc["checkpoints_restored"] >= 1 or kind not in RECURRENT)
+
+
+@pytest.mark.asyncio
+async def test_slot_files_save_and_restore(pair):
+    kind, a, _ = pair
+    prompt = chat_tokens(kind, MSG)
+    async with connected(a) as c, aiohttp.ClientSession(f"http://127.0.0.1:{a.http_port}") as http:
+        assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).ok
+        for slot, action in ((0, "save"), (1, "restore")):
+            async with http.post(f"/slots/{slot}", params={"action": action}, json={"filename": "k.bin"}) as r:
+                assert r.status == 200, await r.text()
+        got, _ = await greedy_decode(c, "1")
+    assert got == greedy_reference(kind, prompt)
+
+
+@pytest.mark.asyncio
+async def test_reload_between_kinds_and_refused_states():
+    """tiny → tiny-hybrid → tiny by CONFIGURE; a state of the old kind is refused by the new."""
+    with serving("--model", "tiny", "--no-http", "--log-level", "WARNING") as sp:
+        async with connected(sp) as c:
+            await _reloads(c)
+
+
+async def _reloads(c: HydraClient) -> None:
+    async def reload_to(spec: str, name: str) -> None:
+        r = await c.request(Op.CONFIGURE, "", json.dumps({"model": spec}).encode())
+        assert r.ok and r.meta["tier"] == "T3", r
+        await poll_until(lambda: c.request(Op.INFO), lambda i: i.meta["model_name"] == name
+                         and not i.meta["reload"]["state"] in ("loading", "draining"))
+
+    assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).ok
+    llama_state = (await c.request(Op.STATE_GET, "0")).payload
+    await reload_to("tiny-hybrid", "hydra-tiny-hybrid")
+    want = greedy_reference("tiny-hybrid", chat_tokens("tiny-hybrid", MSG))
+    assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).ok
+    assert (await greedy_decode(c, "0"))[0] == want
+    hybrid_state = (await c.request(Op.STATE_GET, "0")).payload
+    r = await c.request(Op.STATE_PUT, "1", llama_state)
+    assert r.status in (Status.BAD_REQUEST, Status.ERROR), r
+    await reload_to("tiny", "hydra-tiny-a")
+    r = await c.request(Op.STATE_PUT, "1", hybrid_state)  # the seq-state header check refuses it
+    assert r.status == Status.BAD_REQUEST and r.meta["rule"].startswith("seq."), r
+    assert (await c.request(Op.PREFILL, "1", json.dumps({"messages": MSG}).encode())).ok
+
+
+@pytest.mark.asyncio
+async def test_cache_reuse_and_context_shift_are_refused_visibly_on_a_hybrid_model():
+    with serving("--model", "tiny-hybrid", "--no-http", "--parallel", "1", "--ctx-size", "96", "--cache-reuse", "4",
+                 "--context-shift", "--log-level", "WARNING") as sp:
+        async with connected(sp) as c:
+            assert "can shift positions" in (await prompt_cache(c))["cache_reuse_refused"]
+            body = {"n_predict": 500, "messages": MSG, "stream": False, "temperature": 0}
+            r = await c.request(Op.DECODE, "0", json.dumps(body).encode(), timeout=60)
+    assert r.ok and r.meta["stop_reason"] == "ctx_full", r.meta
+
+
+@pytest.mark.asyncio
+async def test_moe_options_are_applied_and_reported_in_info():
+    with serving("--model", "tiny-moe", "--no-http", "--n-cpu-moe", "2", "-ot", r"blk\.3\.ffn_down_shexp=CPU",
+                 "--log-level", "WARNING") as sp:
+        async with connected(sp) as c:
+            info = (await c.request(Op.INFO)).meta
+            assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).ok
+    ot = info["tensor_overrides"]
+    assert [o["n_tensors"] for o in ot] == [1, 3, 3] and all(o["buffer_type"] == "CPU" for o in ot)
+    assert ot[1]["tensors"] == ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"]
+    assert info["params"]["n_cpu_moe"] == 2
