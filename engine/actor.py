@@ -41,7 +41,7 @@ from .compute_threads import ComputeThreads, usable_cores
 from .erase import DeferredErases
 from .executors import InferenceThread, start_workers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
-from .kv_cache import KvCacheInfo, KvStateMismatch, restore_state
+from .kv_cache import BadDeclaration, KvCacheInfo, KvStateMismatch, restore_state
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake, WithModel
 from .model_params import ModelParams, resolve_path
 from .prompt_cache import PromptCache
@@ -233,7 +233,17 @@ class Engine:
             tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now),
             params=self.params, kv_cache=self.kv_cache, prompt_cache=self.cache.info(),
             priorities=tuple(self.priorities.items()),
-            tensor_overrides=tuple(getattr(self.model, "tensor_overrides", ())))
+            tensor_overrides=tuple(getattr(self.model, "tensor_overrides", ())),
+            backend_devices=tuple(self._backend_devices()), gpu_offload=self._gpu_offload())
+
+    def _backend_devices(self) -> list[dict[str, Any]]:
+        listing = getattr(self.cfg.backend, "backend_devices", None)
+        return listing() if listing is not None else [{"name": d, "description": "", "type": d, "backend": d}
+                                                      for d in self.cfg.backend.devices(self.params)]
+
+    def _gpu_offload(self) -> dict[str, Any] | None:
+        offload = getattr(self.model, "gpu_offload", None)
+        return offload.as_dict() if offload is not None else None
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -296,8 +306,11 @@ class Engine:
     async def state_get(self, slot: int) -> StateOut:
         return await self._call(StateGet(slot))
 
-    async def state_put(self, slot: int, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
-        return await self._call(StatePut(slot, tokens, state))
+    async def state_put(self, slot: int, tokens: list[int], state: bytes | bytearray | memoryview,
+                        declared: Any = None) -> int:
+        """Restore ``state`` into ``slot``. ``declared``: the sender's ``kv_cache`` (rotation,
+        RoPE: what the bytes mean beyond llama.cpp's header), compared before anything changes."""
+        return await self._call(StatePut(slot, tokens, state, declared))
 
     async def erase(self, slot: int) -> int:
         """Clear the slot's sequence; returns the tokens erased. A busy slot is erased when
@@ -534,12 +547,12 @@ class Engine:
         model = self.model
 
         def load() -> tuple[int, int, int]:
-            n = restore_state(model, slot.id, msg.state)  # every count and position is a claim: checked first
+            n = restore_state(model, slot.id, msg.state, msg.declared)  # every claim is checked first
             return n, model.seq_pos_max(slot.id), model.state_seq_size(slot.id)
 
         try:
             n, pos_max, size = await asyncio.get_running_loop().run_in_executor(self._infer, load)
-        except (CodecError, KvStateMismatch):
+        except (CodecError, KvStateMismatch, BadDeclaration):
             raise  # refused before anything changed: the slot keeps what it held
         except Exception:
             slot.tokens, slot.tail = [], []

@@ -162,13 +162,17 @@ class LlamaFactory:
         return gguf_problem(path)
 
     def devices(self, params: "ModelParams") -> list[str]:
-        """Devices in the ggml backend registry (``RPC0[host:port]`` for remote layers)."""
-        if not params.rpc_servers:
-            return ["CPU"]
-        from .ggml_rpc_lib import list_devices
+        """Devices in the ggml backend registry: CPU, a GPU build's (CUDA0, Vulkan0, ROCm0, …),
+        ``RPC0[host:port]`` for remote layers."""
+        from .gpu import registry_for
 
-        return [f"{d['name']}[{d['description']}]" if d["name"].startswith("RPC") else d["name"]
-                for d in list_devices()]
+        return [f"{d.name}[{d.description}]" if d.is_rpc else d.name for d in registry_for(params.rpc_servers)]
+
+    def backend_devices(self) -> list[dict[str, Any]]:
+        """The registry's devices with their description, type and backend (INFO ``backend_devices``)."""
+        from .gpu import backend_devices
+
+        return [d.as_dict() for d in backend_devices()]
 
 
 GGUF_MAGIC = b"GGUF"

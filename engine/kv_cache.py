@@ -166,12 +166,67 @@ class KvCacheInfo:
         return summary
 
 
-def restore_state(model: "ModelBackend", seq: int, state: Any) -> int:
+#: What changes the meaning of a sequence state's bytes yet is not in llama.cpp's header (which
+#: carries the layout: streams, cells, layers, v_trans, types, row sizes): K and V rotated before
+#: they were stored, and the RoPE applied to K. A sender declares them (its INFO / STATE_META
+#: ``kv_cache``; DECODE v3 ``kv_metadata.kv_cache``, HTTP ``X-Hydra-KV-Cache``); a binary
+#: STATE_PUT has no place for them and cannot be checked.
+DECLARED_FIELDS = ("attn_rotation.k", "attn_rotation.v", "rope.scaling", "rope.freq_base", "rope.freq_scale",
+                   "rope.yarn_ext_factor", "rope.yarn_attn_factor", "rope.yarn_beta_fast", "rope.yarn_beta_slow",
+                   "rope.yarn_orig_ctx")
+
+
+class BadDeclaration(BadInput):
+    """A declared ``kv_cache`` that is not an object of the published shape."""
+
+
+def declared_kv_cache(info: "KvCacheInfo") -> dict[str, Any]:
+    """What a sender declares about its states: the ``DECLARED_FIELDS`` of its ``kv_cache``."""
+    d = info.as_dict
+    return {"attn_rotation": dict(d["attn_rotation"]), "rope": dict(d["rope"])}
+
+
+def check_declared(info: "KvCacheInfo", declared: Any) -> None:
+    """Compare a sender's declared ``kv_cache`` (INFO's shape; only the ``DECLARED_FIELDS`` it
+    has are compared, so a sender that declares nothing is not checked) with this context.
+    Raises :class:`KvStateMismatch` naming the first field that differs (``kv_cache.<path>``),
+    :class:`BadDeclaration` for a declaration of the wrong shape."""
+    if declared is None or info is None:
+        return
+    if not isinstance(declared, dict):
+        raise BadDeclaration("the declared kv_cache must be a JSON object (INFO's kv_cache)")
+    ours = info.as_dict
+    for path in DECLARED_FIELDS:
+        group, key = path.split(".")
+        theirs = declared.get(group)
+        if theirs is None:
+            continue
+        if not isinstance(theirs, dict):
+            raise BadDeclaration(f"the declared kv_cache.{group} must be an object")
+        if key not in theirs:
+            continue
+        got, want = theirs[key], ours[group].get(key)
+        if not _same(got, want):
+            raise KvStateMismatch(f"kv_cache.{path}", got, want)
+
+
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(want, bool) or isinstance(got, bool):
+        return got is want
+    if isinstance(want, (int, float)) and isinstance(got, (int, float)):
+        return float(got) == float(want)
+    return got == want
+
+
+def restore_state(model: "ModelBackend", seq: int, state: Any, declared: Any = None) -> int:
     """Load a sequence state into ``seq``: the one way a state reaches llama.cpp (STATE_PUT,
     the DECODE v3 kv segment, slot files, the prompt cache's RAM and disk tiers). Its header is
     parsed and compared with the model's KV cache first (:meth:`KvCacheInfo.check_state`), so
     a blob that does not fit never gets to ``llama_state_seq_set_data``. Raises what
-    ``check_state`` raises, or the backend's error; returns the bytes llama.cpp read."""
+    ``check_state`` raises, or the backend's error; returns the bytes llama.cpp read.
+    ``declared``: what the sender says about the bytes beyond the header (:func:`check_declared`),
+    compared first."""
+    check_declared(model.kv_cache, declared)
     model.kv_cache.check_state(state)
     return model.state_seq_set(seq, state)
 

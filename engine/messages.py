@@ -26,6 +26,7 @@ class StatePut:
     slot: int
     tokens: list[int]
     state: bytes | bytearray | memoryview
+    declared: Any = None  # the sender's kv_cache (engine.kv_cache.check_declared), when it sent one
 
 
 @dataclass(frozen=True)

@@ -207,19 +207,7 @@ def write_tiny_gguf(out: str | os.PathLike[str], params: TinyModelParams = TinyM
     }[params.dtype]
     w.add_file_type(int(ftype))
 
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    # False (like Gemma): detokenize(tokenize(s)) == s exactly. True (Llama-2 style) prepends '▁'.
-    w.add_add_space_prefix(params.add_space_prefix)
-    w.add_chat_template(TINY_CHAT_TEMPLATE)
+    add_tiny_tokenizer(w, tokens, scores, types, params.add_space_prefix)
 
     rng = np.random.default_rng(params.seed)
 
@@ -278,6 +266,24 @@ def _atomic_generate(target: Path, params: Any, write: Callable[[Path, Any], Pat
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def add_tiny_tokenizer(w: Any, tokens: list[str], scores: list[float], types: list[int],
+                       add_space_prefix: bool = False) -> None:
+    """The generated models' SPM tokenizer (``build_vocab``) and chat template, in GGUF keys."""
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    # False (like Gemma): detokenize(tokenize(s)) == s exactly. True (Llama-2 style) prepends '▁'.
+    w.add_add_space_prefix(add_space_prefix)
+    w.add_chat_template(TINY_CHAT_TEMPLATE)
 
 
 def ensure_tiny_model(variant: str = "a", cache_dir: Path | None = None) -> Path:

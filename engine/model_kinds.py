@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .model_files import GENERATOR_VERSION, TINY_CHAT_TEMPLATE, build_vocab
+from .model_files import GENERATOR_VERSION, add_tiny_tokenizer, build_vocab
 
 #: Bump whenever the bytes written for the same parameters change.
 KINDS_VERSION = 1
@@ -100,18 +100,7 @@ def _writer_common(w: Any, p: KindParams) -> None:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(False)
-    w.add_chat_template(TINY_CHAT_TEMPLATE)
+    add_tiny_tokenizer(w, tokens, scores, types)
 
 
 def _hybrid_layer(t: Callable[..., None], p: KindParams, i: int) -> None:

@@ -22,7 +22,7 @@ _DIRECT = ("n_ctx", "cache_type_k", "cache_type_v", "rope_scaling", "rope_freq_b
            "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow", "flash_attn", "kv_unified",
            "ubatch_size", "swa_full", "offload_kqv", "load_mode", "repack", "no_host", "check_tensors",
            "n_gpu_layers", "rpc_servers", "n_cpu_moe", "cpu_moe", "override_tensor", "cache_prompt",
-           "cache_reuse", "context_shift", "jinja", "chat_template")
+           "cache_reuse", "context_shift", "jinja", "chat_template", "split_mode", "tensor_split")
 # llama.cpp's load modes as (mmap, mlock) bits; "dio" and "none" use neither
 _LOAD_BITS = {"auto": 1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 0}
 _LOAD_NAMES = {0: "none", 1: "mmap", 2: "mlock", 3: "mmap+mlock"}
@@ -61,6 +61,11 @@ class ModelParams:
     n_gpu_layers: int = GPU_LAYERS_AUTO  # N, or GPU_LAYERS_AUTO / GPU_LAYERS_ALL
     rpc_servers: tuple[str, ...] = ()
     override_tensor: tuple[tuple[str, str], ...] = ()
+    # device options (engine/gpu.py): applied with a GPU backend, without effect on a CPU build
+    split_mode: str = "layer"  # none | layer | row | tensor
+    tensor_split: tuple[float, ...] = ()
+    main_gpu: int = 0
+    devices: tuple[str, ...] = ()  # --device: offload device names ("none": none); empty: llama.cpp's choice
     n_cpu_moe: int = 0
     cpu_moe: bool = False
     load_mode: str = "auto"
@@ -118,6 +123,8 @@ class ModelParams:
         out["n_gpu_layers"] = self.gpu_layers
         out["override_tensor"] = [f"{p}={b}" for p, b in self.override_tensor]
         out["rpc_servers"] = list(self.rpc_servers)
+        out["tensor_split"] = list(self.tensor_split)
+        out["devices"] = list(self.devices)
         return out
 
 

@@ -156,6 +156,8 @@ class EngineInfo:
     prompt_cache: PromptCacheInfo = field(default_factory=PromptCacheInfo)
     priorities: tuple[tuple[str, str], ...] = ()  # thread → scheduling (engine.executors.thread_policy)
     tensor_overrides: tuple[dict[str, Any], ...] = ()  # per -ot / MoE pattern: the tensors it moved
+    backend_devices: tuple[dict[str, Any], ...] = ()  # ggml's registry: name, description, type, backend
+    gpu_offload: dict[str, Any] | None = None  # engine.gpu.Offload.as_dict() of the live model
 
 
 @dataclass(frozen=True)

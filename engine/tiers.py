@@ -32,12 +32,22 @@ _DENIED_UNTYPED = {"fit", "fit_print", "fit_target", "fit_ctx"}  # llama.cpp's -
 _SPEC = "speculative decoding is not implemented"
 #: keys the C++ applies that change nothing here, with the reason (the same as docs/llama-args.md)
 NO_EFFECT = {
-    "split_mode": "device option: this engine runs llama.cpp on the CPU (and on ggml-RPC servers)",
-    "tensor_split": "device option: this engine runs llama.cpp on the CPU (and on ggml-RPC servers)",
+    "split_mode": "device option: the installed llama.cpp build has no GPU backend (it runs on the CPU and on "
+                  "ggml-RPC servers); applied with a GPU build (README, GPU nodes)",
+    "tensor_split": "device option: the installed llama.cpp build has no GPU backend (it runs on the CPU and on "
+                    "ggml-RPC servers); applied with a GPU build (README, GPU nodes)",
     "cont_batching": "always on: slots are decoded together in cooperative steps",
     "yarn_orig_ctx": "llama-engine discards it; applying it would make this engine's KV differ from the fleet's",
     "spec_type": _SPEC, "spec_draft_ngl": _SPEC, "spec_draft_n_max": _SPEC, "spec_draft_p_min": _SPEC,
 }
+#: NO_EFFECT keys that a build with a GPU backend applies (T3: a reload)
+GPU_KEYS = frozenset({"split_mode", "tensor_split"})
+
+
+def _gpu_backend() -> bool:
+    from .gpu import gpu_backend
+
+    return gpu_backend()
 
 
 @dataclass
@@ -76,7 +86,7 @@ def _flatten(cfg: dict[str, Any], out: Classified) -> list[tuple[str, Any]]:
 def classify(cfg: dict[str, Any]) -> Classified:
     out = Classified()
     for key, v in _flatten(cfg, out):
-        if key in NO_EFFECT:
+        if key in NO_EFFECT and not (key in GPU_KEYS and _gpu_backend()):
             out.rejected_keys[key] = f"no effect in this engine: {NO_EFFECT[key]}"
             continue
         if key in _DENIED_UNTYPED:

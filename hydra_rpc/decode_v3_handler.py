@@ -22,6 +22,7 @@ from engine.actor import Engine
 from engine.buffers import lazy_buffer
 from engine.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
+from engine.kv_cache import BadDeclaration, KvStateMismatch
 from engine.model_params import ModelParams
 
 from .engine_meta import identity_meta
@@ -103,7 +104,14 @@ class DecodeV3:
         t0 = time.perf_counter()
         if kv:
             try:
-                await restore_kv_blob(self.engine, slot, memoryview(kv))
+                # the sender's kv_cache: the rotation and RoPE its state's header does not carry
+                await restore_kv_blob(self.engine, slot, memoryview(kv), hdr.kv_metadata.get("kv_cache"))
+            except KvStateMismatch as e:
+                await resp.send(Status.BAD_REQUEST, {**e.as_meta(), "valid": False, "decode_request_id": decode_id})
+                return
+            except BadDeclaration as e:
+                await resp.send(Status.BAD_REQUEST, {"error": str(e), "valid": False, "decode_request_id": decode_id})
+                return
             except EngineBusy as e:
                 await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
                                               "error_code": "BUSY"})

@@ -23,7 +23,7 @@ from engine.actor import Engine
 from engine.buffers import LeasedBuffer
 from engine.chat.prompt import ChatRequestError, normalize_messages, plan_chat, read_chat_options
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult, ReloadFailed
-from engine.kv_cache import KvStateMismatch
+from engine.kv_cache import BadDeclaration, KvStateMismatch
 from engine.reasoning_budget import ReasoningBudget
 from engine.sampling import GREEDY, GrammarSpec
 from engine.status import ModelChoice
@@ -331,8 +331,11 @@ class BlobRejected(Exception):
     """A KV blob this model cannot take (foreign tokens, or a state llama.cpp refuses)."""
 
 
-async def restore_kv_blob(engine: Engine, slot: int, buf) -> tuple[KvBlobLayout, int]:
+async def restore_kv_blob(engine: Engine, slot: int, buf, declared: Any = None) -> tuple[KvBlobLayout, int]:
     """Parse a v1/v2/v3 KV blob and restore it into ``slot`` (STATE_PUT and DECODE v3 alike).
+    ``declared``: the sender's ``kv_cache`` (DECODE v3 ``kv_metadata.kv_cache``, HTTP
+    ``X-Hydra-KV-Cache``; a binary STATE_PUT has none), compared with this engine's first
+    (engine.kv_cache.check_declared: the rotation and RoPE the state's header does not carry).
 
     Returns the layout and the bytes the state loader consumed. Raises EngineBusy,
     KvStateMismatch (BAD_REQUEST naming the field), a codec error (a broken or oversized state
@@ -345,9 +348,9 @@ async def restore_kv_blob(engine: Engine, slot: int, buf) -> tuple[KvBlobLayout,
         raise BlobRejected(f"blob tokens outside this model's vocabulary (n_vocab {nv})")
     state = buf[layout.state_offset:layout.state_offset + layout.state_len]
     try:
-        consumed = await engine.state_put(slot, tokens, state)
-    except (EngineBusy, KvStateMismatch, CodecError):
-        raise  # busy; a state this context cannot take; a broken or oversized state header
+        consumed = await engine.state_put(slot, tokens, state, declared)
+    except (EngineBusy, KvStateMismatch, BadDeclaration, CodecError):
+        raise  # busy; a state this context cannot take (or a declaration of it that is no object); a broken header
     except Exception as e:
         raise BlobRejected(f"llama_state_seq_set_data rejected the state: {e}") from e
     return layout, consumed

@@ -65,6 +65,7 @@ class LlamaRoutes:
         p = eng.params
         kv = eng.kv_cache
         ident = eng.identity
+        info = eng.info()
         return json_response({
             "default_generation_settings": {"params": settings(eng, eng.sampling_for(), eng.default_n_predict, [],
                                                                False),
@@ -80,8 +81,10 @@ class LlamaRoutes:
             "build_info": kv.build if kv is not None else "",
             "is_sleeping": False,
             # ours: where the layers run (a GPU build offloads --n-gpu-layers of them)
-            "devices": list(eng.info().devices),
+            "devices": list(info.devices),
+            "backend_devices": [dict(d) for d in info.backend_devices],
             "n_gpu_layers": p.gpu_layers,
+            "gpu_offload": dict(info.gpu_offload) if info.gpu_offload is not None else None,
         })
 
     async def post_props(self, request: web.Request) -> web.Response:

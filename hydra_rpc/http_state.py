@@ -12,6 +12,7 @@ aiohttp. Also here: the slot id of a ``/slots/{id}…`` path, shared with ``http
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from codec.kvblob import encode_kv_blob_header, split_logits_tail
 from codec.limits import Limits
 from engine.buffers import LeasedBuffer
 from engine.jobs import EngineBusy
+from engine.kv_cache import BadDeclaration, KvStateMismatch, declared_kv_cache
 
 from .engine_meta import identity_meta
 from .handlers import KV_VERSION, BlobRejected, kv_blob_cap, restore_kv_blob
@@ -81,7 +83,9 @@ class StateRoutes:
             resp = web.StreamResponse(headers={
                 "Content-Type": OCTETS, "X-Hydra-N-Past": str(out.n_past), "X-Hydra-State-Size": str(size),
                 "X-Hydra-Model-Hash": out.identity.model_hash,
-                "X-Hydra-Config-Generation": str(out.config_generation)})
+                "X-Hydra-Config-Generation": str(out.config_generation),
+                # what the bytes mean beyond llama.cpp's header: a PUT elsewhere sends it back
+                **kv_cache_header(eng)})
             resp.content_length = size
             await resp.prepare(request)
             await resp.write(head)
@@ -113,6 +117,7 @@ class StateRoutes:
             raise ApiError(413, f"a state of {length} bytes exceeds the limit of {cap}")
         if length == 0:
             raise ApiError(400, "PUT /slots/{id}/state needs a KV blob")
+        declared = declared_from(request)  # a malformed declaration: 400 before the body is read
         self._require_idle(slot)  # before reading what could be gigabytes
         buf, release = self._buffer().lease(length)  # memory follows what arrives (engine.buffers)
         try:
@@ -120,7 +125,12 @@ class StateRoutes:
                 await _receive(request, buf)
             t0 = time.perf_counter()
             try:
-                layout, consumed = await restore_kv_blob(eng, slot, buf)
+                layout, consumed = await restore_kv_blob(eng, slot, buf, declared)
+            except KvStateMismatch as e:  # the header's layout, or the declared rotation / RoPE
+                raise ApiError(400, str(e), extra={"restored": False, "reason": "kv_state_mismatch", "field": e.field,
+                                                   "got": e.got, "want": e.want}) from None
+            except BadDeclaration as e:
+                raise ApiError(400, str(e), extra={"restored": False}) from None
             except CodecError as e:
                 raise ApiError(400, f"malformed KV blob: {e}", extra={"restored": False}) from None
             except EngineBusy as e:
@@ -145,6 +155,34 @@ class StateRoutes:
     def _buffer(self) -> LeasedBuffer:
         """STATE_PUT's resident buffer (``App`` shares it), so both ports keep one between them."""
         return self.app.extras.get("put_buffer") or self._own_buffer
+
+
+KV_CACHE_HEADER = "X-Hydra-KV-Cache"
+
+
+def kv_cache_header(eng: Any) -> dict[str, str]:
+    """``X-Hydra-KV-Cache``: this engine's declared kv_cache (attention rotation, RoPE) as compact
+    JSON, on a state GET; empty when the model has no KV cache description."""
+    kv = eng.kv_cache
+    if kv is None or not hasattr(kv, "as_dict"):
+        return {}
+    return {KV_CACHE_HEADER: json.dumps(declared_kv_cache(kv), separators=(",", ":"))}
+
+
+def declared_from(request: web.Request) -> Any:
+    """The sender's kv_cache from ``X-Hydra-KV-Cache`` (None: not sent). 400 when it is not a
+    JSON object."""
+    text = request.headers.get(KV_CACHE_HEADER)
+    if text is None:
+        return None
+    try:
+        declared = json.loads(text)
+    except ValueError:
+        declared = None
+    if not isinstance(declared, dict):
+        raise ApiError(400, f"{KV_CACHE_HEADER} must be a JSON object (the sender's INFO kv_cache)",
+                       extra={"restored": False})
+    return declared
 
 
 async def _receive(request: web.Request, buf: memoryview) -> None:

@@ -79,7 +79,8 @@ _APPLIED = {
     "--prio-batch": "the inference thread's priority (instead of nice 19)", "--flash-attn": "flash_attn_type (on|off|auto)",
     "--cache-type-k": "type_k", "--cache-type-v": "type_v", "--swa-full": "swa_full",
     "--kv-offload": "offload_kqv", "--repack": "use_extra_bufts", "--no-host": "no_host",
-    "--check-tensors": "check_tensors", "--load-mode": "load_mode", "--gpu-layers": "n_gpu_layers (N|auto|all)",
+    "--check-tensors": "check_tensors", "--load-mode": "load_mode", "--gpu-layers": ("n_gpu_layers (N|auto|all): layers put on the GPU backend's devices and --rpc servers "
+                     "(none on a CPU build without --rpc; INFO gpu_offload says how many)"),
     "--rpc": "ggml-RPC servers to offload to", "--override-tensor": "tensor buffer overrides",
     "--cpu-moe": "all MoE expert weights on the CPU", "--n-cpu-moe": "MoE expert weights of the first N layers on the CPU",
     "--rope-scaling": "rope_scaling_type", "--rope-scale": "rope_freq_scale = 1/N",
@@ -114,7 +115,22 @@ _APPLIED = {
     "--rpc-port": "Hydra binary RPC port", "--ggml-rpc-port": "embedded ggml-RPC server on its own port",
 }
 
-_CPU = "device option: this engine runs llama.cpp on the CPU (and on ggml-RPC servers given with --rpc)"
+_NO_GPU = ("device option: the installed llama.cpp build has no GPU backend, so it runs on the CPU (and on "
+           "ggml-RPC servers given with --rpc); applied with a GPU build (README: GPU nodes)")
+_FIT = ("device option: llama-server's memory fitting (common/fit) is not implemented; -ngl N|all and -ot place "
+        "the layers")
+_CPU_FFN = ("device option: dense FFN weights stay where -ngl puts their layer (-ot with an ffn pattern and =CPU "
+            "moves them)")
+_OP_OFFLOAD = "device option: left at llama.cpp's default (host tensor ops are offloaded to the device)"
+
+#: Device options applied when the installed build has a GPU backend (engine/gpu.py), else
+#: accepted without effect (reason ``_NO_GPU``).
+GPU_APPLIED = {
+    "--split-mode": "split_mode (none|layer|row|tensor) on the GPU backend's devices",
+    "--tensor-split": "tensor_split: the share of layers (or rows) per offload device",
+    "--main-gpu": "main_gpu: the device used with --split-mode none",
+    "--device": "the offload devices by registry name (CUDA0, Vulkan0, ROCm0, RPC0; none: no offload)",
+}
 _SAMPLER = "sampler not in this engine's chain (temperature, top-k, top-p, min-p, repeat penalty, seed)"
 _SPEC = "speculative decoding is not implemented"
 _MM = "multimodal input is not supported (text only)"
@@ -129,8 +145,8 @@ _NO_DOWNLOADS = "no downloads"
 _REMOVED = {a.name: a.help for a in ARGS if a.help.startswith("the argument has been removed")}
 
 _NO_EFFECT = {
-    **dict.fromkeys(["--split-mode", "--tensor-split", "--main-gpu", "--device", "--op-offload", "--fit", "--fit-target",
-                     "--fit-ctx", "--n-cpu-ffn"], _CPU),
+    **dict.fromkeys(["--fit", "--fit-target", "--fit-ctx"], _FIT),
+    "--n-cpu-ffn": _CPU_FFN, "--op-offload": _OP_OFFLOAD,
     **dict.fromkeys(["--top-nsigma", "--xtc-probability", "--xtc-threshold", "--typical", "--repeat-last-n",
                      "--presence-penalty", "--frequency-penalty", "--dry-multiplier", "--dry-base",
                      "--dry-allowed-length", "--dry-penalty-last-n", "--dry-sequence-breaker", "--adaptive-target",
@@ -198,9 +214,17 @@ _REFUSED = {
 }
 
 
-def status(arg: LlamaArg) -> tuple[str, str]:
-    """(applied | no effect | refused, what it maps to or why)."""
+def status(arg: LlamaArg, gpu: bool | None = None) -> tuple[str, str]:
+    """(applied | no effect | refused, what it maps to or why). ``gpu``: whether the installed
+    llama.cpp build has a GPU backend (None: ask it, engine/gpu.py); it decides the device
+    options of ``GPU_APPLIED``."""
     n = arg.name
+    if n in GPU_APPLIED:
+        if gpu is None:
+            from engine.gpu import gpu_backend
+
+            gpu = gpu_backend()
+        return (APPLIED, GPU_APPLIED[n]) if gpu else (NO_EFFECT, _NO_GPU)
     for table, label in ((ACTIONS, APPLIED), (_APPLIED, APPLIED), (_REFUSED, REFUSED), (_NO_EFFECT, NO_EFFECT)):
         if n in table:
             return label, table[n]
@@ -221,7 +245,9 @@ def render_status_markdown() -> str:
     counts = {APPLIED: 0, NO_EFFECT: 0, REFUSED: 0}
     rows = []
     for a in ARGS:
-        label, note = status(a)
+        label, note = status(a, gpu=False)  # the table is the same on every machine: a CPU build's
+        if a.name in GPU_APPLIED:
+            note = f"CPU build: no effect (no GPU backend). GPU build: applied, {GPU_APPLIED[a.name]}"
         counts[label] += 1
         names = ", ".join(f"`{n}`" for n in (*a.names, *a.negative))
         value = " ".join(f"`{v}`" for v in (a.value_hint, a.value_hint_2) if v)
@@ -240,6 +266,10 @@ def render_status_markdown() -> str:
         "  `ignored_args` with the reason;",
         "* **refused**: the process exits non-zero with `error: invalid argument: NAME` and the reason, as",
         "  llama-server does for an argument it does not know.",
+        "",
+        "The status is a CPU build's (the default install). With a GPU build of llama.cpp (`LCP_CMAKE_ARGS`,",
+        "README: GPU nodes), `--n-gpu-layers` offloads and the device options marked \"GPU build: applied\"",
+        "are applied; INFO and `/props` report `backend_devices` and `gpu_offload` (layers offloaded).",
         "",
         "Values are typed as llama.cpp types them (engine/params_table.py). `--key=value`, `_` for `-` in",
         "long names and the `LLAMA_ARG_*` variables (the command line wins) are accepted too.",

@@ -70,6 +70,11 @@ class LlamaEngineSettings:
     override_tensor: tuple[tuple[str, str], ...] = ()
     n_cpu_moe: int = 0
     cpu_moe: bool = False
+    # device options: applied with a GPU backend (engine/gpu.py), listed as without effect otherwise
+    split_mode: str = _default("split_mode")
+    tensor_split: tuple[float, ...] = ()
+    main_gpu: int = _default("main_gpu")
+    devices: tuple[str, ...] = ()
     load_mode: str = _default("load_mode")
     repack: bool = True
     no_host: bool = False

@@ -105,6 +105,7 @@ def model_params(s: LlamaEngineSettings, model_path: str) -> ModelParams:
         yarn_ext_factor=s.yarn_ext_factor, yarn_attn_factor=s.yarn_attn_factor, yarn_beta_fast=s.yarn_beta_fast,
         yarn_beta_slow=s.yarn_beta_slow, swa_full=s.swa_full, offload_kqv=s.offload_kqv,
         n_gpu_layers=s.n_gpu_layers, rpc_servers=s.rpc_servers, override_tensor=s.override_tensor,
+        split_mode=s.split_mode, tensor_split=s.tensor_split, main_gpu=s.main_gpu, devices=s.devices,
         n_cpu_moe=s.n_cpu_moe, cpu_moe=s.cpu_moe, load_mode=s.load_mode, repack=s.repack, no_host=s.no_host,
         check_tensors=s.check_tensors, chat_template=s.chat_template, jinja=s.jinja,
         chat_template_kwargs=json.dumps(s.chat_template_kwargs, sort_keys=True), cache_prompt=s.cache_prompt,

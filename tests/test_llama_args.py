@@ -155,7 +155,8 @@ def test_applied(key, build, tmp_path, tiny_model_b_path):
 
 
 def test_every_argument_has_one_status_with_a_note():
-    tables = [llama_args.ACTIONS, llama_args._APPLIED, llama_args._NO_EFFECT, llama_args._REFUSED]
+    tables = [llama_args.ACTIONS, llama_args._APPLIED, llama_args._NO_EFFECT, llama_args._REFUSED,
+              llama_args.GPU_APPLIED]  # the device options: applied or not by the build (test_gpu_offload.py)
     names = {a.name for a in ARGS}
     for table in tables:
         assert set(table) <= names, set(table) - names  # no stale names

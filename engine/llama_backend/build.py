@@ -7,6 +7,7 @@ rather than failing), and a quantized cache type whose blocks do not divide the 
 """
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any, Callable
 
 import llama_cpp.llama_cpp as L
@@ -21,6 +22,7 @@ from .identity import meta_value
 from .runtime import LlamaBackendError
 
 if TYPE_CHECKING:
+    from ..gpu import Offload
     from .model import LoadedModel
 
 FLASH_ATTN = {"on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
@@ -34,17 +36,90 @@ LOAD_MODE = {"auto": L.LLAMA_LOAD_MODE_AUTO, "none": L.LLAMA_LOAD_MODE_NONE, "mm
 CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
 
 
-def model_fields(p: ModelParams) -> dict[str, Any]:
+SPLIT_MODE = {"none": 0, "layer": 1, "row": 2, "tensor": 3}  # llama.h enum llama_split_mode
+
+
+def model_fields(p: ModelParams, gpu: bool | None = None) -> dict[str, Any]:
     """``llama_model_params`` fields (tensor overrides are set by the factory: they need the
-    ggml-RPC devices registered first)."""
-    if not p.rpc_servers:
+    ggml-RPC devices registered first). ``gpu``: whether the build has a local GPU backend
+    (engine/gpu.py; None: ask the registry). Without one and without ggml-RPC servers there is
+    nowhere to offload: n_gpu_layers 0 and the device options unset (INFO reports what was
+    asked). With one, the device options are applied as llama-server applies them; a
+    ``_keep`` entry holds the ctypes arrays the pointer fields point into (the caller keeps it
+    until the load returns)."""
+    if gpu is None:
+        from ..gpu import gpu_backend
+
+        gpu = gpu_backend()
+    if not p.rpc_servers and not gpu:
         ngl = 0  # a CPU build: nothing to offload to (INFO reports what was asked)
     elif p.n_gpu_layers in (GPU_LAYERS_AUTO, GPU_LAYERS_ALL):
         ngl = -1  # llama.h: a negative value means all layers
     else:
         ngl = p.n_gpu_layers
-    return {"n_gpu_layers": ngl, "load_mode": LOAD_MODE[p.load_mode], "use_extra_bufts": p.repack,
-            "no_host": p.no_host, "check_tensors": p.check_tensors}
+    out: dict[str, Any] = {"n_gpu_layers": ngl, "load_mode": LOAD_MODE[p.load_mode], "use_extra_bufts": p.repack,
+                           "no_host": p.no_host, "check_tensors": p.check_tensors}
+    if gpu:
+        keep: list[Any] = []
+        out["split_mode"] = SPLIT_MODE[p.split_mode]
+        out["main_gpu"] = p.main_gpu
+        if p.tensor_split:
+            n_max = int(L.llama_max_devices())
+            if len(p.tensor_split) > n_max:
+                raise LlamaBackendError(f"tensor_split names {len(p.tensor_split)} devices; this build has at "
+                                        f"most {n_max}")
+            arr = (ctypes.c_float * n_max)(*p.tensor_split)
+            keep.append(arr)
+            out["tensor_split"] = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
+        names = p.devices or _without_dropped_rpc(p)
+        if names:
+            out["devices"] = _device_list(names, keep)
+        out["_keep"] = keep
+    return out
+
+
+def _without_dropped_rpc(p: ModelParams) -> tuple[str, ...]:
+    """llama.cpp's own device choice, minus ggml-RPC servers an earlier configuration registered
+    and this one dropped (registration cannot be undone); () when nothing needs leaving out."""
+    from ..gpu import backend_devices, offload_devices, registry_for
+
+    every = backend_devices()
+    seen = registry_for(p.rpc_servers, every)
+    if len(seen) == len(every):
+        return ()
+    return tuple(d.name for d in offload_devices(seen, split_mode="layer")) or ("none",)
+
+
+def _device_list(names: tuple[str, ...], keep: list[Any]) -> int:
+    """A NULL-terminated ``ggml_backend_dev_t`` array of the devices named (``--device``), as
+    llama-server's ``parse_device_list`` builds it: ``none`` alone means no device."""
+    from ..ggml_rpc_lib import libggml
+
+    g = libggml()
+    devs = []
+    if list(names) != ["none"]:
+        for name in names:
+            dev = g.ggml_backend_dev_by_name(name.encode())
+            if not dev:
+                raise LlamaBackendError(f"invalid device: {name}")
+            devs.append(dev)
+    arr = (ctypes.c_void_p * (len(devs) + 1))(*devs, None)
+    keep.append(arr)
+    return ctypes.cast(arr, ctypes.c_void_p).value or 0
+
+
+def offload_report(p: ModelParams, n_gpu_layers_applied: int, n_layer: int) -> "Offload":
+    """Where the layers went (INFO / ``/props`` ``gpu_offload``), by llama.cpp's rule."""
+    from ..gpu import Offload, backend_devices, gpu_backend, layers_offloaded, offload_devices, registry_for
+
+    gpu = gpu_backend()
+    devs = offload_devices(registry_for(p.rpc_servers, backend_devices()), split_mode=p.split_mode if gpu else "layer",
+                           main_gpu=p.main_gpu if gpu else 0, names=p.devices if gpu else ())
+    settings = ({"split_mode": p.split_mode, "main_gpu": p.main_gpu, "tensor_split": list(p.tensor_split)}
+                if gpu else {})
+    return Offload(p.gpu_layers, n_gpu_layers_applied, n_layer + 1,
+                   layers_offloaded(n_gpu_layers_applied, n_layer, len(devs)),
+                   tuple(f"{d.name}[{d.description}]" if d.is_rpc else d.name for d in devs), gpu, settings)
 
 
 def context_fields(p: ModelParams) -> dict[str, Any]:
@@ -99,6 +174,8 @@ def load(p: ModelParams, progress: "Callable[[float], None] | None" = None) -> "
     except ValueError as e:
         raise LlamaBackendError(f"override_tensor: {e}") from None
     mfields = model_fields(p)
+    keep = mfields.pop("_keep", None)  # the arrays the pointer fields point into: alive until loaded
+    ngl = mfields["n_gpu_layers"]
     if overrides.patterns:
         mfields["tensor_buft_overrides"] = overrides.as_param()
     model = LoadedModel(p.model_path, n_ctx=p.n_ctx, n_seq_max=p.n_slots, n_batch=p.n_batch, n_threads=p.n_threads,
@@ -107,9 +184,11 @@ def load(p: ModelParams, progress: "Callable[[float], None] | None" = None) -> "
                         n_threads_batch=p.n_threads_batch, n_ctx_slot_cap=p.n_ctx_slot_cap,
                         chat_template=p.chat_template, jinja=p.jinja, chat_kwargs=p.template_kwargs,
                         before_context=lambda m: check_kv_fits(m, p), progress=progress)
+    del keep  # llama.cpp has copied what the pointers point to
     try:
         model.kv_cache  # noqa: B018 - described here, off the event loop
         model.tensor_overrides = overrides.report(str(p.model_path)) if overrides.patterns else ()
+        model.gpu_offload = offload_report(p, ngl, model.n_layer)
     except BaseException:
         model.close()
         raise

@@ -93,6 +93,7 @@ class LoadedModel:
         self._closed = False
         self._kv_cache: KvCacheInfo | None = None
         self.tensor_overrides: tuple[dict[str, Any], ...] = ()  # what -ot / --n-cpu-moe moved (build.load)
+        self.gpu_offload: Any = None  # engine.gpu.Offload: where the layers went (build.load)
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
@@ -222,6 +223,11 @@ class LoadedModel:
     @property
     def n_vocab(self) -> int:
         return self._n_vocab
+
+    @property
+    def n_layer(self) -> int:
+        """The model's repeating layers (llama.cpp offloads n_layer + 1: the output layer too)."""
+        return int(L.llama_model_n_layer(self._model))
 
     @property
     def n_ctx(self) -> int:
