@@ -49,6 +49,58 @@ def test_quick_bench_writes_every_result(tmp_path):
     assert {r["variant"] for r in reload["samples"]["runs"]} == {"serve-old", "reject", "blocking"}
     for run in reload["samples"]["runs"]:  # every variant really reloaded, and said so
         assert run["generation_after"] > run["generation_before"] and run["reload"]["state"] == "swapped"
+    vs = json.loads((out / "vs-llama-server.json").read_text())
+    if "skipped" in vs["summary"]:  # --quick never builds llama-server: it ran only if it was cached
+        assert vs["rows"][0]["metric"].startswith("skipped: no llama-server (")
+    else:
+        assert {r["variant"] for r in vs["samples"]["rounds"]} == {"llama-server", "hydra"}
+        assert vs["summary"]["four_tok_s"]["ratios"] and vs["summary"]["one_tok_s"]["ratios"]
+
+
+VS_SKIPPED = "skipped: no llama-server (not built: run scripts/build_llama_server.sh to build it)"
+
+
+def test_vs_llama_server_without_a_build_says_how_to_build_it(tmp_path):
+    """No cached llama-server and --quick: the scenario builds nothing and says so, never silently."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_BENCH_LLAMA_SERVER", "HYDRA_BENCH_BUILD_LLAMA_SERVER")}
+    env["LCP_WHEEL_CACHE"] = str(tmp_path / "empty-cache")
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "bench", "vs-llama-server", "--quick",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((out / "vs-llama-server.json").read_text())
+    assert not data["error"] and [r["metric"] for r in data["rows"]] == [VS_SKIPPED]
+    assert VS_SKIPPED in done.stderr and VS_SKIPPED in (out / "summary.md").read_text()
+    assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").glob("*llama-server*/llama-server"))
+
+
+def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
+    from tools.bench.common import Result
+    from tools.bench.vs_llama_server import FIGURES, _summarize
+
+    def rnd(variant, i, scale):
+        cpu = {"cores_busy": 1.5, "cpu_ms_per_token": 20.0 * scale, "main_thread_s": 1.0, "cpu_s": 10.0}
+        return {"variant": variant, "round": i, "one_tok_s": 30.0 * scale, "ttft_ms": 50.0 / scale,
+                "four_tok_s": 60.0 * scale * (1 + i), "eight_tok_s": 70.0 * scale, "slots_p99_ms": 5.0 * scale,
+                "rss_mib": 400.0, "peak_rss_mib": 410.0, "startup_s": 1.0, "cpu_four": cpu,
+                "requests": {"single": {"finish": "length"}, "four": [{"finish": "length"}] * 4,
+                             "eight": [{"finish": "stop"}] * 8}}
+
+    res = Result("vs-llama-server")
+    rounds = [rnd(v, i, 0.5 if v == "hydra" else 1.0) for i in range(3) for v in ("llama-server", "hydra")]
+    _summarize(res, rounds, 3)
+    rows = {r.metric: r for r in res.rows}
+    assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
+    four = rows[FIGURES[2][1]]
+    assert four.ratio == pytest.approx(0.5) and four.ok is False and four.budget
+    assert res.summary["four_tok_s"]["ratios"] == [0.5, 0.5, 0.5]
+    assert rows[FIGURES[1][1]].ok is False  # TTFT twice as long
+    assert rows[FIGURES[4][1]].ok is True  # /slots p99 half of llama-server's
+    assert rows[FIGURES[5][1]].ok is True  # the same RSS: within "≤ 1.1×"
+    assert "0.50 (0.50–0.50) over 3 rounds" in four.note
+    assert res.notes and "ended before max_tokens" in res.notes[0]
 
 
 def test_thread_cpu_is_counted_per_thread():

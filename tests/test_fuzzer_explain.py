@@ -1,4 +1,4 @@
-"""Fuzz reports that explain (issue 30, item 7): each finding shows its input (opcode, key, the
+"""Fuzz reports that explain: each finding shows its input (opcode, key, the
 mutated field and value) and its oracle; restarts say why (exit code, signal, RSS); a traceback
 the target logs is a finding of its own; memory a CONFIGURE asked for is expected, not a finding;
 a clean run says so."""

@@ -31,6 +31,7 @@ SCENARIOS = {
     "prompt-cache": "tools.bench.prompt_cache",
     "busy-host": "tools.bench.busy_host",
     "constrained": "tools.bench.constrained",
+    "vs-llama-server": "tools.bench.vs_llama_server",
 }
 BUSY_WARNING_PCT = 20
 DOCS_PAGE = Path("docs/performance.md")

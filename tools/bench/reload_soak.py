@@ -1,5 +1,4 @@
-"""reload-soak: does a server's memory stay flat across many T3 reloads? (issue 28, "memory that
-stays flat across reloads")
+"""reload-soak: does a server's memory stay flat across many T3 reloads?
 
 One server (``--threads 1``, 2 slots) alternates between two models with ``CONFIGURE
 {"model_path": …}`` — the tiny set: ``tiny`` and the KV-heavy generated model; a real model: the

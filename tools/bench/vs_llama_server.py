@@ -1,0 +1,322 @@
+"""vs-llama-server: this server against llama-server, same machine, model and command line.
+
+llama-server is built from the llama.cpp vendored in the installed wheel's sdist with the
+wheel's ``CMAKE_ARGS`` (:mod:`tools.bench.llama_server`, ``scripts/build_llama_server.sh``).
+Both servers get the **same** llama-server argv::
+
+    -m MODEL --host 127.0.0.1 --port P -c 8192 -np 4 -t THREADS
+
+ours through ``hydra-llama-engine`` with ``--rpc-port 0`` added. They run one at a time, in
+alternating rounds (the order rotates every round), each round on fresh processes, with the
+same HTTP workload — OpenAI ``/v1/completions``, streamed, greedy, ``max_tokens`` 200, distinct
+prompts ``"Story number N: once upon a time"`` (the same N for both servers in a round):
+
+1. ``-np 4``: a warm-up request; **one stream** (decode tok/s from its first to its last
+   token; time to first token, with the two requests of step 2);
+2. a short history: two single requests on another prompt, then four short concurrent
+   requests started in reverse order (so the conversations change slots) — the multi-stream
+   slowdown of docs/performance.md showed only after such a history;
+3. **four concurrent streams**: aggregate tok/s in the window where all four produce, while a
+   poller reads ``/slots`` every 50 ms (its latency under load); each server's per-thread CPU
+   over the phase (``/proc/PID/task/*/stat``: where the time goes) and its RSS after it;
+4. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
+
+Every figure is reported as ours / llama-server's: the row's value and baseline are the
+medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
+stream is counted as one token (both servers send one per token for this text).
+
+Without a llama-server binary the scenario reports ``skipped: no llama-server (reason)``: a
+full run builds it when missing, a ``--quick`` run does not.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from typing import Any
+
+from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread, summarize
+from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
+from .traffic import sse_events, tokens_between
+
+NAME = "vs-llama-server"
+VARIANTS = ["llama-server", "hydra"]
+LABEL = "llama-server"
+CTX = 8192
+SLOTS = 4
+SLOTS_WIDE = 8
+SLOTS_POLL_S = 0.05
+BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
+    "one": ("≥ 1.0× llama-server", 1.0, "min"),
+    "ttft": ("≤ 1.0× llama-server", 1.0, "max"),
+    "four": ("≥ 1.0× llama-server", 1.0, "min"),
+    "eight": ("≥ 1.0× llama-server", 1.0, "min"),
+    "slots_p99": ("below llama-server's", 1.0, "max"),
+    "rss": ("≤ 1.1× llama-server", 1.1, "max"),
+}
+
+
+def story(n: int) -> str:
+    return f"Story number {n}: once upon a time"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_argv(model: str, port: int, slots: int, threads: int) -> list[str]:
+    """The one command line both servers get."""
+    return ["-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(CTX), "-np", str(slots),
+            "-t", str(threads)]
+
+
+def start(variant: str, binary: str, model: str, slots: int, threads: int) -> OpenAIServer:
+    port = free_port()
+    argv = llama_argv(model, port, slots, threads)
+    if variant == "llama-server":
+        return OpenAIServer([binary, *argv], port, "llama-server")
+    return OpenAIServer([sys.executable, "-m", "hydra_rpc.llama_engine_cmd", *argv, "--rpc-port", "0"], port,
+                        "hydra-llama-engine")
+
+
+async def completion(http: Any, base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: the arrival of each chunk with text, TTFT, the server's counts."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = now()
+    times: list[float] = []
+    finish, timings, usage = None, {}, {}
+    async for t, ev in sse_events(http, f"{base}/v1/completions", body):
+        if "error" in ev:
+            raise BenchError(f"in-band error: {str(ev['error'])[:300]}")
+        usage = ev.get("usage") or usage
+        timings = ev.get("timings") or timings
+        for ch in ev.get("choices") or []:
+            if ch.get("text"):
+                times.append(t)
+            finish = ch.get("finish_reason") or finish
+    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
+    return {"t_send": t0, "times": times, "chunks": len(times), "decode_tok_s": rate,
+            "ttft_ms": (times[0] - t0) * 1000 if times else None, "finish": finish,
+            "completion_tokens": usage.get("completion_tokens") or timings.get("predicted_n"),
+            "server_tok_s": timings.get("predicted_per_second")}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> float | None:
+    """Chunks of all streams per second in the window where every stream was producing."""
+    if any(len(r["times"]) < 2 for r in runs):
+        return None
+    a = max(r["times"][0] for r in runs)
+    b = min(r["times"][-1] for r in runs)
+    if b <= a:
+        return None
+    return sum(tokens_between(r["times"], a, b) for r in runs) / (b - a)
+
+
+async def slots_poller(http: Any, base: str, stop: asyncio.Event) -> list[float]:
+    out: list[float] = []
+    while not stop.is_set():
+        t0 = now()
+        async with http.get(f"{base}/slots") as r:
+            await r.read()
+            if r.status != 200:
+                raise BenchError(f"{base}/slots answered {r.status}")
+        out.append((now() - t0) * 1000)
+        try:
+            await asyncio.wait_for(stop.wait(), SLOTS_POLL_S)
+        except TimeoutError:
+            pass
+    return out
+
+
+def _cpu_breakdown(srv: OpenAIServer, before: dict[int, float], after: dict[int, float], tokens: int,
+                   wall: float) -> dict[str, Any]:
+    """The server's CPU over a phase: per thread (main thread first), and per token."""
+    names = thread_names(srv.pid)
+    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    threads = sorted(((tid, s) for tid, s in used.items() if s > 0), key=lambda x: (x[0] != srv.pid, -x[1]))
+    total = sum(used.values())
+    return {"wall_s": round(wall, 3), "cpu_s": round(total, 3), "cores_busy": round(total / wall, 3) if wall else None,
+            "main_thread_s": round(used.get(srv.pid, 0.0), 3),
+            "other_threads_s": round(total - used.get(srv.pid, 0.0), 3),
+            "cpu_ms_per_token": round(1000 * total / tokens, 3) if tokens else None,
+            "threads": [{"tid": tid, "name": names.get(tid, "?"), "main": tid == srv.pid, "cpu_s": round(s, 3)}
+                        for tid, s in threads]}
+
+
+def rss_detail(pid: int) -> dict[str, float]:
+    """The RSS split into anonymous memory and file pages (the mapped model, the binaries):
+    ``/proc/PID/smaps_rollup``, MiB."""
+    out: dict[str, float] = {}
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].rstrip(":") in ("Rss", "Anonymous", "Shared_Clean", "Private_Clean"):
+                out[parts[0].rstrip(":")] = round(int(parts[1]) / 1024, 1)
+    except (OSError, ValueError):
+        pass
+    if "Rss" in out and "Anonymous" in out:
+        out["file"] = round(out["Rss"] - out["Anonymous"], 1)
+    return out
+
+
+def _strip(r: dict[str, Any]) -> dict[str, Any]:
+    """A request's record for the JSON: arrival times relative to its send, rounded."""
+    out = {k: v for k, v in r.items() if k not in ("times", "t_send")}
+    out["chunk_ms"] = [round((t - r["t_send"]) * 1000, 2) for t in r["times"]]
+    for k in ("decode_tok_s", "ttft_ms", "server_tok_s"):
+        if out.get(k) is not None:
+            out[k] = round(out[k], 3)
+    return out
+
+
+async def _concurrent(http: Any, base: str, numbers: list[int], max_tokens: int) -> list[dict[str, Any]]:
+    return list(await asyncio.gather(*(completion(http, base, story(n), max_tokens) for n in numbers)))
+
+
+async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, model: str, rnd: int,
+                    max_tokens: int) -> dict[str, Any]:
+    base_n = 100 * (rnd + 1)
+    out: dict[str, Any] = {"variant": variant, "round": rnd}
+    t_start = now()
+    with start(variant, binary, model, SLOTS, ctx.threads) as srv:
+        out["startup_s"] = round(now() - t_start, 3)
+        await completion(http, srv.base, "Warm up: the weather today is", 8)
+        single = await completion(http, srv.base, story(base_n), max_tokens)
+        history = [await completion(http, srv.base, f"A list of rivers, number {base_n + i}:", 16) for i in range(2)]
+        shuffle = []
+        for n in reversed(range(base_n + 1, base_n + 1 + SLOTS)):  # started in reverse, a beat apart
+            shuffle.append(asyncio.ensure_future(completion(http, srv.base, story(n), 24)))
+            await asyncio.sleep(0.05)
+        shuffle_runs = list(await asyncio.gather(*shuffle))
+        numbers = list(range(base_n + 10, base_n + 10 + SLOTS))
+        stop = asyncio.Event()
+        poller = asyncio.ensure_future(slots_poller(http, srv.base, stop))
+        before, t0 = srv.thread_cpu(), now()
+        four = await _concurrent(http, srv.base, numbers, max_tokens)
+        after, t1 = srv.thread_cpu(), now()
+        stop.set()
+        polls = await poller
+        out["cpu_four"] = _cpu_breakdown(srv, before, after, sum(r["chunks"] for r in four), t1 - t0)
+        out["rss_mib"] = round((srv.rss_kib() or 0) / 1024, 1)
+        out["peak_rss_mib"] = round((srv.peak_kib() or 0) / 1024, 1)
+        out["rss_detail_mib"] = rss_detail(srv.pid)
+    with start(variant, binary, model, SLOTS_WIDE, ctx.threads) as srv:
+        await completion(http, srv.base, "Warm up: the weather today is", 8)
+        eight = await _concurrent(http, srv.base, list(range(base_n + 20, base_n + 20 + SLOTS_WIDE)), max_tokens)
+    out.update(
+        one_tok_s=single["decode_tok_s"],
+        ttft_ms=spread(r["ttft_ms"] for r in (single, *history))["median"],
+        four_tok_s=aggregate(four), eight_tok_s=aggregate(eight),
+        four_per_stream_tok_s=[r["decode_tok_s"] for r in four],
+        slots_ms=[round(x, 3) for x in polls], slots_p99_ms=summarize(polls).get("p99"),
+        requests={"single": _strip(single), "history": [_strip(r) for r in history],
+                  "shuffle": [_strip(r) for r in shuffle_runs], "four": [_strip(r) for r in four],
+                  "eight": [_strip(r) for r in eight]})
+    return out
+
+
+BUILD_NOTE = ("scripts/build_llama_server.sh builds it once (about 10 minutes on 2 cores) into the wheel cache; "
+              "a full `hydra-rpc bench` run builds it when missing, a --quick run does not "
+              "(HYDRA_BENCH_BUILD_LLAMA_SERVER=1 makes it, =0 never builds).")
+
+
+def skipped(reason: str) -> Result:
+    res = Result(NAME)
+    res.rows.append(Row(f"skipped: no llama-server ({reason})", None, ""))
+    res.summary = {"skipped": reason}
+    res.samples = {"skipped": True}
+    res.notes.append(f"skipped: no llama-server ({reason}). {BUILD_NOTE}")
+    print(f"hydra-rpc bench: {NAME}: skipped: no llama-server ({reason})", file=sys.stderr, flush=True)
+    return res
+
+
+async def run(ctx: BenchContext) -> Result:
+    import aiohttp
+
+    binary, reason = await asyncio.to_thread(find_or_build, not ctx.quick)
+    if binary is None:
+        return skipped(reason)
+    res = Result(NAME)
+    model = ctx.models.busy if ctx.models.tiny else ctx.models.main  # tiny mode: tiny-small (~0.6 ms/token)
+    max_tokens = ctx.pick(200, 32)
+    res.config = {"model": model, "llama_server": str(binary), "llama_server_build": build_info(binary),
+                  "argv": llama_argv("MODEL", 0, SLOTS, ctx.threads)[:4] + ["--port", "P"] +
+                          llama_argv("MODEL", 0, SLOTS, ctx.threads)[6:],
+                  "ours_adds": ["--rpc-port", "0"], "wide_slots": SLOTS_WIDE, "max_tokens": max_tokens,
+                  "rounds": ctx.reps, "threads": ctx.threads, "slots_poll_s": SLOTS_POLL_S, "variants": VARIANTS,
+                  "budgets": {k: list(v) for k, v in BUDGETS.items()}}
+    rounds: list[dict[str, Any]] = []
+    # a new connection per request, for both: llama-server (cpp-httplib) may close a kept-alive
+    # connection after a stream, which a pooled client would meet as "Server disconnected"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as http:
+        for rnd, variant in interleaved(ctx.reps, VARIANTS):
+            print(f"hydra-rpc bench: {NAME}: round {rnd + 1}/{ctx.reps}, {variant}", file=sys.stderr, flush=True)
+            rounds.append(await one_round(ctx, http, variant, str(binary), model, rnd, max_tokens))
+    res.samples = {"rounds": rounds}
+    _summarize(res, rounds, ctx.reps)
+    return res
+
+
+FIGURES = [  # key in a round, row label, unit, budget key
+    ("one_tok_s", "one stream, decode tok/s", "tok/s", "one"),
+    ("ttft_ms", "one stream, time to first token (median of 3 requests)", "ms", "ttft"),
+    ("four_tok_s", f"{SLOTS} concurrent streams (after a history), aggregate tok/s", "tok/s", "four"),
+    ("eight_tok_s", f"{SLOTS_WIDE} concurrent streams on -np {SLOTS_WIDE}, aggregate tok/s", "tok/s", "eight"),
+    ("slots_p99_ms", f"/slots p99 while {SLOTS} streams decode", "ms", "slots_p99"),
+    ("rss_mib", f"RSS after {SLOTS} streams", "MiB", "rss"),
+]
+
+
+def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int) -> None:
+    def of(v: str, key: str) -> list:
+        return [r[key] for r in sorted((r for r in rounds if r["variant"] == v), key=lambda r: r["round"])]
+
+    s: dict[str, Any] = {}
+    for key, label, unit, budget_key in FIGURES:
+        ours, theirs = of("hydra", key), of("llama-server", key)
+        per_round = [ratio(a, b) for a, b in zip(ours, theirs)]
+        s[key] = {"hydra": spread(ours), "llama-server": spread(theirs), "ratio_per_round": spread(per_round),
+                  "ratios": [None if q is None else round(q, 4) for q in per_round]}
+        text, limit, kind = BUDGETS[budget_key]
+        v, b = s[key]["hydra"]["median"], s[key]["llama-server"]["median"]
+        q = ratio(v, b)
+        # "below" is strict (/slots p99); the other maxima are "≤"
+        ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
+                                     else q <= limit)
+        rr = s[key]["ratio_per_round"]
+        note = (f"per-round ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} rounds"
+                if rr["n"] else "no ratio")
+        res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
+                        .with_spread(s[key]["hydra"]))
+    # scaling and where the time goes: informational
+    for v in VARIANTS:
+        scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
+        cpu = of(v, "cpu_four")
+        s[v] = {"four_over_one": spread(scal),
+                "cores_busy_four": spread(c["cores_busy"] for c in cpu),
+                "cpu_ms_per_token_four": spread(c["cpu_ms_per_token"] for c in cpu),
+                "main_thread_share_four": spread(ratio(c["main_thread_s"], c["cpu_s"]) for c in cpu),
+                "peak_rss_mib": spread(of(v, "peak_rss_mib")), "startup_s": spread(of(v, "startup_s"))}
+    res.summary = s
+    h, ls = s["hydra"], s["llama-server"]
+    res.rows.append(Row(f"{SLOTS} streams over one stream (scaling)", h["four_over_one"]["median"], "×",
+                        ls["four_over_one"]["median"], LABEL).with_spread(h["four_over_one"]))
+    res.rows.append(Row(f"server CPU per token, {SLOTS} streams", h["cpu_ms_per_token_four"]["median"], "ms",
+                        ls["cpu_ms_per_token_four"]["median"], LABEL,
+                        note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
+                             f"main thread's share {_pct(h['main_thread_share_four'])} vs "
+                             f"{_pct(ls['main_thread_share_four'])}").with_spread(h["cpu_ms_per_token_four"]))
+    short = [r for rnd in rounds for k in ("single", "four", "eight") for r in
+             (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])
+             if r["finish"] != "length"]
+    if short:
+        res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
+                         f"{sorted({r['finish'] for r in short}, key=str)}): the same prompts end alike on both "
+                         "servers (greedy), so the ratios hold, over fewer tokens.")
+
+
+def _pct(sp: dict[str, Any]) -> str:
+    return "?" if sp.get("median") is None else f"{100 * sp['median']:.0f} %"
