@@ -32,6 +32,7 @@ SCENARIOS = {
     "busy-host": "tools.bench.busy_host",
     "constrained": "tools.bench.constrained",
     "vs-llama-server": "tools.bench.vs_llama_server",
+    "reload-soak": "tools.bench.reload_soak",
 }
 BUSY_WARNING_PCT = 20
 DOCS_PAGE = Path("docs/performance.md")

@@ -11,8 +11,8 @@ of reloads 11–20 (the budget: within 1.1×, i.e. what the first reloads alloca
 caches — may stay, a per-reload growth may not), and notes the growth per reload after the 20th
 (least squares over the peaks of each pair of reloads).
 
-Run it alone (the bench CLI registers scenarios in tools/bench/cli.py; until this one is added
-there): ``.venv/bin/python -m tools.bench.reload_soak [--quick] [--model tiny] [--out DIR]``.
+Part of ``hydra-rpc bench`` (``reload-soak``); also runs alone:
+``.venv/bin/python -m tools.bench.reload_soak [--quick] [--model tiny] [--out DIR]``.
 """
 from __future__ import annotations
 
