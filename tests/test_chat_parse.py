@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -379,18 +378,17 @@ def test_partial_holds_back_marker_prefixes():
     assert parse_output("ok\n</thi", QWEN3, partial=True, in_reasoning=True).reasoning_content == "ok"
 
 
-def test_plain_content_streams_cheaply():
+def test_long_plain_content_streams_exactly():
+    """~50k feeds of a ~200 KB answer (its per-token cost is the constrained bench's event-loop
+    figure, tools/bench/constrained.py)."""
     words = "The quick brown fox jumps over the lazy dog; a < b and [x] {y}. "
     text = words * 3000  # ~200 KB
     s = ChatStream(QWEN_XML, in_reasoning=False)
-    t0 = time.perf_counter()
     sent = []
     for i in range(0, len(text), 4):
         sent += s.feed(text[i:i + 4])
-    elapsed = time.perf_counter() - t0
     deltas, final = s.finish()
     assert final.content == text
-    assert elapsed < 10.0  # ~50k feeds; a per-token rescan in Python would take minutes
 
 
 @pytest.mark.parametrize("fmt,text", [
@@ -399,18 +397,15 @@ def test_plain_content_streams_cheaply():
     (QWEN_CODER, xml_call("run", code="if a < b:\n    print({'x': [1]})\n" * 1500, n="1")),
     (GENERIC, json.dumps({"response": "Déjà vu \U0001F600 <tool_call> {x}\n" * 2000})),
 ])
-def test_long_calls_stream_cheaply_and_exactly(fmt, text):
-    """Long arguments or answers: the stream resumes its scans instead of redoing them, and
-    still ends exactly where a whole parse does."""
+def test_long_calls_stream_exactly(fmt, text):
+    """Long arguments or answers, some 15k feeds each: the stream resumes its scans and still
+    ends exactly where a whole parse does."""
     s = ChatStream(fmt)
-    t0 = time.perf_counter()
     deltas = []
     for i in range(0, len(text), 4):
         deltas += s.feed(text[i:i + 4])
-    elapsed = time.perf_counter() - t0
     tail, final = s.finish()
     assert reassemble(deltas + tail) == final == parse_output(text, fmt, partial=False)
-    assert elapsed < 10.0  # some 15k feeds each
 
 
 # ---------------------------------------------------------------------------------------------

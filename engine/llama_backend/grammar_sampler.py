@@ -436,16 +436,3 @@ def accept_forced(sampler: "Sampler", tok: int) -> None:
             raise GrammarExhausted("the grammar refuses the token the reasoning budget writes")
         grammar.accept(tok)
     L.llama_sampler_accept(sampler.handle, tok)
-
-
-def top_logprobs(row: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The ``n`` most likely tokens of a raw logits row, as (token, natural-log softmax),
-    most likely first."""
-    n = max(0, min(int(n), row.shape[0]))
-    if n == 0:
-        return []
-    top = np.argpartition(row, -n)[-n:]
-    top = top[np.argsort(-row[top], kind="stable")]
-    m = float(row.max())
-    lse = m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
-    return [(int(t), float(row[t]) - lse) for t in top]

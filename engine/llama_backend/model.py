@@ -23,7 +23,7 @@ from ..sampling import SamplerParams
 from . import vocab
 from .batch import LlamaBatch
 from .chat_template import ChatTemplate
-from .grammar_sampler import accept_forced, sample_row, top_logprobs
+from .grammar_sampler import accept_forced, sample_row
 from .identity import chat_template_source, read_identity
 from .kv_probe import describe
 from .legacy_chat import is_jinja_source, render_builtin
@@ -36,7 +36,7 @@ from .runtime import (
     ensure_backend,
     last_llama_errors,
 )
-from .sampler import Sampler, make_sampler
+from .sampler import Sampler, make_sampler, top_logprobs
 from ..utf8 import utf8_masks
 
 

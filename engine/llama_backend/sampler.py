@@ -151,3 +151,14 @@ def _bias_arrays(logit_bias: tuple[tuple[int, float], ...], n_vocab: int | None
     return ids, np.fromiter(merged.values(), dtype=np.float32, count=len(merged))
 
 
+def top_logprobs(row: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely tokens of a raw logits row, as (token, natural-log softmax),
+    most likely first."""
+    n = max(0, min(int(n), row.shape[0]))
+    if n == 0:
+        return []
+    top = np.argpartition(row, -n)[-n:]
+    top = top[np.argsort(-row[top], kind="stable")]
+    m = float(row.max())
+    lse = m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
+    return [(int(t), float(row[t]) - lse) for t in top]
