@@ -73,7 +73,7 @@ class Engine:
         self.identity = ModelIdentity()
         self.kv_cache: KvCacheInfo | None = None  # the live model's
         self.stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "jobs": 0,
-                      # llama-server's /metrics counters (hydra_rpc/metrics_llama.py)
+                      # llama-server's /metrics counters (hydra_rpc/observability/metrics_llama.py)
                       "prompt_tokens_cached": 0, "prompt_seconds": 0.0, "predicted_seconds": 0.0,
                       "n_decode": 0, "n_busy_slots": 0, "n_tokens_max": 0}
         self._step_rate, self._token_rate = RateWindow(), RateWindow()

@@ -5,7 +5,7 @@
   Registration is process-global and cannot be undone (no unregister API).
 * :func:`list_devices` lists the registry's devices (CPU, RPC0, ...).
 * :func:`start_server_blocking` runs llama.cpp's own RPC server (the code behind
-  ``ggml-rpc-server``) on the calling thread; engine/ggml_rpc_child.py runs it as a process of
+  ``ggml-rpc-server``) on the calling thread; hydra_rpc/ggml/child.py runs it as a process of
   its own, which is the only way this project runs it (its crashes must not be ours).
 
 Pitfall: the wheel ships ``libggml.so``, ``libggml.so.0`` and ``libggml.so.0.x`` as separate
@@ -276,7 +276,7 @@ def start_server_blocking(host: str, port: int, n_threads: int) -> None:
 
     It serves one client at a time, prints its banner to the C stdout, cannot be stopped from
     outside and aborts the process on several malformed inputs: run it in a process of its own
-    (engine/ggml_rpc_child.py). Returns at once if it cannot listen (e.g. the port is taken)."""
+    (hydra_rpc/ggml/child.py). Returns at once if it cannot listen (e.g. the port is taken)."""
     start = _START_SERVER_T(_rpc_proc("ggml_backend_rpc_start_server"))
     devices = (ctypes.c_void_p * 1)(_cpu_device())
     start(f"{host}:{port}".encode(), None, int(n_threads), 1, devices)

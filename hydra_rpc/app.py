@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from engine.actor import Engine, EngineConfig
 
-from .config import ServerConfig
-from .conn_budget import ConnectionBudget, open_fds, raise_nofile_limit
-from .decode_v3_handler import DecodeV3
-from .handlers import Handlers
-from .server import HydraServer
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.conn_budget import ConnectionBudget, open_fds, raise_nofile_limit
+from hydra_rpc.hydra.decode_v3 import DecodeV3
+from hydra_rpc.hydra.handlers import Handlers
+from hydra_rpc.hydra.server import HydraServer
 
 log = logging.getLogger("hydra_rpc.app")
 
@@ -40,13 +40,13 @@ class App:
         self.engine = Engine(self.engine_cfg)
         self.engine.check()  # fail fast, before any port is bound
         try:
-            from .metrics import Metrics
+            from hydra_rpc.observability.metrics import Metrics
         except ImportError:
             metrics = None
         else:
             metrics = self.extras.setdefault("metrics", Metrics())
         if self.http_port is not None:
-            from .http_app import start_http
+            from hydra_rpc.http.app import start_http
 
             self.http = await start_http(self, self.http_host or self.server_cfg.host, self.http_port)
         await self.engine.start()
@@ -59,7 +59,7 @@ class App:
         if self.server_cfg.ggml_rpc_embedded or self.server_cfg.ggml_rpc_port is not None:
             await self.server.passthrough.start_embedded()
         if self.server_cfg.ggml_rpc_port is not None:
-            from .ggml_rpc_port import GgmlRpcPort
+            from hydra_rpc.ggml.port import GgmlRpcPort
 
             self.ggml_rpc = await GgmlRpcPort.start(self.server.passthrough, self.http_host or self.server_cfg.host,
                                                     self.server_cfg.ggml_rpc_port, self.server_cfg.first_bytes_timeout)

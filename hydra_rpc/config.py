@@ -34,7 +34,7 @@ class ServerConfig:
     max_connections: int = 1024
     allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = field(default_factory=list)
     first_bytes_timeout: float = 10.0  # silent new connection → closed
-    # Read deadlines, counted only while the server waits for the client (hydra_rpc.deadlines):
+    # Read deadlines, counted only while the server waits for the client (hydra_rpc.hydra.deadlines):
     idle_timeout: float = 120.0  # no new request on a persistent connection (as the C++)
     stall_timeout: float = 30.0  # no byte of a started frame for this long
     min_rate: float = 1024.0  # bytes/s a started frame must average over every min_rate_window (0: off)

@@ -9,9 +9,9 @@ variable and help text.
 
 Two outputs, both kept in the repository so nothing downloads at run or test time:
 
-* ``hydra_rpc/llama_args_data.py`` — the table as data (needs the sdist to regenerate);
+* ``hydra_rpc/cli/llama_args_data.py`` — the table as data (needs the sdist to regenerate);
 * ``docs/llama-args.md`` — the table with each argument's status here (applied / accepted
-  without effect / refused), from the data plus ``hydra_rpc/llama_args.py``.
+  without effect / refused), from the data plus ``hydra_rpc/cli/llama_args.py``.
 
 Usage::
 
@@ -438,7 +438,7 @@ def render_data(args: list[Arg], sha256: str) -> str:
 
 def render_docs() -> str:
     sys.path.insert(0, str(REPO))
-    from hydra_rpc.llama_args import render_status_markdown
+    from hydra_rpc.cli.llama_args import render_status_markdown
 
     return render_status_markdown()
 

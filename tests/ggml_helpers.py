@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def ggml_server(threads: int = 1, timeout: float = 30.0) -> Iterator[str]:
-    """llama.cpp's ggml RPC server from the wheel (``python -m engine.ggml_rpc_child``), one client
+    """llama.cpp's ggml RPC server from the wheel (``python -m hydra_rpc.ggml.child``), one client
     at a time, in a subprocess; yields "127.0.0.1:port"."""
     with GgmlRpcServerProcess(threads, timeout=timeout) as up:
         yield up.endpoint

@@ -153,9 +153,9 @@ def test_describe_examples_work_against_the_server(server, tmp_path, op):
 
 def test_the_default_model_banner_commands_work(server, tmp_path):
     """The commands `serve` prints for the base model (checked here on the tiny model)."""
-    from hydra_rpc.serve_cmd import BASE_MODEL_BANNER
+    from hydra_rpc.cli.serve import BASE_MODEL_BANNER
 
-    from hydra_rpc.serve_cmd import target_flag
+    from hydra_rpc.cli.serve import target_flag
 
     assert "BASE model" in BASE_MODEL_BANNER and "--model PATH" in BASE_MODEL_BANNER
     assert target_flag("127.0.0.1", 9503) == ""  # call's default target needs no flag

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hydra_rpc.cli import COMMANDS, build_parser
-from hydra_rpc.usage import HelpFormatter
+from hydra_rpc.cli.usage import HelpFormatter
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,9 +14,9 @@ import urllib.request
 
 import pytest
 
-from hydra_rpc.llama_argv import parse_llama_argv
-from hydra_rpc.llama_engine_cmd import hydra_port, split_log_args
-from hydra_rpc.usage import UsageError
+from hydra_rpc.cli.llama_argv import parse_llama_argv
+from hydra_rpc.cli.llama_engine import hydra_port, split_log_args
+from hydra_rpc.cli.usage import UsageError
 from tools.spawn import HYDRA_HTTP, HYDRA_LISTENING, ChildProcess
 
 SUMMARY = re.compile(r"summary .*hydra_requests=(\d+) http_requests=(\d+) errors=(\d+) .*slots_busy=(\d+)/(\d+)")
@@ -24,7 +24,7 @@ SUMMARY_JSON = re.compile(r'"msg": "summary", .*"hydra_requests": (\d+), "http_r
 
 
 def engine(*args: str) -> ChildProcess:
-    cmd = [sys.executable, "-m", "hydra_rpc.llama_engine_cmd", "--host", "127.0.0.1", "-m", "tiny", *args]
+    cmd = [sys.executable, "-m", "hydra_rpc.cli.llama_engine", "--host", "127.0.0.1", "-m", "tiny", *args]
     return ChildProcess(cmd, "hydra-llama-engine", keep_lines=None)
 
 
@@ -85,7 +85,7 @@ def test_log_arguments_map_onto_the_level_and_leave_the_rest():
 
 
 def test_bad_log_level_is_refused_like_llama_server_refuses():
-    r = subprocess.run([sys.executable, "-m", "hydra_rpc.llama_engine_cmd", "-m", "tiny", "--log-level", "LOUD"],
+    r = subprocess.run([sys.executable, "-m", "hydra_rpc.cli.llama_engine", "-m", "tiny", "--log-level", "LOUD"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and 'argument "--log-level": unknown level' in r.stderr
 

@@ -19,8 +19,8 @@ import pytest
 
 from codec.enums import Op, Status
 from codec.framing import encode_request
-from hydra_rpc import connection as connection_module
-from hydra_rpc import http_limits
+from hydra_rpc.hydra import connection as connection_module
+from hydra_rpc.http import limits as http_limits
 from hydra_rpc.client import HydraClient
 from tests.scripted_backend import until
 from tests.test_state_put_memory import in_process_app
@@ -56,7 +56,7 @@ async def all_freed(made: list[weakref.ref]) -> None:
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_finished_connections_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
-    made = track(monkeypatch, "hydra_rpc.server.HydraConnection", connection_module.HydraConnection)
+    made = track(monkeypatch, "hydra_rpc.hydra.server.HydraConnection", connection_module.HydraConnection)
     async with in_process_app(tiny_model_path) as app:
         host, port = app.address
         with collector_off():
@@ -82,7 +82,7 @@ async def test_finished_connections_are_freed_without_the_cyclic_gc(tiny_model_p
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_connections_refused_at_the_limit_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
-    made = track(monkeypatch, "hydra_rpc.server.HydraConnection", connection_module.HydraConnection)
+    made = track(monkeypatch, "hydra_rpc.hydra.server.HydraConnection", connection_module.HydraConnection)
     async with in_process_app(tiny_model_path, max_connections=1) as app:
         host, port = app.address
         with collector_off():
@@ -100,7 +100,7 @@ async def test_connections_refused_at_the_limit_are_freed_without_the_cyclic_gc(
 @pytest.mark.timeout(120)
 async def test_finished_http_connections_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
     # the guard holds aiohttp's RequestHandler (which takes no weak reference) and its transport
-    made = track(monkeypatch, "hydra_rpc.http_limits._Guard", http_limits._Guard)
+    made = track(monkeypatch, "hydra_rpc.http.limits._Guard", http_limits._Guard)
     async with in_process_app(tiny_model_path, http=True) as app:
         host, port = app.http.address
         with collector_off():

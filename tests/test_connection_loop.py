@@ -18,7 +18,7 @@ from codec.errors import MalformedPayload
 from codec.limits import Limits
 from codec.payloads import decode_meta
 from hydra_rpc.config import ServerConfig
-from hydra_rpc.connection import HydraConnection
+from hydra_rpc.hydra.connection import HydraConnection
 from tests.memory_transport import MemoryTransport
 
 ECHO = Op.CONFIGURE  # payload echoed back with key and trace in the meta

@@ -1,7 +1,7 @@
 """The read deadlines as a pure clock: every time is given, none is waited for."""
 from __future__ import annotations
 
-from hydra_rpc.deadlines import IDLE, STALLED, TOO_SLOW, ReadClock
+from hydra_rpc.hydra.deadlines import IDLE, STALLED, TOO_SLOW, ReadClock
 
 
 def run(clock: ReadClock, steps: float, nbytes: int, until: float, t0: float = 0.0) -> tuple[str | None, float]:

@@ -17,7 +17,7 @@ import pytest
 from codec.decode_v3 import encode_decode_v3
 from codec.enums import Op, Status
 from codec.framing import RESPONSE_HEADER_SIZE, decode_response_header, encode_request
-from engine.decode_results import DecodeEntry, DecodeResults
+from hydra_rpc.hydra.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
 from hydra_rpc.client import HydraClient
 from tests.engine_env import long_generation, scripted_engine

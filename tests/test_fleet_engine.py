@@ -34,10 +34,10 @@ NO_EFFECT = {"--cont-batching", "--perf", "--rpc-engine", "--yarn-orig-ctx"}
 
 
 class LlamaEngine(ChildProcess):
-    """``python -m hydra_rpc.llama_engine_cmd ARGV``: ready once both ports are announced."""
+    """``python -m hydra_rpc.cli.llama_engine ARGV``: ready once both ports are announced."""
 
     def __init__(self, argv: list[str]):
-        super().__init__([sys.executable, "-m", "hydra_rpc.llama_engine_cmd", *argv], "hydra-llama-engine")
+        super().__init__([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv], "hydra-llama-engine")
         self.port = int(self.wait_for(HYDRA_LISTENING, 120).group(2))
         self.http_port = int(self.wait_for(HYDRA_HTTP, 120).group(2))
 
@@ -126,7 +126,7 @@ async def test_prefill_messages_use_the_template_file_and_its_kwargs(engines, ti
         assert r.meta["n_past"] > len(m.chat_tokens(MESSAGES))  # the markers made it longer
 
 
-@pytest.mark.parametrize("via", [["-m", "hydra_rpc.llama_engine_cmd"], ["-m", "hydra_rpc.cli", "llama-engine"]])
+@pytest.mark.parametrize("via", [["-m", "hydra_rpc.cli.llama_engine"], ["-m", "hydra_rpc.cli", "llama-engine"]])
 def test_an_unknown_argument_exits_non_zero_naming_it(tiny_model_b_path, via):
     out = subprocess.run([sys.executable, *via, "--model", tiny_model_b_path, "--port", "0", "--frobnicate", "3"],
                          capture_output=True, text=True, timeout=60, env=child_env(), cwd=ROOT)

@@ -11,9 +11,9 @@ import pytest
 from codec.errors import MalformedPayload, Truncated
 from engine.kv_cache import KvStateMismatch
 from hydra_rpc.cli import build_parser
-from hydra_rpc.llama_argv import parse_llama_argv
-from hydra_rpc.llama_cli import model_params
-from hydra_rpc.serve_cmd import serve_settings
+from hydra_rpc.cli.llama_argv import parse_llama_argv
+from hydra_rpc.cli.llama_cli import model_params
+from hydra_rpc.cli.serve import serve_settings
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -49,8 +49,8 @@ def test_serve_defaults_and_the_deprecated_v1_names(capsys):
 
 
 def test_prompt_cache_arguments_reach_the_engine(tmp_path):
-    from hydra_rpc.llama_cli import engine_config
-    from hydra_rpc.usage import UsageError
+    from hydra_rpc.cli.llama_cli import engine_config
+    from hydra_rpc.cli.usage import UsageError
 
     d = engine_config(serve_settings(serve_args(), env={}), "m")  # llama-server's defaults
     assert (d.model.cache_prompt, d.model.cache_reuse) == (True, 0)
@@ -68,8 +68,8 @@ def test_prompt_cache_arguments_reach_the_engine(tmp_path):
 
 
 def test_the_rpc_allow_list_is_rpc_plus_rpc_allow():
-    from hydra_rpc.llama_cli import engine_config
-    from hydra_rpc.usage import UsageError
+    from hydra_rpc.cli.llama_cli import engine_config
+    from hydra_rpc.cli.usage import UsageError
 
     args = serve_args("--rpc", "127.0.0.1:50052", "--rpc-allow", "10.0.0.1:1,10.0.0.2:2", "--rpc-allow", "h:3")
     allow = engine_config(serve_settings(args, env={}), "m", rpc_allow=args.rpc_allow).rpc_allow
@@ -80,7 +80,7 @@ def test_the_rpc_allow_list_is_rpc_plus_rpc_allow():
 
 
 def test_serve_refuses_what_llama_server_refuses():
-    from hydra_rpc.usage import UsageError
+    from hydra_rpc.cli.usage import UsageError
 
     with pytest.raises(UsageError, match="--api-key.*without auth"):
         serve_settings(serve_args("--api-key", "k"), env={})
@@ -101,7 +101,7 @@ def test_fleet_settings_become_the_engines_model_params():
 
 def test_sampling_arguments_become_the_t1_defaults():
     from engine.sampling import merge_sampling
-    from hydra_rpc.llama_cli import engine_config
+    from hydra_rpc.cli.llama_cli import engine_config
 
     s = parse_llama_argv(["--temp", "0.86", "--top-k", "20", "--top-p", "0.95", "--min-p", "0.1",
                           "--repeat-penalty", "1.06", "--seed", "7", "-n", "64", "--prio-batch", "1"], env={})
@@ -201,7 +201,7 @@ async def test_disabled_endpoints_answer_501_as_llama_server(tiny_model_path):
     from engine.model_params import ModelParams
     from hydra_rpc.app import App
     from hydra_rpc.config import ServerConfig
-    from hydra_rpc.http_app import start_http
+    from hydra_rpc.http.app import start_http
 
     app = App(ServerConfig(host="127.0.0.1", port=0, http_metrics=False, http_slots=False),
               EngineConfig(model=ModelParams(tiny_model_path, n_ctx=256, n_slots=1)))
@@ -220,7 +220,7 @@ async def test_disabled_endpoints_answer_501_as_llama_server(tiny_model_path):
 
 @pytest.mark.asyncio
 async def test_quant_swap_is_advertised_only_with_a_model_alias():
-    from hydra_rpc.engine_meta import info_meta
+    from hydra_rpc.hydra.engine_meta import info_meta
     from tests.engine_env import scripted_engine
 
     async with scripted_engine(aliases={}) as env:

@@ -21,7 +21,7 @@ from codec import ggml as G
 from codec.enums import Op, Status
 from codec.framing import encode_request as hydra_request
 from engine.ggml_rpc_lib import hello
-from hydra_rpc.ggml_children import ChildStartError, GgmlChildPool
+from hydra_rpc.ggml.children import ChildStartError, GgmlChildPool
 from tests.ggml_helpers import recv_exact
 from tests.helpers import start_server, wait_until
 from tests.scripted_backend import until
@@ -211,7 +211,7 @@ def test_a_crashed_child_ends_only_its_session(server):
 def test_a_foreign_connection_to_a_child_is_detected():
     """The sealing handshake counts the connections the child's server accepted."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "engine.ggml_rpc_child", "--sealed"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "hydra_rpc.ggml.child", "--sealed"], cwd=ROOT, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         port = int(proc.stdout.readline().split()[1])

@@ -1,4 +1,4 @@
-"""The passthrough relay's receive (hydra_rpc/ggml_relay.py) on real loopback sockets.
+"""The passthrough relay's receive (hydra_rpc/ggml/relay.py) on real loopback sockets.
 
 A relay thread sleeps until the session guard can decide (``SO_RCVLOWAT``). These tests start
 the wait with part of the mark already queued — a relay thread looping back between a client's
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hydra_rpc.ggml_relay import recv_at_mark
+from hydra_rpc.ggml.relay import recv_at_mark
 from tests.helpers import wait_until
 
 FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())

@@ -14,10 +14,10 @@ from codec.enums import Op
 from engine.gpu import BackendDevice, backend_devices, gpu_backend, layers_offloaded, offload_devices, registry_for
 from engine.model_params import ModelParams
 from engine.params_table import GPU_LAYERS_ALL
-from hydra_rpc import llama_args
-from hydra_rpc.llama_args import APPLIED, BY_NAME, GPU_APPLIED, NO_EFFECT, status
-from hydra_rpc.llama_argv import parse_llama_argv
-from hydra_rpc.llama_cli import model_params
+from hydra_rpc.cli import llama_args
+from hydra_rpc.cli.llama_args import APPLIED, BY_NAME, GPU_APPLIED, NO_EFFECT, status
+from hydra_rpc.cli.llama_argv import parse_llama_argv
+from hydra_rpc.cli.llama_cli import model_params
 
 GPU = gpu_backend()
 SERVER_ARGS = ("--model", "tiny", "--parallel", "1", "--threads", "1", "--n-gpu-layers", "all",

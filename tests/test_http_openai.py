@@ -14,8 +14,8 @@ from engine.actor import Engine, EngineConfig
 from engine.model_params import ModelParams
 from hydra_rpc.app import App
 from hydra_rpc.config import ServerConfig
-from hydra_rpc.http_app import start_http
-from hydra_rpc.http_openai import StopFilter, cut_at_stop
+from hydra_rpc.http.app import start_http
+from hydra_rpc.http.openai import StopFilter, cut_at_stop
 from tests.helpers import start_server
 
 HELLO = [{"role": "user", "content": "hello"}]

@@ -11,10 +11,10 @@ import pytest
 
 from engine.executors import PRIO_NICE
 from engine.params_table import BY_CLI
-from hydra_rpc import llama_args
-from hydra_rpc.llama_argv import parse_llama_argv
-from hydra_rpc.llama_args import APPLIED, ARGS, BY_NAME, NO_EFFECT, REFUSED, render_status_markdown, status
-from hydra_rpc.llama_args_data import ARG_CPP_SHA256, LLAMA_CPP_SOURCE, SERVER_ARGS
+from hydra_rpc.cli import llama_args
+from hydra_rpc.cli.llama_argv import parse_llama_argv
+from hydra_rpc.cli.llama_args import APPLIED, ARGS, BY_NAME, NO_EFFECT, REFUSED, render_status_markdown, status
+from hydra_rpc.cli.llama_args_data import ARG_CPP_SHA256, LLAMA_CPP_SOURCE, SERVER_ARGS
 
 REPO = Path(__file__).resolve().parent.parent
 FLEET_PARAMS = [  # every key of the fleet's global and node params
@@ -117,7 +117,8 @@ def build(monkeypatch, tmp_path, tiny_model_path):
     """``build(*argv)``: what hydra-llama-engine's ``build_app`` makes of ``--model tiny argv``
     (the App it would start is only recorded, the process priority only noted)."""
     import hydra_rpc.app
-    from hydra_rpc import llama_cli, llama_engine_cmd
+    from hydra_rpc.cli import llama_cli
+    from hydra_rpc.cli import llama_engine as llama_engine_cmd
 
     made = {}
 

@@ -1,10 +1,10 @@
-"""hydra_rpc/llama_argv.py: the command line a Hydra node agent starts llama-engine with."""
+"""hydra_rpc/cli/llama_argv.py: the command line a Hydra node agent starts llama-engine with."""
 from __future__ import annotations
 
 import pytest
 
 from engine.params_table import GPU_LAYERS_ALL
-from hydra_rpc.llama_argv import InvalidArgument, parse_llama_argv
+from hydra_rpc.cli.llama_argv import InvalidArgument, parse_llama_argv
 from tests.fleet import FLEET_GLOBAL, FLEET_NODE, node_agent_argv
 
 
@@ -146,8 +146,8 @@ def test_output_flags_are_applied(tmp_path):
 
 
 def test_a_bad_command_line_grammar_stops_the_start():
-    from hydra_rpc.llama_cli import default_grammar
-    from hydra_rpc.usage import UsageError
+    from hydra_rpc.cli.llama_cli import default_grammar
+    from hydra_rpc.cli.usage import UsageError
 
     assert default_grammar(parse_llama_argv(["--grammar", 'root ::= "a"'], {})).text == 'root ::= "a"'
     assert "root ::=" in default_grammar(parse_llama_argv(["-j", '{"type": "object"}'], {})).text
@@ -157,7 +157,7 @@ def test_a_bad_command_line_grammar_stops_the_start():
 
 def test_the_reasoning_budget_flags_reach_the_engine():
     from engine.reasoning_budget import ReasoningBudget
-    from hydra_rpc.llama_cli import reasoning_budget
+    from hydra_rpc.cli.llama_cli import reasoning_budget
 
     s = parse_llama_argv(["--reasoning-budget", "0", "--reasoning-budget-message", "Done thinking."], {})
     assert reasoning_budget(s) == ReasoningBudget(0, "Done thinking.")

@@ -18,8 +18,8 @@ from aiohttp import web
 
 from codec.enums import Op
 from hydra_rpc.client import HydraClient
-from hydra_rpc.logs import JsonFormatter, TextFormatter, access_log_options, escape, log_request
-from hydra_rpc.metrics import Metrics
+from hydra_rpc.observability.logs import JsonFormatter, TextFormatter, access_log_options, escape, log_request
+from hydra_rpc.observability.metrics import Metrics
 from tests.helpers import start_server
 
 FORGED = "x\n2030-01-01 00:00:00,000 ERROR hydra_rpc: forged\x00\x1b[31m"

@@ -235,7 +235,7 @@ async def test_slot_file_names_stay_inside_the_directory(http, slot_dir, tmp_pat
 async def test_slot_files_need_a_directory(tiny_model_path):
     from hydra_rpc.app import App
     from hydra_rpc.config import ServerConfig
-    from hydra_rpc.http_app import start_http
+    from hydra_rpc.http.app import start_http
 
     app = App(ServerConfig(host="127.0.0.1", port=0),
               EngineConfig(model=ModelParams(tiny_model_path, n_ctx=256, n_slots=1, n_threads=1)))

@@ -149,7 +149,7 @@ class _SlowClientSink:
 
 @pytest.mark.asyncio
 async def test_a_pin_stream_write_tells_when_it_waits_on_the_client():
-    from hydra_rpc.wire import ResponseWriter
+    from hydra_rpc.hydra.wire import ResponseWriter
 
     sink = _SlowClientSink()
     told: list[bool] = []

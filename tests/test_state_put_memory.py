@@ -100,7 +100,7 @@ async def test_refused_concurrent_state_puts_give_their_buffers_back_without_the
     be freed as soon as the replies are out — an exception whose traceback a future or a frame
     keeps in a reference cycle would hold them."""
     tracked = TrackedBuffers()
-    monkeypatch.setattr("hydra_rpc.handlers.LeasedBuffer", lambda: LeasedBuffer(tracked))
+    monkeypatch.setattr("hydra_rpc.hydra.handlers.LeasedBuffer", lambda: LeasedBuffer(tracked))
     async with in_process_app(tiny_model_path) as app:
         gc.collect()
         gc.disable()

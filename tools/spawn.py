@@ -24,7 +24,7 @@ from typing import IO
 ROOT = Path(__file__).resolve().parents[1]
 HYDRA_LISTENING = re.compile(r"hydra-rpc listening on ([\d.]+):(\d+)")
 HYDRA_HTTP = re.compile(r"hydra-rpc http on ([\d.]+):(\d+)")
-GGML_RPC_READY = re.compile(r"HYDRA_GGML_RPC_READY ([\d.]+):(\d+)")  # what ``python -m engine.ggml_rpc_child`` prints
+GGML_RPC_READY = re.compile(r"HYDRA_GGML_RPC_READY ([\d.]+):(\d+)")  # what ``python -m hydra_rpc.ggml.child`` prints
 
 
 class SpawnError(RuntimeError):
@@ -227,10 +227,10 @@ class HydraServerProcess(ChildProcess):
 
 
 class GgmlRpcServerProcess(ChildProcess):
-    """llama.cpp's own ggml RPC server from the wheel (``python -m engine.ggml_rpc_child``)."""
+    """llama.cpp's own ggml RPC server from the wheel (``python -m hydra_rpc.ggml.child``)."""
 
     def __init__(self, threads: int | None = None, *, timeout: float = 60.0, env: dict[str, str] | None = None):
-        cmd = [sys.executable, "-m", "engine.ggml_rpc_child", "--host", "127.0.0.1", "--port", "0"]
+        cmd = [sys.executable, "-m", "hydra_rpc.ggml.child", "--host", "127.0.0.1", "--port", "0"]
         if threads is not None:
             cmd += ["--threads", str(threads)]
         super().__init__(cmd, "ggml rpc server", env=env, keep_lines=200)

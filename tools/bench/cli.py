@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hydra_rpc.usage import model_errors
+from hydra_rpc.cli.usage import model_errors
 
 SCENARIOS = {
     "meta-under-decode": "tools.bench.meta_under_decode",
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         models = model_set(args.model)
     ctx = BenchContext(quick=args.quick, models=models, reps=args.reps or (1 if args.quick else 3),
                        threads=args.threads or usable_cpus(), blocking_baseline=args.blocking_baseline,
-                       http=importlib.util.find_spec("hydra_rpc.http_app") is not None)
+                       http=importlib.util.find_spec("hydra_rpc.http.app") is not None)
     command = "hydra-rpc bench " + shlex.join(_without_out(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]))
     runs: list[list] = []
     for i in range(args.runs):

@@ -133,7 +133,7 @@ async def run(ctx: BenchContext) -> Result:
 
     res = Result(NAME)
     if not ctx.http:
-        raise BenchError("this build has no HTTP side (hydra_rpc.http_app)")
+        raise BenchError("this build has no HTTP side (hydra_rpc.http.app)")
     k = ctx.pick(8, 1)  # requests per variant and repetition (a CPU tick is 10 ms: ~2,000 tokens)
     max_tokens = ctx.pick(MAX_TOKENS, 96)  # --quick: enough for a call's name and a think block
     model = ctx.models.main

@@ -119,7 +119,7 @@ async def run(ctx: BenchContext) -> Result:
     msgs = messages_for(0)
     variants = ["bare", "pin"] + (["v3"] if ctx.http else [])
     if not ctx.http:
-        res.notes.append("DECODE v3 + HTTP not measured: this build has no HTTP side (hydra_rpc.http_app).")
+        res.notes.append("DECODE v3 + HTTP not measured: this build has no HTTP side (hydra_rpc.http.app).")
     runs: list[dict[str, Any]] = []
     with HydraServer(["--model", ctx.models.main, "--slots", str(SLOTS), "--ctx", str(slot_ctx),
                       "--threads", str(ctx.threads), "--fixed-threads"], http=ctx.http) as srv:

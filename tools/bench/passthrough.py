@@ -1,6 +1,6 @@
 """passthrough: a real ggml-RPC client through our port vs straight to the ggml RPC server.
 
-Upstream: llama.cpp's own RPC server from the wheel (``python -m engine.ggml_rpc_child``).
+Upstream: llama.cpp's own RPC server from the wheel (``python -m hydra_rpc.ggml.child``).
 Candidate: our server with ``--ggml-rpc-upstream`` pointing at it, so the client's
 connections (first byte 0x0E) are spliced through. The client is llama.cpp itself
 (``workers ggml-client``: register the endpoint, load with every layer offloaded, decode

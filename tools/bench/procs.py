@@ -53,7 +53,7 @@ class HydraServer(HydraServerProcess):
 
 
 class GgmlRpcServer(GgmlRpcServerProcess):
-    """llama.cpp's own ggml RPC server from the wheel (``python -m engine.ggml_rpc_child``)."""
+    """llama.cpp's own ggml RPC server from the wheel (``python -m hydra_rpc.ggml.child``)."""
 
     def __init__(self, threads: int, timeout: float = 60.0):
         try:

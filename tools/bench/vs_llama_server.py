@@ -77,7 +77,7 @@ def start(variant: str, binary: str, model: str, slots: int, threads: int) -> Op
     argv = llama_argv(model, port, slots, threads)
     if variant == "llama-server":
         return OpenAIServer([binary, *argv], port, "llama-server")
-    return OpenAIServer([sys.executable, "-m", "hydra_rpc.llama_engine_cmd", *argv, "--rpc-port", "0"], port,
+    return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0"], port,
                         "hydra-llama-engine")
 
 

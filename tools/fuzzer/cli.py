@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hydra_rpc.usage import UsageError
+from hydra_rpc.cli.usage import UsageError
 
 from .execute import RunConfig
 from .progress import Progress, summary_table

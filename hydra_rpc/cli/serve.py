@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from codec.limits import Limits
 
-from .config import ServerConfig, hostport_arg
-from .llama_argv import InvalidArgument, LlamaEngineSettings, parse_llama_argv
-from .llama_cli import add_llama_arguments, announce_ignored, apply_process_priority, engine_config, warn_deprecated
-from .logs import announce, log_level_arg, setup_logging
-from .usage import UsageError, model_errors
+from hydra_rpc.config import ServerConfig, hostport_arg
+from hydra_rpc.cli.llama_argv import InvalidArgument, LlamaEngineSettings, parse_llama_argv
+from hydra_rpc.cli.llama_cli import add_llama_arguments, announce_ignored, apply_process_priority, engine_config, warn_deprecated
+from hydra_rpc.observability.logs import announce, log_level_arg, setup_logging
+from hydra_rpc.cli.usage import UsageError, model_errors
 
 DEFAULT_MODEL = "gemma-270m"
 BASE_MODEL_BANNER = """\
@@ -146,7 +146,7 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
 def build_app(args: argparse.Namespace):
     from engine.model_files import resolve_model
 
-    from .app import App
+    from hydra_rpc.app import App
 
     if args.no_low_priority:
         args.deprecated = [*getattr(args, "deprecated", []),

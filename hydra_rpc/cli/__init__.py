@@ -11,14 +11,14 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from .logs import json_line
-from .usage import EXIT_INTERNAL, EXIT_USAGE, HelpFormatter, Parser, UsageError, VersionAction
+from hydra_rpc.observability.logs import json_line
+from hydra_rpc.cli.usage import EXIT_INTERNAL, EXIT_USAGE, HelpFormatter, Parser, UsageError, VersionAction
 
 # Modules, not imports: a command loads only its own (the server, the fuzzer and the inspector
 # each take a few hundred ms to import; `call` and `--version` need none of them).
 COMMANDS = {
-    "serve": ("hydra_rpc.serve_cmd", "run the engine server"),
-    "call": ("hydra_rpc.call_cmd", "send one Hydra request (curl for Hydra)"),
+    "serve": ("hydra_rpc.cli.serve", "run the engine server"),
+    "call": ("hydra_rpc.cli.call", "send one Hydra request (curl for Hydra)"),
     "inspect": ("tools.inspector.cli", "decode Hydra / ggml-RPC traffic"),
     "fuzz": ("tools.fuzzer.cli", "fuzz a Hydra port"),
     "bench": ("tools.bench.cli", "run the benchmarks"),
@@ -70,7 +70,7 @@ def _fail(args: argparse.Namespace, message: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["llama-engine"]:  # llama-engine's own command line, not argparse's
-        from . import llama_engine_cmd
+        from hydra_rpc.cli import llama_engine as llama_engine_cmd
 
         return llama_engine_cmd.main(argv[1:])
     args = build_parser(argv).parse_args(argv)
@@ -89,6 +89,3 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback)",
                      EXIT_INTERNAL)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ engine call and sends the same blob as STATE_GET; PUT receives into the same res
 as STATE_PUT, under the same size caps (the frame limit and the largest blob this model can
 produce, ``handlers.kv_blob_cap``), and restores with the same function
 (``handlers.restore_kv_blob``). The body is streamed in both directions, never read whole by
-aiohttp. Also here: the slot id of a ``/slots/{id}…`` path, shared with ``http_app``.
+aiohttp. Also here: the slot id of a ``/slots/{id}…`` path, shared with ``http.app``.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from engine.buffers import LeasedBuffer
 from engine.jobs import EngineBusy
 from engine.kv_cache import BadDeclaration, KvStateMismatch, declared_kv_cache
 
-from .engine_meta import identity_meta
-from .handlers import KV_VERSION, BlobRejected, kv_blob_cap, restore_kv_blob
-from .http_limits import reading_body, streams_body
-from .http_openai import ApiError, json_response, require_ready
+from hydra_rpc.hydra.engine_meta import identity_meta
+from hydra_rpc.hydra.handlers import KV_VERSION, BlobRejected, kv_blob_cap, restore_kv_blob
+from hydra_rpc.http.limits import reading_body, streams_body
+from hydra_rpc.http.openai import ApiError, json_response, require_ready
 
 OCTETS = "application/octet-stream"
 
@@ -47,7 +47,7 @@ def slot_of(request: web.Request, engine: Any) -> int:
     n = engine.n_slots if engine is not None else 0
     if n <= 0:
         raise ApiError(404, f"unknown slot {slot}: no slots yet (the model is loading)")
-    return slot % n  # as the Hydra port maps a key (hydra_rpc/keys.py): id 7 of 4 slots is slot 3
+    return slot % n  # as the Hydra port maps a key (hydra_rpc/hydra/keys.py): id 7 of 4 slots is slot 3
 
 
 class StateRoutes:

@@ -12,7 +12,7 @@ import logging
 
 from codec.ggml import Cmd
 
-from .passthrough import GgmlPassthrough
+from hydra_rpc.ggml.passthrough import GgmlPassthrough
 
 log = logging.getLogger("hydra_rpc.ggml_rpc_port")
 

@@ -27,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from codec.enums import Op
 
-from .metrics_llama import LlamaMetrics
+from hydra_rpc.observability.metrics_llama import LlamaMetrics
 
 # Latency buckets from 100 µs (a STATE_META on loopback) to 5 min (a long DECODE).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

@@ -1,7 +1,7 @@
 """``--ggml-rpc-embedded``: llama.cpp's ggml RPC server as supervised child processes.
 
 llama.cpp's rpc-server aborts its process on malformed input and serves one client at a time,
-so it never runs in ours: each ggml session gets a child of its own (engine/ggml_rpc_child.py),
+so it never runs in ours: each ggml session gets a child of its own (hydra_rpc/ggml/child.py),
 started before it is needed (a warm spare) and killed when the session ends, which also gives
 back every byte the session made the server allocate. A crash ends that one session; the pool
 starts the next child, backing off while children keep failing to start.
@@ -61,7 +61,7 @@ class GgmlChildPool:
     def __init__(self, threads: int, max_sessions: int, spares: int = 1, command: list[str] | None = None):
         # -m from ENGINE_DIR (cwd and PYTHONPATH): an "engine" directory wherever the server was
         # started from must not be what runs
-        self.command = command or [sys.executable, "-m", "engine.ggml_rpc_child", "--sealed", "--threads", str(threads)]
+        self.command = command or [sys.executable, "-m", "hydra_rpc.ggml.child", "--sealed", "--threads", str(threads)]
         self.threads = threads
         self.max_sessions = max_sessions
         self.spares = min(spares, max_sessions)

@@ -8,7 +8,7 @@
 
 Request and response fields are llama-server's (tools/server/README.md of the pinned
 llama.cpp; ``server_task_result_cmpl_*::to_json_non_oaicompat``). A completion is parsed and
-refused exactly as ``/v1/completions`` is (``http_openai.parse_completion_request``: same
+refused exactly as ``/v1/completions`` is (``http.openai.parse_completion_request``: same
 fields, same limits, same 400s) and runs as one job in the same scheduler. Tokenizing and
 rendering run on the inference thread between two steps (``Engine.with_model``), so a reload
 cannot free the model under them.
@@ -23,10 +23,10 @@ from aiohttp import web
 
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
 
-from .http_chat import dumps
-from .http_openai import (ApiError, StopFilter, cut_at_stop, engine_error, json_response, outcome,
+from hydra_rpc.http.chat import dumps
+from hydra_rpc.http.openai import (ApiError, StopFilter, cut_at_stop, engine_error, json_response, outcome,
                           parse_completion_request, read_json_object, require_ready, select_model, timings_of)
-from .wire import limit_send_buffer
+from hydra_rpc.hydra.wire import limit_send_buffer
 
 MAX_TOKENS = 1 << 20  # a /detokenize list longer than any context is a mistake, not a request
 STOP_TYPE = {"eos": "eos", "length": "limit", "ctx_full": "limit", "stop": "word"}

@@ -6,7 +6,7 @@ client take an hour over its headers, and buffers a request body as slowly as it
 * **connections** — counted with the engine port's (``conn_budget``); over ``--max-connections``
   the client gets one ``503`` and a close, before aiohttp sees a byte; at the ceiling the socket
   stops accepting;
-* **deadlines** — the engine port's, with the same flags (:class:`~hydra_rpc.deadlines.ReadClock`):
+* **deadlines** — the engine port's, with the same flags (:class:`~hydra_rpc.hydra.deadlines.ReadClock`):
   a new connection must start a request within ``--first-bytes-timeout`` and a kept-alive one
   within ``--idle-timeout``; headers and body must not stall for ``--stall-timeout`` and must
   average ``--min-rate`` over every ``--min-rate-window`` — only while the server waits for the
@@ -34,10 +34,10 @@ from engine.kv_layout import slot_context
 from engine.model_params import ModelParams
 from engine.params_table import MAX_CTX
 
-from .config import ServerConfig
-from .conn_budget import Acceptor, ConnectionBudget
-from .deadlines import IDLE, ClockTimer, ReadClock
-from .http_openai import error_body
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.conn_budget import Acceptor, ConnectionBudget
+from hydra_rpc.hydra.deadlines import IDLE, ClockTimer, ReadClock
+from hydra_rpc.http.openai import error_body
 
 log = logging.getLogger("hydra_rpc.http")
 

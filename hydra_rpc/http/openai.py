@@ -3,7 +3,7 @@
 A request becomes one ``GenJob`` on one slot, submitted to the same actor and scheduler
 as RPC work, so HTTP generations batch and interleave with RPC decodes. The job is
 cancelled whenever the handler leaves without a finished result: the client closed the
-connection (aiohttp cancels the handler, see ``http_app``), a stream write failed, or a
+connection (aiohttp cancels the handler, see ``http.app``), a stream write failed, or a
 stop sequence was matched here first. Cancelling frees the slot before the next step.
 
 Also here, because ``GET /v1/decode/{id}`` answers with the same objects: the OpenAI error
@@ -27,9 +27,9 @@ from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResu
 from engine.sampling import GrammarSpec
 from engine.status import ModelChoice
 
-from .http_chat import (ChunkSink, dumps, finish_reason, is_int, is_number, logprobs_object, message_object,
+from hydra_rpc.http.chat import (ChunkSink, dumps, finish_reason, is_int, is_number, logprobs_object, message_object,
                         parse_message, read_logit_bias, read_logprobs)
-from .wire import client_behind, limit_send_buffer
+from hydra_rpc.hydra.wire import client_behind, limit_send_buffer
 
 MAX_STOPS, MAX_STOP_BYTES = 16, 256
 ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",

@@ -1,11 +1,11 @@
 """llama.cpp's ggml RPC server (CPU) in a process of its own.
 
-    python -m engine.ggml_rpc_child [--host H] [--port P] [--threads N] [--sealed]
+    python -m hydra_rpc.ggml.child [--host H] [--port P] [--threads N] [--sealed]
 
 Standalone (the default) it behaves like llama.cpp's ``ggml-rpc-server``: it serves one client
 at a time, forever, and prints ``HYDRA_GGML_RPC_READY host:port`` once it listens.
 
-``--sealed`` is how ``--ggml-rpc-embedded`` runs it (hydra_rpc/ggml_children.py supervises): one
+``--sealed`` is how ``--ggml-rpc-embedded`` runs it (hydra_rpc/ggml/children.py supervises): one
 session on 127.0.0.1, then exit. Lines on stdin/stdout:
 
 * child → ``READY <port>`` once the server listens on 127.0.0.1:<port>;
@@ -144,7 +144,7 @@ def run_standalone(host: str, port: int, threads: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.ggml_rpc_child",
+    ap = argparse.ArgumentParser(prog="python -m hydra_rpc.ggml.child",
                                  description="llama.cpp's ggml RPC server (CPU) from the llama-cpp-python wheel.")
     ap.add_argument("--host", default="127.0.0.1", help="dotted IPv4 address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed on stdout)")

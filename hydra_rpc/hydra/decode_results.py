@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .jobs import GenJob, GenResult
+from engine.jobs import GenJob, GenResult
 
 
 @dataclass

@@ -23,13 +23,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .config import ServerConfig
-from .llama_args import BY_NAME, status
-from .llama_argv import InvalidArgument, LlamaEngineSettings, parse_llama_argv
-from .llama_cli import announce_ignored, apply_process_priority, engine_config
-from .logs import LEVELS, log, setup_logging, tally
-from .serve_cmd import run_app, run_loop, startup_failure_of
-from .usage import UsageError, version_string
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.cli.llama_args import BY_NAME, status
+from hydra_rpc.cli.llama_argv import InvalidArgument, LlamaEngineSettings, parse_llama_argv
+from hydra_rpc.cli.llama_cli import announce_ignored, apply_process_priority, engine_config
+from hydra_rpc.observability.logs import LEVELS, log, setup_logging, tally
+from hydra_rpc.cli.serve import run_app, run_loop, startup_failure_of
+from hydra_rpc.cli.usage import UsageError, version_string
 
 PROG = "hydra-llama-engine"
 EXIT_INVALID = 1  # llama-server's status for an invalid command line
@@ -131,7 +131,7 @@ def hydra_port(s: LlamaEngineSettings) -> int:
 def build_app(s: LlamaEngineSettings):
     from engine.model_files import resolve_model
 
-    from .app import App
+    from hydra_rpc.app import App
 
     if not s.model:
         raise UsageError("error: --model is required (router mode is not implemented)")

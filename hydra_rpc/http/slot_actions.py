@@ -18,7 +18,7 @@ from aiohttp import web
 from engine import slot_files
 from engine.jobs import BadInput, EngineBusy
 
-from .http_openai import ApiError, json_response, read_json_object
+from hydra_rpc.http.openai import ApiError, json_response, read_json_object
 
 ACTIONS = ("save", "restore")
 

@@ -2,12 +2,12 @@
 
 The upstream is either ``--ggml-rpc-upstream HOST:PORT`` (one connection per client: ggml-RPC
 connection state is not transferable, and the server serves one client at a time) or, with
-``--ggml-rpc-embedded``, a child process of its own per session (hydra_rpc/ggml_children.py),
+``--ggml-rpc-embedded``, a child process of its own per session (hydra_rpc/ggml/children.py),
 so nothing a ggml client sends can take the Hydra or HTTP side down.
 
 Every session opens with our own HELLO to the upstream; the client's HELLO is answered from it
 (zero conn_caps: TCP both ways). From then on the session guard (codec/ggml/guard.py) checks
-every frame before it is forwarded, and the relay (hydra_rpc/ggml_relay.py) moves the bytes on
+every frame before it is forwarded, and the relay (hydra_rpc/ggml/relay.py) moves the bytes on
 two threads, outside the event loop. A refused frame closes the session: ggml-RPC has no
 error frame.
 """
@@ -22,9 +22,9 @@ from codec.errors import CodecError
 from codec.ggml.guard import SessionGuard
 from engine.ggml_rpc_lib import open_session
 
-from .config import ServerConfig
-from .ggml_children import GgmlChild, GgmlChildPool
-from .ggml_relay import Relay
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.ggml.children import GgmlChild, GgmlChildPool
+from hydra_rpc.ggml.relay import Relay
 
 log = logging.getLogger("hydra_rpc.passthrough")
 UNBOUNDED = 1 << 64

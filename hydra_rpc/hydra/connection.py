@@ -9,7 +9,7 @@ and limits; this module owns what goes on the wire when a request is refused and
   unknown opcode) is answered ERROR and skipped so the next header is read from the right
   offset — bounded by ``limits.max_drain``, beyond which the connection is closed after the
   reply; bad magic closes without a reply;
-* progress-based read deadlines (:mod:`hydra_rpc.deadlines`): idle between requests, stall and
+* progress-based read deadlines (:mod:`hydra_rpc.hydra.deadlines`): idle between requests, stall and
   minimum rate inside a frame, counted only while the server waits for the client;
 * backpressure both ways: reading pauses while a request's unread bytes pile up, and writers
   wait (``drain``) while the transport's write buffer is above its high-water mark;
@@ -28,10 +28,10 @@ from codec.decoder import NEED_DATA, RECV_BUFFER, PayloadChunk, RequestDecoder, 
 from codec.enums import Status, op_name, status_name
 from codec.errors import BadMagic, FrameTooLarge, RemoteProtocolError
 
-from .config import ServerConfig
-from .deadlines import IDLE, ClockTimer, ReadClock
-from .logs import log_request, routine_level
-from .wire import Body, PeerGone, Request, ResponseWriter
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.hydra.deadlines import IDLE, ClockTimer, ReadClock
+from hydra_rpc.observability.logs import log_request, routine_level
+from hydra_rpc.hydra.wire import Body, PeerGone, Request, ResponseWriter
 
 log = logging.getLogger("hydra_rpc.connection")
 

@@ -1,7 +1,7 @@
 """One vocabulary for the model, the context and sampling: llama.cpp's (docs/llama-args.md).
 
 ``hydra-llama-engine`` reads llama-engine's whole command line with
-:func:`~hydra_rpc.llama_argv.parse_llama_argv`. ``hydra-rpc serve`` registers the same
+:func:`~hydra_rpc.cli.llama_argv.parse_llama_argv`. ``hydra-rpc serve`` registers the same
 arguments with argparse (for ``--help`` and its errors), collects the ones given, in order,
 and hands them to the same parser. Both then build the engine from the settings here, so an
 argument means the same in both.
@@ -22,10 +22,10 @@ from engine.reasoning_budget import MAX_BUDGET_MESSAGE, ReasoningBudget
 from engine.rpc_allow import RpcAllowList
 from engine.sampling import GrammarSpec
 
-from .llama_args import APPLIED, ARGS, status
-from .llama_argv import LlamaEngineSettings
-from .logs import announce
-from .usage import UsageError
+from hydra_rpc.cli.llama_args import APPLIED, ARGS, status
+from hydra_rpc.cli.llama_argv import LlamaEngineSettings
+from hydra_rpc.observability.logs import announce
+from hydra_rpc.cli.usage import UsageError
 
 #: serve's v1 names → (the llama.cpp argument they stand for now, what to say)
 DEPRECATED = {

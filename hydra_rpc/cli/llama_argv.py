@@ -21,7 +21,7 @@ from typing import Any
 from engine.chat.prompt import REASONING_FORMATS
 from engine.params_table import BY_CLI, CONVERSIONS, FALSEY, TRUTHY, Param, ParamError, stoi
 
-from .llama_args import ACTIONS, APPLIED, OUTPUT_ARGS, ARGS, BY_NAME, NO_EFFECT, REFUSED, LlamaArg, status
+from hydra_rpc.cli.llama_args import ACTIONS, APPLIED, OUTPUT_ARGS, ARGS, BY_NAME, NO_EFFECT, REFUSED, LlamaArg, status
 
 # Variables older llama.cpp builds read (the current name wins when both are set).
 LEGACY_ENV = {"LLAMA_CHAT_TEMPLATE_KWARGS": "--chat-template-kwargs"}

@@ -20,14 +20,14 @@ from codec.errors import MalformedPayload
 from codec.hashing import Xxh3Stream
 from engine.actor import Engine
 from engine.buffers import lazy_buffer
-from engine.decode_results import DecodeEntry, DecodeResults
+from hydra_rpc.hydra.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenJob
 from engine.kv_cache import BadDeclaration, KvStateMismatch
 from engine.model_params import ModelParams
 
-from .engine_meta import identity_meta
-from .handlers import BlobRejected, chat_input, check_kv_blob_size, restore_kv_blob, select_model
-from .wire import PeerGone, Request, ResponseWriter
+from hydra_rpc.hydra.engine_meta import identity_meta
+from hydra_rpc.hydra.handlers import BlobRejected, chat_input, check_kv_blob_size, restore_kv_blob, select_model
+from hydra_rpc.hydra.wire import PeerGone, Request, ResponseWriter
 
 log = logging.getLogger("hydra_rpc.decode_v3")
 

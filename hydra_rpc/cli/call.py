@@ -36,9 +36,9 @@ from codec.framing import (
 )
 from codec.payloads import decode_token_frames
 
-from .client import HydraClient, parse_meta
-from .config import parse_hostport
-from .usage import UsageError
+from hydra_rpc.client import HydraClient, parse_meta
+from hydra_rpc.config import parse_hostport
+from hydra_rpc.cli.usage import UsageError
 
 HEX_PREVIEW = 32  # payload bytes shown in the summary
 VERBOSE_BYTES = 256  # bytes of each part shown by -v
@@ -76,7 +76,7 @@ class HelpAction(argparse.Action):
         parser.print_help()
         op = getattr(namespace, "op", None)
         if op is not None:
-            from .call_formats import describe
+            from hydra_rpc.cli.call_formats import describe
 
             print(f"\nRequest formats of {describe(op)}", end="")
         parser.exit()
@@ -256,7 +256,7 @@ async def _call(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.describe is not None:
-        from .call_formats import describe
+        from hydra_rpc.cli.call_formats import describe
 
         sys.stdout.write(describe(args.describe))
         return 0

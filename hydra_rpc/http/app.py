@@ -4,16 +4,16 @@ Routes (the contract is written down in ``docs/http.md``)::
 
     GET  /health                       200 ready, 503 while the first model loads (or failed)
     GET  /version
-    GET  /v1/models, /models; POST /models/load, /models/unload   see http_models
+    GET  /v1/models, /models; POST /models/load, /models/unload   see http.models
     GET  /slots                        one entry per slot, from the actor's snapshots
     GET  /slots/{id}/state/meta        the STATE_META fields
-    GET, PUT /slots/{id}/state         KV state transfer, see http_state
+    GET, PUT /slots/{id}/state         KV state transfer, see http.state
     POST /slots/{id}?action=erase      a working slot: done when its job ends
-    POST /slots/{id}?action=save|restore  slot files (--slot-save-path), see http_slot_actions
+    POST /slots/{id}?action=save|restore  slot files (--slot-save-path), see http.slot_actions
     GET  /v1/decode/{decode_request_id}  merged DECODE v3 result: 202 running, 200 done, 404 gone
     DELETE /v1/decode/{decode_request_id}  (extension) cancel a running merged DECODE
-    POST /v1/chat/completions, /v1/completions (+ unversioned twins)   see http_openai
-    POST /completion, /tokenize, /detokenize, /apply-template; GET /props   llama-server's, see http_llama
+    POST /v1/chat/completions, /v1/completions (+ unversioned twins)   see http.openai
+    POST /completion, /tokenize, /detokenize, /apply-template; GET /props   llama-server's, see http.llama
     GET  /metrics                      Prometheus text format
 
 Reads (health, slots, meta, decode progress, metrics) come from published snapshots and
@@ -34,10 +34,10 @@ from aiohttp import web
 
 from engine.jobs import EngineBusy
 
-from .engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
-from .http_limits import HttpLimits, max_body_for
-from .http_chat import FINISH_REASON
-from .http_openai import (
+from hydra_rpc.hydra.engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
+from hydra_rpc.http.limits import HttpLimits, max_body_for
+from hydra_rpc.http.chat import FINISH_REASON
+from hydra_rpc.http.openai import (
     ApiError,
     OpenAIRoutes,
     completion_object,
@@ -47,15 +47,15 @@ from .http_openai import (
     require_ready,
     timings_of,
 )
-from .http_models import ModelRoutes
-from .http_slot_actions import ACTIONS as FILE_ACTIONS
-from .http_slot_actions import slot_file_action
-from .http_state import StateRoutes
-from .http_state import path_number as _number
-from .http_state import slot_of as _slot_of
-from .logs import access_log_options
-from .http_llama import LlamaRoutes
-from .metrics import CONTENT_TYPE, Metrics
+from hydra_rpc.http.models import ModelRoutes
+from hydra_rpc.http.slot_actions import ACTIONS as FILE_ACTIONS
+from hydra_rpc.http.slot_actions import slot_file_action
+from hydra_rpc.http.state import StateRoutes
+from hydra_rpc.http.state import path_number as _number
+from hydra_rpc.http.state import slot_of as _slot_of
+from hydra_rpc.observability.logs import access_log_options
+from hydra_rpc.http.llama import LlamaRoutes
+from hydra_rpc.observability.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("hydra_rpc.http")
 

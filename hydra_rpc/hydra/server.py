@@ -9,7 +9,7 @@ Shutdown sequence (``HydraServer.shutdown``), like uvicorn's:
  2. close idle connections at once, let connections with a request in flight finish it,
     up to ``shutdown_timeout`` seconds;
  3. cancel whatever is still running and close those connections;
- 4. the caller then stops the engine (``serve_cmd``).
+ 4. the caller then stops the engine (``cli.serve``).
 A second SIGINT/SIGTERM skips step 2 (force exit).
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Awaitable, Callable
 from codec.enums import Status
 from codec.framing import MAGIC_BYTES
 
-from .config import ServerConfig
-from .conn_budget import Acceptor, ConnectionBudget
-from .connection import Handler, HydraConnection
-from .logs import routine_level
-from .passthrough import GgmlPassthrough
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.conn_budget import Acceptor, ConnectionBudget
+from hydra_rpc.hydra.connection import Handler, HydraConnection
+from hydra_rpc.observability.logs import routine_level
+from hydra_rpc.ggml.passthrough import GgmlPassthrough
 
 log = logging.getLogger("hydra_rpc.server")
 

@@ -28,9 +28,9 @@ from engine.reasoning_budget import ReasoningBudget
 from engine.sampling import GREEDY, GrammarSpec
 from engine.status import ModelChoice
 
-from .engine_meta import configure_meta, identity_meta, info_meta, slot_meta
-from .keys import parse_slot_key
-from .wire import PeerGone, Request, ResponseWriter
+from hydra_rpc.hydra.engine_meta import configure_meta, identity_meta, info_meta, slot_meta
+from hydra_rpc.hydra.keys import parse_slot_key
+from hydra_rpc.hydra.wire import PeerGone, Request, ResponseWriter
 
 KV_VERSION = 3
 SWAP_ANSWER_WITHIN_S = 25.0  # under the C++ engine's 30 s SWAP_QUANT task timeout

@@ -20,7 +20,7 @@ from aiohttp import web
 from engine.jobs import EngineUnavailable
 from engine.status import flat_fields
 
-from .http_openai import ApiError, engine_error, json_response, read_json_object, require_ready
+from hydra_rpc.http.openai import ApiError, engine_error, json_response, read_json_object, require_ready
 
 # our alias states → llama-server's status.value
 _STATUS = {"loaded": "loaded", "loading": "loading", "unloaded": "unloaded", "failed": "unloaded"}

@@ -4,7 +4,7 @@
 trailing garbage ("3abc" → 3). An id at or past the slot count maps onto the slots modulo
 their count, as the C++ engine maps it (key 7 with 4 slots is slot 3): a coordinator whose
 worker file names more slots than this engine has must reach the same slot here as there,
-and over HTTP (``/slots/{id}…``, hydra_rpc/http_state.py) too. A negative id is NOT_FOUND;
+and over HTTP (``/slots/{id}…``, hydra_rpc/http/state.py) too. A negative id is NOT_FOUND;
 a key that is not a number stays an error.
 """
 from __future__ import annotations

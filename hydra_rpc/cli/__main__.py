@@ -1,0 +1,3 @@
+from hydra_rpc.cli import main
+
+raise SystemExit(main())
