@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from .decoder_state import TRANSITIONS, Phase, advance
 from .enums import op_name
 from .errors import BadMagic, FrameTooLarge
 from .framing import (
@@ -87,11 +88,14 @@ class ResponseEnd:
 RequestEvent = Union[RequestStart, PayloadChunk, RequestEnd]
 ResponseEvent = Union[ResponseStart, PayloadChunk, ResponseEnd]
 
-_HEAD, _PREAMBLE, _PAYLOAD, _SKIP, _BROKEN = range(5)
+# The phases as module globals: on Python 3.11 an Enum member lookup (``Phase.HEAD``) costs
+# several times a global's, and the decoder looks at its phase several times per frame.
+_HEAD, _PREAMBLE, _PAYLOAD, _SKIP, _BROKEN = Phase.HEAD, Phase.PREAMBLE, Phase.PAYLOAD, Phase.SKIP, Phase.BROKEN
 
 
 class _Decoder:
-    """Receive buffer and state machine; subclasses know their header and preamble."""
+    """Receive buffer and state machine (its phases and legal moves: ``codec.decoder_state``);
+    subclasses know their header and preamble."""
 
     _header_size: int
 
@@ -168,7 +172,7 @@ class _Decoder:
     @property
     def at_boundary(self) -> bool:
         """True between frames: nothing of a frame has been consumed yet."""
-        return self._state == _HEAD
+        return self._state is _HEAD
 
     @property
     def wanted(self) -> int:
@@ -177,9 +181,9 @@ class _Decoder:
         never reads past the part it is waiting for — a caller may read a payload itself after
         the start event."""
         buffered = self.buffered
-        if self._state == _HEAD:
+        if self._state is _HEAD:
             return max(0, self._header_size - buffered)
-        if self._state == _PREAMBLE:
+        if self._state is _PREAMBLE:
             return max(0, self._preamble_len() - buffered)
         if self._state in (_PAYLOAD, _SKIP):
             return max(0, self._remaining - buffered - self.receiving)
@@ -193,13 +197,13 @@ class _Decoder:
     @property
     def payload_remaining(self) -> int:
         """Payload bytes of the current request not handed out yet (0 outside a payload)."""
-        return self._remaining if self._state == _PAYLOAD else 0
+        return self._remaining if self._state is _PAYLOAD else 0
 
     def receive_into(self, dest: memoryview) -> int:
         """Let the next ``len(dest)`` payload bytes land in ``dest``. Returns how many were
         already buffered (and are copied now); ``receiving`` counts the rest, which
         ``get_buffer`` offers to the transport."""
-        if self._state != _PAYLOAD or len(dest) > self._remaining or self._sink is not None:
+        if self._state is not _PAYLOAD or len(dest) > self._remaining or self._sink is not None:
             raise ValueError("receive_into needs a payload with that many bytes left")
         n = min(self.buffered, len(dest))
         dest[:n] = self._view[self._start:self._start + n]
@@ -228,55 +232,75 @@ class _Decoder:
         self._start += n
         self.offset += n
 
+    def _goto(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self._state]:  # checked here, not in a call: this runs per frame
+            advance(self._state, phase, type(self).__name__)  # raises IllegalTransition
+        self._state = phase
+
     def _fail(self, err: FrameTooLarge, skip: int) -> FrameTooLarge:
         """Refuse the current frame: skip ``skip`` more bytes, or break when that is over the
         drain bound."""
         err.header = self._header  # type: ignore[attr-defined]
         if skip > self.limits.max_drain:
             err.recoverable = False
-            self._state, self._error = _BROKEN, err
-            self._start = self._end = 0
+            self._break(err)
+            self._start = self._end = 0  # a frame this big is never read: drop what was buffered of it
         else:
-            self._state, self._remaining = _SKIP, skip
+            self._goto(_SKIP)
+            self._remaining = skip
         return err
 
+    def _break(self, err: Exception) -> None:
+        self._goto(_BROKEN)
+        self._error = err
+
     def next_event(self):
-        if self._state == _BROKEN:
+        if self._state is _BROKEN:
             raise self._error  # type: ignore[misc]
-        if self._state == _HEAD:
-            if self._end - self._start < self._header_size:
-                return NEED_DATA
-            try:
-                self._header = self._parse_header(self._view[self._start:self._start + self._header_size])
-            except BadMagic as e:
-                self._state, self._error = _BROKEN, e
-                raise
-            self._discard(self._header_size)
-            self._state = _PREAMBLE
-            self._check_limits()
-        if self._state == _PREAMBLE:
-            n = self._preamble_len()
-            if self._end - self._start < n:
-                return NEED_DATA
-            start = self._make_start(self._take(n))
-            self._remaining = self._header.payload_len
-            self._state = _PAYLOAD if self._remaining == self._payload_len(start) else _SKIP
-            return start
-        if self._state == _PAYLOAD:
+        if self._state is _HEAD and not self._read_header():
+            return NEED_DATA
+        if self._state is _PREAMBLE:
+            return self._preamble_event()
+        if self._state is _PAYLOAD:
             return self._payload_event()
-        if self._state == _SKIP:
-            n = min(self._remaining, self._end - self._start)
-            self._discard(n)
-            self._remaining -= n
-            if self._remaining:
-                return NEED_DATA
-            self._state = _HEAD
-            return self._end_event(True)
-        raise AssertionError(self._state)
+        return self._skip_event()  # SKIP, the only phase left
+
+    def _read_header(self) -> bool:
+        """Parse the header once it is all in (False: not yet)."""
+        if self._end - self._start < self._header_size:
+            return False
+        try:
+            self._header = self._parse_header(self._view[self._start:self._start + self._header_size])
+        except BadMagic as e:
+            self._break(e)
+            raise
+        self._discard(self._header_size)
+        self._goto(_PREAMBLE)
+        self._check_limits()
+        return True
+
+    def _preamble_event(self):
+        n = self._preamble_len()
+        if self._end - self._start < n:
+            return NEED_DATA
+        start = self._make_start(self._take(n))
+        self._remaining = self._header.payload_len
+        # A payload the start event does not announce (an op that takes none) is skipped.
+        self._goto(_PAYLOAD if self._remaining == self._payload_len(start) else _SKIP)
+        return start
+
+    def _skip_event(self):
+        n = min(self._remaining, self._end - self._start)
+        self._discard(n)
+        self._remaining -= n
+        if self._remaining:
+            return NEED_DATA
+        self._goto(_HEAD)
+        return self._end_event(True)
 
     def _payload_event(self):
         if self._remaining == 0:
-            self._state = _HEAD
+            self._goto(_HEAD)
             return self._end_event(False)
         buffered = self._end - self._start
         total = self._header.payload_len
@@ -297,12 +321,12 @@ class _Decoder:
 
         Raises ``FrameTooLarge`` (not recoverable) when more than ``limits.max_drain`` is left.
         """
-        if self._state == _PAYLOAD:
+        if self._state is _PAYLOAD:
             if self._remaining > self.limits.max_drain:
                 raise self._fail(FrameTooLarge(f"{self._remaining} unread payload bytes are more than the "
                                                f"{self.limits.max_drain} a connection drains", rule="req.drain"),
                                  self._remaining)
-            self._state = _SKIP
+            self._goto(_SKIP)
 
 
 class RequestDecoder(_Decoder):

@@ -4,23 +4,8 @@ Typed messages in (the mailbox), events out (token queues, futures). Model work 
 single low-priority inference thread; shadow models are built on a loader thread (see
 ``engine.reloader``). After every step the actor publishes immutable per-slot snapshots,
 which STATE_META, INFO and ``/slots`` read without entering the mailbox — so they answer in
-microseconds whatever the engine is doing. See ``docs/architecture.md``.
-
-The public face — all the wire layer (``hydra_rpc``) uses:
-
-lifecycle  ``check()``, ``start()``, ``stop()``
-reads      ``ready``, ``startup_stage``, ``startup_error``, ``generation``, ``identity``,
-           ``kv_cache`` (KvCacheInfo: what a restore must match), ``n_slots``, ``n_ctx_slot``, ``n_vocab``,
-           ``max_state_size``, ``snapshots``/``snapshot(slot)``,
-           ``reload``, ``info()``, ``stats``, ``state_chunk_size``, ``default_n_predict``,
-           ``aliases``, ``model_states()``, ``cache.info()`` (the prompt cache),
-           ``queued_unassigned`` (jobs naming no slot, waiting for any)
-requests   ``sampling_for(fields)``, ``select_model(alias, hydra_config)``, ``submit(job)``
-           (cancel with ``job.cancel()``; ``job.slot`` None: the engine picks the slot; a stream
-           writer reports a client that is not reading with ``job.set_client_blocked()``),
-           ``submit_admitted(job)``, ``state_get(slot)``, ``state_put(slot, tokens, state)``, ``erase(slot)``
-           (slot files: ``engine.slot_files``), ``configure(cfg)``, ``swap_model(alias)``,
-           ``wait_reload(ticket)``, ``set_expert_mode(mode)``
+microseconds whatever the engine is doing. The wire layers never hold the actor: they hold
+``engine.api.EngineApi``, its facade. See ``docs/architecture.md``.
 """
 from __future__ import annotations
 
@@ -30,34 +15,30 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from codec.errors import CodecError
-
 from . import tiers
 from .backend import ModelBackend
-from .chat.formats import ChatFormat, detect_format
 from .buffers import LeasedBuffer
 from .config import EngineConfig, StateOut
 from .compute_threads import ComputeThreads, usable_cores
 from .erase import DeferredErases
 from .executors import InferenceThread, start_workers
-from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
-from .kv_cache import BadDeclaration, KvCacheInfo, KvStateMismatch, restore_state
+from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenRequest, JobHandle
+from .kv_cache import KvCacheInfo
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake, WithModel
-from .model_params import ModelParams, resolve_path
+from .model_params import ModelParams
 from .prompt_cache import PromptCache
-from .rates import RateWindow, rate
-from .reloader import BuildDone, DrainTimeout, Generations, Reloader, ReloadTicket, wait_live
-from .reasoning_budget import ReasoningBudget
-from .sampling import GrammarSpec, SamplerParams, merge_sampling
+from .rates import RateWindow
+from .reloader import BuildDone, DrainTimeout, Generations, Reloader
 from .scheduler import Scheduler, Serving, fail
+from .slot_state_ops import SlotStateOps
 from .slots import Slot, SlotSnapshot
-from .status import ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, ReloadState, ReloadStatus
+from .status import ConfigureOutcome, ModelIdentity, ReloadState, ReloadStatus
 from .stepper import Running, job_input, run_step
 
 log = logging.getLogger("engine.actor")
 
 
-class Engine:
+class EngineActor(SlotStateOps):
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.params = cfg.model
@@ -76,7 +57,7 @@ class Engine:
                       # llama-server's /metrics counters (hydra_rpc/observability/metrics_llama.py)
                       "prompt_tokens_cached": 0, "prompt_seconds": 0.0, "predicted_seconds": 0.0,
                       "n_decode": 0, "n_busy_slots": 0, "n_tokens_max": 0}
-        self._step_rate, self._token_rate = RateWindow(), RateWindow()
+        self.step_rate, self.token_rate = RateWindow(), RateWindow()  # read by the facade's info()
         self.loader: concurrent.futures.Executor | None = None
         self._infer: InferenceThread | None = None
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
@@ -171,137 +152,32 @@ class Engine:
         """Tokens one slot may hold (llama-server's rule; 0 before the first model)."""
         return self.kv_cache.n_ctx_slot if self.kv_cache is not None else 0
 
-    @property
-    def n_vocab(self) -> int:
-        return self.identity.n_vocab
-
-    @property
-    def chat_syntax(self) -> ChatFormat:
-        """The live model's chat template format (tool calls, reasoning); generic before a model."""
-        model = self.model
-        return model.chat_syntax if model is not None else detect_format(None)
-
-    @property
-    def reasoning_format(self) -> str:
-        """How chat answers split ``<think>`` blocks unless a request says (--reasoning-format)."""
-        return self.cfg.reasoning_format
-
-    @property
-    def default_grammar(self) -> GrammarSpec | None:
-        """The grammar of requests that bring none (--grammar, --json-schema)."""
-        return self.cfg.default_grammar
-
-    @property
-    def reasoning_budget(self) -> ReasoningBudget | None:
-        """The think-block budget of requests that set none (--reasoning-budget)."""
-        return self.cfg.reasoning_budget
-
-    @property
-    def max_state_size(self) -> int:
-        """The largest state one slot of the live model and context can hold (bytes)."""
-        return self.kv_cache.max_state_size if self.kv_cache is not None else 0
-
-    @property
-    def state_chunk_size(self) -> int:
-        """Bytes per write of a state transfer (T1 ``state_chunk_size``)."""
-        return int(self.t1["state_chunk_size"])
-
-    @property
-    def default_n_predict(self) -> int:
-        """Tokens to generate when a request sets no limit: T1 ``n_predict``, else a slot's context."""
-        n = int(self.t1.get("n_predict", -1))
-        return n if n >= 0 else self.n_ctx_slot
-
-    @property
-    def queued_unassigned(self) -> int:
-        return len(self.scheduler.unassigned)
-
-    def snapshot(self, slot: int) -> SlotSnapshot:
-        return self.snapshots[slot]
-
-    def info(self) -> EngineInfo:
-        now = time.monotonic()
-        return EngineInfo(
-            startup_stage=self.startup_stage, expert_mode=self.expert_mode, config_generation=self.generation,
-            reload=self.reload, reload_policy=self.cfg.reload_policy, reload_mode=self.cfg.reload_mode,
-            slots_total=self.n_slots,
-            slots_busy=sum(1 for s in self.snapshots if s.is_processing or s.is_transferring),
-            n_ctx_slot=self.n_ctx_slot, rpc_servers=self.params.rpc_servers,
-            devices=tuple(self.cfg.backend.devices(self.params)), aliases=self.aliases, identity=self.identity,
-            slot_states=tuple(s.state for s in self.snapshots),
-            steps_per_s=rate(self._step_rate.frozen(), self.stats["steps"], now),
-            tokens_per_s=rate(self._token_rate.frozen(), self.stats["tokens_generated"], now),
-            params=self.params, kv_cache=self.kv_cache, prompt_cache=self.cache.info(),
-            priorities=tuple(self.priorities.items()),
-            tensor_overrides=tuple(getattr(self.model, "tensor_overrides", ())),
-            backend_devices=tuple(self._backend_devices()), gpu_offload=self._gpu_offload())
-
-    def _backend_devices(self) -> list[dict[str, Any]]:
-        listing = getattr(self.cfg.backend, "backend_devices", None)
-        return listing() if listing is not None else [{"name": d, "description": "", "type": d, "backend": d}
-                                                      for d in self.cfg.backend.devices(self.params)]
-
-    def _gpu_offload(self) -> dict[str, Any] | None:
-        offload = getattr(self.model, "gpu_offload", None)
-        return offload.as_dict() if offload is not None else None
-
-    @property
-    def aliases(self) -> tuple[str, ...]:
-        """The model aliases clients may name (PREFILL ``model``, SWAP_QUANT), sorted."""
-        return tuple(sorted(self.cfg.aliases))
-
-    def model_states(self) -> dict[str, str]:
-        """Configured model aliases (sorted) → ``loaded`` (the resident file), ``loading`` (the
-        pending reload's target), ``failed`` (the latest reload's target, which failed) or
-        ``unloaded``."""
-        r = self.reload
-        out = {}
-        for alias, spec in sorted(self.cfg.aliases.items()):
-            path = resolve_path(self.cfg.resolve_model, spec)
-            if path == self.params.model_path:
-                out[alias] = "loaded"
-            elif path == r.target and (r.pending or r.state is ReloadState.FAILED):
-                out[alias] = "loading" if r.pending else "failed"
-            else:
-                out[alias] = "unloaded"
-        return out
-
     # ------------------------------------------------------------------ requests
-    def sampling_for(self, fields: Mapping[str, Any] | None = None) -> SamplerParams:
-        """T1 defaults, then the request's own sampling fields (any dialect's spelling)."""
-        return merge_sampling(self.t1, fields)
-
-    def set_expert_mode(self, mode: str) -> str:
-        """Returns the mode in effect: always "solo" (no combined head or peer exists here)."""
-        self.expert_mode = "solo"
-        return self.expert_mode
-
-    def submit(self, job: GenJob) -> GenJob:
+    def submit(self, request: GenRequest) -> JobHandle:
         """Queue a generation job. Raises EngineBusy / EngineUnavailable / BadInput at once when refused."""
         if self.model is None and self.startup_stage != "ready":
             raise EngineUnavailable(f"no model loaded (stage {self.startup_stage})")
-        if job.slot is None:
-            if job.append or (job.messages is None and job.prompt is None and job.tokens is None):
+        if request.slot is None:
+            if request.append or (request.messages is None and request.prompt is None and request.tokens is None):
                 raise BadInput("a request that names no slot needs a prompt (and cannot continue a slot)")
-        elif not 0 <= job.slot < self.n_slots:
-            raise BadInput(f"invalid slot {job.slot}")
+        elif not 0 <= request.slot < self.n_slots:
+            raise BadInput(f"invalid slot {request.slot}")
         if self.reloader.pending and self.cfg.reload_policy == "reject":
             raise EngineBusy("reloading", retry_after_ms=self._retry_after_ms())
         self._require_actor()
-        job.done = asyncio.get_running_loop().create_future()
-        job.wake = self._wake
+        job = GenJob(request, done=asyncio.get_running_loop().create_future(), wake=self._wake)
         self.post(Submit(job))
-        return job
+        return JobHandle(job)
 
-    async def submit_admitted(self, job: GenJob) -> GenJob:
-        """``submit``, then wait until the actor has taken the job (running, or queued while a
-        reload drains): a refusal (EngineBusy for a busy slot and ``job.wait`` False) is raised
-        here instead of failing ``job.result()`` later."""
-        self.submit(job)
+    async def submit_admitted(self, request: GenRequest) -> JobHandle:
+        """``submit``, then wait until the actor has taken the job (see ``EngineApi.submit_admitted``)."""
+        handle = self.submit(request)
         await self._call(Wake())  # the mailbox is FIFO: the Submit before it has been handled
-        if job.done.done() and not job.done.cancelled() and job.done.exception() is not None:
-            raise job.done.exception()
-        return job
+        if handle.finished():
+            outcome = await handle.outcome()
+            if isinstance(outcome, Exception):
+                raise outcome
+        return handle
 
     async def state_get(self, slot: int) -> StateOut:
         return await self._call(StateGet(slot))
@@ -330,40 +206,6 @@ class Engine:
         request.
         """
         return await self._call(Configure(cfg))
-
-    async def wait_reload(self, ticket: ReloadTicket) -> int:
-        """Wait until a configure's reload is live; returns its generation. Raises ReloadFailed."""
-        return await wait_live(ticket)
-
-    async def swap_model(self, alias: str) -> ConfigureOutcome:
-        """SWAP_QUANT: reload to a configured alias (not awaited). KeyError for an unknown alias."""
-        return await self.configure({"model_path": self.cfg.aliases[alias]})
-
-    async def select_model(self, alias: str | None, hydra_config: Mapping[str, Any] | None = None) -> ModelChoice:
-        """Settle a request's ``model`` (an alias) and ``hydra_config`` before it runs.
-
-        A configured alias of another file, or staged keys, reload the model and wait until the
-        new one is live; the returned ``params`` pins the request to it (``GenJob.params``), so
-        it is served by exactly that config or fails. Any other name is served by the resident
-        model, as llama-server does. Raises ReloadFailed (the reload did not happen).
-        """
-        path = self.cfg.aliases.get(alias) if alias else None
-        name = alias if path is not None else self.identity.display_name
-        fallback = bool(alias) and path is None and alias not in (self.identity.model_name,
-                                                                  self.identity.model_alias)
-        if path is None and hydra_config is None:
-            return ModelChoice(name, fallback, 0.0, None)
-        staged = dict(hydra_config or {})
-        if path is not None:
-            # Always staged: whether it is already live is the actor's to decide, atomically with
-            # the other messages — judged here, a reload landing in between would pin the
-            # request to the wrong model.
-            staged["model_path"] = path
-        out = await self.configure(staged)
-        if out.reload_ticket is None:
-            return ModelChoice(name, fallback, 0.0, out.params)
-        await self.wait_reload(out.reload_ticket)
-        return ModelChoice(name, fallback, out.reload_ticket.load_ms, out.params)
 
     def _retry_after_ms(self) -> int:
         return int(max(self.reload.load_ms, 500))
@@ -417,8 +259,8 @@ class Engine:
             self.stats["steps"] += 1
             self.scheduler.after_step(running, self._serving())
             now = time.monotonic()
-            self._step_rate.record(self.stats["steps"], now)
-            self._token_rate.record(self.stats["tokens_generated"], now)
+            self.step_rate.record(self.stats["steps"], now)
+            self.token_rate.record(self.stats["tokens_generated"], now)
             self._publish()
             # One turn of the loop for what the step woke (the streams' writers) before the next
             # step starts: done now, while the compute threads wait anyway, their sends do not
@@ -504,98 +346,6 @@ class Engine:
                 fail(job, e)
                 return
         self.scheduler.offer(job, self._serving())
-        self._publish()
-
-    # ------------------------------------------------------------------ state transfer
-    def _require_idle(self, slot_id: int, what: str = "busy") -> Slot:
-        if self.model is None:  # an in-place reload freed it and is loading the next one
-            raise EngineBusy("no model loaded: an in-place reload is in progress", self._retry_after_ms())
-        slot = self.slots[slot_id]
-        if slot.busy:
-            raise EngineBusy(f"slot {slot_id} is {what}")
-        return slot
-
-    async def _on_state_get(self, msg: StateGet) -> StateOut:
-        slot = self._require_idle(msg.slot)
-        slot.transferring = True
-        slot.begin("state_get", slot.n_past)
-        self._publish()
-        loop = asyncio.get_running_loop()
-        model = self.model
-        release = None
-        try:
-            size = await loop.run_in_executor(self._infer, model.state_seq_size, slot.id)
-            buf, release = self._state_buf.lease(size)
-            n = await loop.run_in_executor(self._infer, model.state_seq_get_into, slot.id, buf)
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        finally:
-            slot.transferring = False
-            slot.operation = "idle"
-        slot.state_size = n
-        self._publish()
-        return StateOut(slot.n_past, list(slot.tokens), buf[:n].toreadonly(), self.identity,
-                        slot.generation, release)
-
-    async def _on_state_put(self, msg: StatePut) -> int:
-        slot = self._require_idle(msg.slot)
-        slot.transferring = True
-        slot.begin("state_put", len(msg.tokens))
-        self._publish()
-        model = self.model
-
-        def load() -> tuple[int, int, int]:
-            n = restore_state(model, slot.id, msg.state, msg.declared)  # every claim is checked first
-            return n, model.seq_pos_max(slot.id), model.state_seq_size(slot.id)
-
-        try:
-            n, pos_max, size = await asyncio.get_running_loop().run_in_executor(self._infer, load)
-        except (CodecError, KvStateMismatch, BadDeclaration):
-            raise  # refused before anything changed: the slot keeps what it held
-        except Exception:
-            slot.tokens, slot.tail = [], []
-            raise
-        finally:
-            slot.transferring = False
-            slot.operation = "idle"
-        n_kv = pos_max + 1
-        # Positions whose token we do not know get -1: they never match a prompt, so prefix
-        # reuse stops there, and a continuation cannot re-feed an unknown token.
-        slot.tokens = (list(msg.tokens[:n_kv]) + [-1] * max(0, n_kv - len(msg.tokens)))
-        slot.tail = []
-        self.cache.checkpoints.forget(slot.id)  # they belong to the state just replaced
-        slot.state_size = size
-        slot.generation = self.generation
-        self.scheduler.touch(slot)
-        self._publish()
-        return n
-
-    async def _on_erase(self, msg: Erase) -> int | asyncio.Future:
-        slot = self.slots[msg.slot]
-        if self.model is not None and (slot.busy or slot.erase_waiters):
-            return self.erases.add(slot)  # the caller awaits it; done by _erase_deferred
-        return await self._erase_now(self._require_idle(msg.slot, "processing"))
-
-    async def _erase_now(self, slot: Slot) -> int:
-        n = slot.n_past
-        await asyncio.get_running_loop().run_in_executor(self._infer, self.model.seq_clear, slot.id)
-        slot.tokens, slot.tail, slot.state_size = [], [], 0
-        self.cache.checkpoints.forget(slot.id)
-        self._publish()
-        return n
-
-    async def _erase_deferred(self) -> None:
-        """Erase the slots freed since an erase was deferred, then admit what they held back."""
-        for slot in self.erases.due():
-            if self.model is None:
-                continue  # an in-place reload is building: the slots are empty once it is done
-            try:
-                self.erases.answer(slot, await self._erase_now(slot))
-            except Exception as e:
-                self.erases.answer(slot, 0, e)
-        self.scheduler.admit_queued(self._serving())
         self._publish()
 
     # ------------------------------------------------------------------ configure

@@ -1,8 +1,9 @@
 """What the engine needs from a model: the ``ModelBackend`` protocol and how one is built.
 
-``LoadedModel`` (llama.cpp, ``engine.llama_backend``) is the production backend; tests add a
-scripted one. The actor and the stepper only ever call what is declared here, always from
-one thread at a time (the inference thread, or the loader thread while building).
+``LoadedModel`` (llama.cpp, built by ``engine.llama_backend.factory.LlamaFactory``) is the
+production backend; tests add a scripted one. Nothing here imports a backend (they import
+this). The actor and the stepper only ever call what is declared here, always from one thread
+at a time (the inference thread, or the loader thread while building).
 """
 from __future__ import annotations
 
@@ -137,59 +138,3 @@ class BackendFactory(Protocol):
     def devices(self, params: "ModelParams") -> list[str]:
         """The compute devices a model built from ``params`` runs on (INFO ``devices``)."""
 
-
-class LlamaFactory:
-    """The production backend: llama.cpp through llama-cpp-python (imported on first use)."""
-
-    def check(self) -> None:
-        from .llama_backend import check_rpc_support
-
-        check_rpc_support()  # a wheel built without GGML_RPC is a broken install
-
-    def build(self, params: "ModelParams", progress: "Callable[[float], None] | None" = None) -> ModelBackend:
-        from .llama_backend.build import load
-
-        if params.rpc_servers:
-            from .ggml_rpc_lib import register_rpc_server
-
-            for ep in params.rpc_servers:
-                register_rpc_server(ep)
-        return load(params, progress)
-
-    @staticmethod
-    def model_problem(path: str) -> str | None:
-        """Why ``path`` cannot be loaded as a model (a CONFIGURE ``model`` is refused for it), or None."""
-        return gguf_problem(path)
-
-    def devices(self, params: "ModelParams") -> list[str]:
-        """Devices in the ggml backend registry: CPU, a GPU build's (CUDA0, Vulkan0, ROCm0, …),
-        ``RPC0[host:port]`` for remote layers."""
-        from .gpu import registry_for
-
-        return [f"{d.name}[{d.description}]" if d.is_rpc else d.name for d in registry_for(params.rpc_servers)]
-
-    def backend_devices(self) -> list[dict[str, Any]]:
-        """The registry's devices with their description, type and backend (INFO ``backend_devices``)."""
-        from .gpu import backend_devices
-
-        return [d.as_dict() for d in backend_devices()]
-
-
-GGUF_MAGIC = b"GGUF"
-
-
-def gguf_problem(path: str) -> str | None:
-    """Why ``path`` is not a GGUF model file this process can read, or None. Only the magic
-    is read: whether llama.cpp takes the rest is for the build to say."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except FileNotFoundError:
-        return f"model file {path} does not exist"
-    except IsADirectoryError:
-        return f"model path {path} is a directory, not a GGUF file"
-    except OSError as e:
-        return f"model file {path} cannot be read: {e.strerror or e}"
-    if magic != GGUF_MAGIC:
-        return f"model file {path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})"
-    return None

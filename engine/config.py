@@ -1,15 +1,26 @@
 """The engine's start-up settings, and what a STATE_GET hands back (``engine.actor``)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from .backend import BackendFactory, LlamaFactory
+from .backend import BackendFactory
 from .model_params import ModelParams
 from .rpc_allow import RpcAllowList
 from .reasoning_budget import ReasoningBudget
 from .sampling import GrammarSpec
 from .status import ModelIdentity
+
+#: Variables llama.cpp reads from the process environment itself, whose effect the engine
+#: reports (``LLAMA_ATTN_ROT_DISABLE``: INFO ``kv_cache.attn_rotation``). They are captured with
+#: the settings so that no engine module reads the environment behind the configuration's back.
+LLAMA_ENV_VARS = ("LLAMA_ATTN_ROT_DISABLE",)
+
+
+def llama_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``LLAMA_ENV_VARS`` that ``environ`` sets."""
+    return {k: environ[k] for k in LLAMA_ENV_VARS if k in environ}
 
 
 @dataclass
@@ -33,7 +44,8 @@ class EngineConfig:
     defaults: dict[str, Any] = field(default_factory=dict)  # T1 parameters
     # ggml RPC servers a CONFIGURE ``rpc_servers`` may name (engine.rpc_allow)
     rpc_allow: RpcAllowList = field(default_factory=RpcAllowList)
-    backend: BackendFactory = field(default_factory=LlamaFactory)
+    # None: llama.cpp's (engine.llama_backend.factory.LlamaFactory, given ``llama_env``)
+    backend: BackendFactory = None  # type: ignore[assignment]  # filled by __post_init__
     # how the drain timeout is scheduled (None: the event loop's call_later)
     call_later: Callable[[float, Callable[[], None]], Any] | None = None
     # the prompt cache's start-up settings (llama-server's flags of the same names; engine/prompt_cache.py,
@@ -48,6 +60,16 @@ class EngineConfig:
     reasoning_format: str = "auto"
     default_grammar: GrammarSpec | None = None
     reasoning_budget: ReasoningBudget | None = None  # --reasoning-budget N (≥ 0), --reasoning-budget-message
+    # what llama.cpp will read from this process's environment (LLAMA_ENV_VARS), as it was when the
+    # settings were read: the CLI builds the config at start, before any context exists
+    llama_env: dict[str, str] = field(default_factory=lambda: llama_environment(os.environ))
+
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            # imported here, not above: llama-cpp-python loads only in an engine that uses it
+            from .llama_backend.factory import LlamaFactory
+
+            self.backend = LlamaFactory(self.llama_env)
 
 
 @dataclass

@@ -69,17 +69,17 @@ class GenResult:
     text: bytes = b""
 
 
-@dataclass(eq=False)
-class GenJob:
-    """Prefill (optional) then generate ``n_predict`` tokens on one slot.
+@dataclass(frozen=True)
+class GenRequest:
+    """Prefill (optional) then generate ``n_predict`` tokens on one slot: what a client asked for.
 
     Input, in order of precedence: ``messages`` (chat template), ``prompt`` (plain text),
     ``tokens``. With ``append`` the new tokens continue the slot's sequence;
     otherwise they are the whole sequence and the common prefix already in the KV
     cache is reused. No input at all means: continue from what the slot holds.
 
-    ``slot`` None: the engine picks one when it admits the job (see ``engine.slot_choice``)
-    and sets ``slot``; such a job needs an input and cannot ``append``.
+    ``slot`` None: the engine picks one when it admits the job (see ``engine.slot_choice``;
+    ``JobHandle.slot`` tells which); such a request needs an input and cannot ``append``.
     """
 
     slot: int | None
@@ -101,42 +101,122 @@ class GenJob:
     # False: never wait in the slot's queue — a busy slot refuses it with EngineBusy (a merged
     # DECODE runs detached from its client; the C++ answers it "slot is busy")
     wait: bool = True
+
+
+@dataclass(eq=False)
+class GenJob:
+    """One request's run inside the engine: the request and the state the actor and the
+    inference thread keep for it. The wire side holds a ``JobHandle`` on it, never this."""
+
+    request: GenRequest
     id: int = field(default_factory=lambda: next(_job_ids))
-    # runtime, owned by the actor / inference thread
+    slot: int | None = None  # the slot it runs on: the request's, or the one the engine chose
     # (model, tokens): the input tokenized before a slot was chosen; used if that model still serves
     tokenized: tuple[Any, list[int]] | None = field(default=None, repr=False)
     # set when ``messages`` are rendered: the generation prompt ends inside an open think block,
     # so the output starts as reasoning (read by the wire side once the first token arrives)
     opens_reasoning: bool = False
     cancelled: bool = False
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent…, then None
     done: asyncio.Future | None = None
-    client_blocked: bool = False  # see set_client_blocked
+    client_blocked: bool = False  # see JobHandle.set_client_blocked
     wake: Callable[[], None] | None = field(default=None, repr=False)  # set by the engine on submit
+
+    def __post_init__(self) -> None:
+        if self.slot is None:
+            self.slot = self.request.slot
 
     def cancel(self) -> None:
         self.cancelled = True
         if self.client_blocked and self.wake is not None:  # a paused job is not stepped: have it reaped now
             self.wake()
 
+
+class JobHandle:
+    """What the submitter of a request holds: its tokens as they come, its result, a cancel."""
+
+    __slots__ = ("_job",)
+
+    def __init__(self, job: GenJob):
+        self._job = job
+
+    @property
+    def id(self) -> int:
+        return self._job.id
+
+    @property
+    def request(self) -> GenRequest:
+        return self._job.request
+
+    @property
+    def slot(self) -> int | None:
+        """The slot the job runs on (None until the engine chose one for a request naming none)."""
+        return self._job.slot
+
+    @property
+    def opens_reasoning(self) -> bool:
+        """The rendered chat prompt ends inside an open think block: output starts as reasoning."""
+        return self._job.opens_reasoning
+
+    @property
+    def cancelled(self) -> bool:
+        return self._job.cancelled
+
+    def cancel(self) -> None:
+        self._job.cancel()
+
     def set_client_blocked(self, blocked: bool) -> None:
         """Called by the wire layer: its write of this job's tokens waits on a client that is not
         reading (the transport's flow control paused it), or no longer does. While blocked, the
         engine does not step the job — tokens nobody can send would only pile up in memory — and
         the slot reports ``waiting_on: client``."""
-        if blocked != self.client_blocked:
-            self.client_blocked = blocked
-            if self.wake is not None:
-                self.wake()
+        job = self._job
+        if blocked != job.client_blocked:
+            job.client_blocked = blocked
+            if job.wake is not None:
+                job.wake()
+
+    async def next_event(self) -> TokenEvent | None:
+        """The next token (waiting for it); None once the job has ended."""
+        return await self._job.events.get()
+
+    def ready_events(self, limit: int | None = None) -> list[TokenEvent | None]:
+        """The events already generated, without waiting (at most ``limit``): a writer sends them
+        in one write. A None in the list is the end of the job."""
+        q, out = self._job.events, []
+        while not q.empty() and (limit is None or len(out) < limit):
+            out.append(q.get_nowait())
+        return out
+
+    def has_ready_events(self) -> bool:
+        return not self._job.events.empty()
+
+    @property
+    def events_waiting(self) -> int:
+        """Events generated and not read yet (a detached job's progress)."""
+        return self._job.events.qsize()
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
         """Tokens as they are generated; ends when the job ends."""
         while True:
-            ev = await self.events.get()
+            ev = await self._job.events.get()
             if ev is None:
                 return
             yield ev
 
     async def result(self) -> GenResult:
-        assert self.done is not None
-        return await self.done
+        assert self._job.done is not None
+        return await self._job.done
+
+    async def outcome(self) -> GenResult | BaseException:
+        """The result or the error the job ended with, without raising; a job the engine
+        cancelled (a stop) ends as CancelledError, which is returned, not raised — awaiting
+        ``result()`` would raise it into the caller as if the caller were cancelled."""
+        done = self._job.done
+        await asyncio.wait({done})
+        if done.cancelled():
+            return asyncio.CancelledError()
+        return done.exception() or done.result()
+
+    def finished(self) -> bool:
+        return self._job.done is not None and self._job.done.done()

@@ -14,11 +14,18 @@ llama.cpp writes and accepts, flash-attention "auto" resolved.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from codec.errors import LocalProtocolError
+from codec.kvmeta import (
+    DECLARED_FIELDS,
+    DeclarationShapeError,
+    compare_declared,
+    declaration,
+    kv_cache_object,
+    mismatch_meta,
+)
 from codec.seqstate import (
     KV_TYPE_BLOCKS,
     KvCacheSummary,
@@ -35,8 +42,11 @@ from .jobs import BadInput
 from .kv_layout import slot_context
 from .model_params import ModelParams
 
-if TYPE_CHECKING:
-    from .backend import ModelBackend
+# DECLARED_FIELDS belongs to the wire (codec.kvmeta); it is exported here too, beside the check
+__all__ = [
+    "DECLARED_FIELDS", "KV_SHAPE_KEYS", "BadDeclaration", "KvCacheInfo", "KvLayout", "KvStateMismatch",
+    "build_problem", "check_declared", "declared_kv_cache", "restore_state",
+]
 
 
 class KvStateMismatch(BadInput):
@@ -48,7 +58,7 @@ class KvStateMismatch(BadInput):
         self.field, self.got, self.want = field_name, got, want
 
     def as_meta(self) -> dict[str, Any]:
-        return {"error": "kv_state_mismatch", "field": self.field, "got": self.got, "want": self.want}
+        return mismatch_meta(self.field, self.got, self.want)
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ class KvCacheInfo:
     head_dim: tuple[int, int] = (0, 0)  # K, V elements per attention head (0: unknown)
     # (bytes of a one-token sequence state, bytes each further token adds), measured at load
     state_growth: tuple[int, int] = (0, 0)
+    # LLAMA_ATTN_ROT_DISABLE set (to anything) in the environment the context was built with
+    rotation_disabled: bool = False
 
     @property
     def max_state_size(self) -> int:
@@ -136,18 +148,12 @@ class KvCacheInfo:
 
     @functools.cached_property
     def as_dict(self) -> dict[str, Any]:
-        """JSON-able (computed once: STATE_META is polled)."""
-        v_trans = self.v_trans
-        return {
-            "type_k": self.type_k, "type_v": self.type_v,
-            "flash_attn": self.flash_attn if v_trans is None else ("on" if not v_trans else "off"),
-            "flash_attn_setting": self.flash_attn, "kv_unified": self.kv_unified, "v_trans": v_trans,
-            "n_ctx": self.n_ctx, "n_ctx_slot": self.n_ctx_slot,
-            "n_stream": self.layout.caches[0].n_stream if self.layout else None,
-            "rope": dict(self.rope), "attn_rotation": {"k": self.rotation[0], "v": self.rotation[1]},
-            "attn_rotation_disabled": bool(os.environ.get("LLAMA_ATTN_ROT_DISABLE")),
-            "llama_cpp": self.build,
-        }
+        """The wire's ``kv_cache`` (codec.kvmeta), JSON-able (computed once: STATE_META is polled)."""
+        return kv_cache_object(
+            type_k=self.type_k, type_v=self.type_v, flash_attn=self.flash_attn, v_trans=self.v_trans,
+            kv_unified=self.kv_unified, n_ctx=self.n_ctx, n_ctx_slot=self.n_ctx_slot,
+            n_stream=self.layout.caches[0].n_stream if self.layout else None, rope=self.rope,
+            rotation=self.rotation, rotation_disabled=self.rotation_disabled, build=self.build)
 
     def check_state(self, buf: Any) -> SeqStateSummary | None:
         """Parse the header of the sequence state at the start of ``buf`` and compare it with
@@ -166,24 +172,13 @@ class KvCacheInfo:
         return summary
 
 
-#: What changes the meaning of a sequence state's bytes yet is not in llama.cpp's header (which
-#: carries the layout: streams, cells, layers, v_trans, types, row sizes): K and V rotated before
-#: they were stored, and the RoPE applied to K. A sender declares them (its INFO / STATE_META
-#: ``kv_cache``; DECODE v3 ``kv_metadata.kv_cache``, HTTP ``X-Hydra-KV-Cache``); a binary
-#: STATE_PUT has no place for them and cannot be checked.
-DECLARED_FIELDS = ("attn_rotation.k", "attn_rotation.v", "rope.scaling", "rope.freq_base", "rope.freq_scale",
-                   "rope.yarn_ext_factor", "rope.yarn_attn_factor", "rope.yarn_beta_fast", "rope.yarn_beta_slow",
-                   "rope.yarn_orig_ctx")
-
-
 class BadDeclaration(BadInput):
     """A declared ``kv_cache`` that is not an object of the published shape."""
 
 
 def declared_kv_cache(info: "KvCacheInfo") -> dict[str, Any]:
     """What a sender declares about its states: the ``DECLARED_FIELDS`` of its ``kv_cache``."""
-    d = info.as_dict
-    return {"attn_rotation": dict(d["attn_rotation"]), "rope": dict(d["rope"])}
+    return declaration(info.as_dict)
 
 
 def check_declared(info: "KvCacheInfo", declared: Any) -> None:
@@ -193,32 +188,24 @@ def check_declared(info: "KvCacheInfo", declared: Any) -> None:
     :class:`BadDeclaration` for a declaration of the wrong shape."""
     if declared is None or info is None:
         return
-    if not isinstance(declared, dict):
-        raise BadDeclaration("the declared kv_cache must be a JSON object (INFO's kv_cache)")
-    ours = info.as_dict
-    for path in DECLARED_FIELDS:
-        group, key = path.split(".")
-        theirs = declared.get(group)
-        if theirs is None:
-            continue
-        if not isinstance(theirs, dict):
-            raise BadDeclaration(f"the declared kv_cache.{group} must be an object")
-        if key not in theirs:
-            continue
-        got, want = theirs[key], ours[group].get(key)
-        if not _same(got, want):
-            raise KvStateMismatch(f"kv_cache.{path}", got, want)
+    try:
+        m = compare_declared(info.as_dict, declared)
+    except DeclarationShapeError as e:
+        raise BadDeclaration(str(e)) from None
+    if m is not None:
+        raise KvStateMismatch(*m)
 
 
-def _same(got: Any, want: Any) -> bool:
-    if isinstance(want, bool) or isinstance(got, bool):
-        return got is want
-    if isinstance(want, (int, float)) and isinstance(got, (int, float)):
-        return float(got) == float(want)
-    return got == want
+class Restorable(Protocol):
+    """What :func:`restore_state` needs of a model (``engine.backend.ModelBackend`` has it): a
+    protocol of its own, so that the backend protocol may name ``KvCacheInfo`` without a cycle."""
+
+    @property
+    def kv_cache(self) -> KvCacheInfo: ...
+    def state_seq_set(self, seq: int, data: Any) -> int: ...
 
 
-def restore_state(model: "ModelBackend", seq: int, state: Any, declared: Any = None) -> int:
+def restore_state(model: Restorable, seq: int, state: Any, declared: Any = None) -> int:
     """Load a sequence state into ``seq``: the one way a state reaches llama.cpp (STATE_PUT,
     the DECODE v3 kv segment, slot files, the prompt cache's RAM and disk tiers). Its header is
     parsed and compared with the model's KV cache first (:meth:`KvCacheInfo.check_state`), so

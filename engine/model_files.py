@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import string
 import sys
 import uuid
 from dataclasses import dataclass
@@ -28,6 +27,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+# re-exported: the generator's version and vocabulary are shared with engine.model_kinds
+from .tiny_gguf import GENERATOR_VERSION, add_tiny_tokenizer, build_vocab
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -41,17 +43,6 @@ __all__ = [
     "resolve_model",
     "main",
 ]
-
-#: Bump whenever the bytes written for the same parameters change.
-GENERATOR_VERSION = 1
-
-SPIECE_UNDERLINE = "\u2581"  # '▁', what SentencePiece uses for a space
-
-#: The tiny models' chat template (deliberately different from llama_backend's fallback format).
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
 
 GEMMA_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_SIZE_BYTES = 253_113_024
@@ -123,80 +114,39 @@ VARIANTS: dict[str, TinyModelParams] = {
 # --------------------------------------------------------------------------------------
 # generator
 # --------------------------------------------------------------------------------------
-def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
-    """SPM vocab: <unk> <s> </s>, 256 byte tokens, '▁', printable ASCII, '▁x', bigrams, fillers.
-
-    Returns (tokens, scores, token_types) with exactly ``n_vocab`` entries.
-    """
-    import gguf
-
-    tt = gguf.TokenType
-    tokens: list[str] = ["<unk>", "<s>", "</s>"]
-    types: list[int] = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL)]
-    scores: list[float] = [0.0, 0.0, 0.0]
-    for b in range(256):  # byte fallback; also provides the LF token llama.cpp looks up
-        tokens.append(f"<0x{b:02X}>")
-        types.append(int(tt.BYTE))
-        scores.append(0.0)
-
-    candidates: list[str] = [SPIECE_UNDERLINE]
-    candidates += [c for c in string.printable if c not in " \t\n\r\x0b\x0c"]
-    candidates += [SPIECE_UNDERLINE + c for c in string.ascii_letters + string.digits]
-    candidates += (
-        "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io "
-        "le ve co me de hi ri ro ic ne ea ra ce li ch ll be ma si om ur"
-    ).split()
-    candidates += [
-        SPIECE_UNDERLINE + w
-        for w in "the of and to in is it that for on was with as be at by this are or from".split()
-    ]
-    candidates += [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
-
-    need = n_vocab - len(tokens)
-    if need < 1:
-        raise ValueError(f"n_vocab must be > {len(tokens)}")
-    seen = set(tokens)
-    pieces: list[str] = []
-    for p in candidates:
-        if p not in seen:
-            seen.add(p)
-            pieces.append(p)
-    i = 0
-    while len(pieces) < need:  # large vocab: pad with unique filler pieces
-        p = f"{SPIECE_UNDERLINE}tok{i}"
-        i += 1
-        if p not in seen:
-            seen.add(p)
-            pieces.append(p)
-    for rank, p in enumerate(pieces[:need]):
-        tokens.append(p)
-        types.append(int(tt.NORMAL))
-        # SPM prefers higher scores: longer pieces win over single characters
-        scores.append(-float(rank) if len(p) == 1 else float(len(p)) * 10.0 - rank * 1e-3)
-    return tokens, scores, types
-
-
 def write_tiny_gguf(out: str | os.PathLike[str], params: TinyModelParams = TinyModelParams()) -> Path:
     """Write a random-weight llama GGUF to ``out`` (not atomic; see :func:`ensure_tiny_model`)."""
     import gguf
 
     params.validate()
-    n_embd, n_head, n_head_kv = params.n_embd, params.n_head, params.n_head_kv
-    head_dim = n_embd // n_head
-    n_ff = params.ff
     tokens, scores, types = build_vocab(params.n_vocab)
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(str(out), "llama")
+    _add_llama_metadata(w, params, n_vocab)
+    add_tiny_tokenizer(w, tokens, scores, types, params.add_space_prefix)
+    _add_llama_tensors(w, params, n_vocab)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)
+
+
+def _add_llama_metadata(w: Any, params: TinyModelParams, n_vocab: int) -> None:
+    """The llama architecture's hyperparameters and the file type, in the writer's KV data."""
+    import gguf
+
     w.add_name(params.name)
     w.add_vocab_size(n_vocab)
     w.add_context_length(params.context_length)
-    w.add_embedding_length(n_embd)
+    w.add_embedding_length(params.n_embd)
     w.add_block_count(params.n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(head_dim)
+    w.add_feed_forward_length(params.ff)
+    w.add_head_count(params.n_head)
+    w.add_head_count_kv(params.n_head_kv)
+    w.add_rope_dimension_count(params.n_embd // params.n_head)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     ftype = {
@@ -207,8 +157,14 @@ def write_tiny_gguf(out: str | os.PathLike[str], params: TinyModelParams = TinyM
     }[params.dtype]
     w.add_file_type(int(ftype))
 
-    add_tiny_tokenizer(w, tokens, scores, types, params.add_space_prefix)
 
+def _add_llama_tensors(w: Any, params: TinyModelParams, n_vocab: int) -> None:
+    """The random weights (seeded by ``params.seed``), stored as ``params.dtype``."""
+    import gguf
+
+    n_embd, n_head, n_head_kv = params.n_embd, params.n_head, params.n_head_kv
+    head_dim = n_embd // n_head
+    n_ff = params.ff
     rng = np.random.default_rng(params.seed)
 
     def mat(rows: int, cols: int, std: float) -> np.ndarray:
@@ -240,12 +196,6 @@ def write_tiny_gguf(out: str | os.PathLike[str], params: TinyModelParams = TinyM
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     add_w("output.weight", mat(n_vocab, n_embd, 4.0 * inv))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(out)
-
 
 # --------------------------------------------------------------------------------------
 # cache
@@ -266,24 +216,6 @@ def _atomic_generate(target: Path, params: Any, write: Callable[[Path, Any], Pat
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def add_tiny_tokenizer(w: Any, tokens: list[str], scores: list[float], types: list[int],
-                       add_space_prefix: bool = False) -> None:
-    """The generated models' SPM tokenizer (``build_vocab``) and chat template, in GGUF keys."""
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    # False (like Gemma): detokenize(tokenize(s)) == s exactly. True (Llama-2 style) prepends '▁'.
-    w.add_add_space_prefix(add_space_prefix)
-    w.add_chat_template(TINY_CHAT_TEMPLATE)
 
 
 def ensure_tiny_model(variant: str = "a", cache_dir: Path | None = None) -> Path:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .model_files import GENERATOR_VERSION, add_tiny_tokenizer, build_vocab
+from .tiny_gguf import GENERATOR_VERSION, add_tiny_tokenizer, build_vocab
 
 #: Bump whenever the bytes written for the same parameters change.
 KINDS_VERSION = 1

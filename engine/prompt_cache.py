@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 from .backend import ModelBackend
 from .checkpoints import Checkpoints
@@ -145,39 +145,54 @@ class PromptCache:
         # a continuation keeps the slot's KV as it is, unless it cannot be cut back to it
         if own and (not continuation or model.recurrent) and not prefix_intact(model, slot.id, own):
             own = 0
-        source, n = "own", own
+        source, n, found = self._pick_source(model, slot, target, max_keep, own, common, continuation)
+        # take the entry before saving the slot: the save may drop or evict entries
+        if source == "host":
+            try:
+                found = self.host.take(found[0])
+            except OSError:  # its disk-tier file is gone: compute instead
+                source, n = "own", own
+        self._save_if_losing(model, slot, own if source == "own" else n if source == "checkpoint" else 0)
+        n = self._load_from(model, slot, target, source, n, found, own, max_keep)
+        slot.tokens = target[:n]
+        self.checkpoints.prune(slot.id, slot.tokens)
+        self._count(target, source, n, common)
+        return n
+
+    def _pick_source(self, model: ModelBackend, slot: Slot, target: list[int], max_keep: int, own: int,
+                     common: int, continuation: bool) -> tuple[str, int, Any]:
+        """Where the longest prefix of ``target`` comes from: ``(source, tokens, what)`` with
+        ``what`` the checkpoint, the donor ``(slot id, tokens)`` or the RAM-tier entry."""
+        source, n, found = "own", own, None
         ckpt = self.checkpoints.best(slot.id, slot.tokens, target, common) if own < common else None
         if ckpt is not None and ckpt.n > own:
-            source, n = "checkpoint", ckpt.n
+            source, n, found = "checkpoint", ckpt.n, ckpt
         # unknown tokens (-1, from a restored state) would match each other across slots
         elsewhere = self.params.cache_prompt and not continuation and -1 not in target
         donor = self._best_donor(model, slot, target, max_keep) if elsewhere else None
         if donor is not None and donor[1] >= n + MIN_SHARED_PREFIX:
-            source, n = "shared", donor[1]
-        entry = None
+            source, n, found = "shared", donor[1], donor
         if self.host is not None and elsewhere:
             entry = self.host.best(self.model_key, target, model.n_swa, model.recurrent)
             if entry is not None and min(entry[1], max_keep) >= n + MIN_SHARED_PREFIX:
-                source, n = "host", min(entry[1], max_keep)
-        # take the entry before saving the slot: the save may drop or evict entries
-        taken = None
-        if source == "host":
-            try:
-                taken = self.host.take(entry[0])
-            except OSError:  # its disk-tier file is gone: compute instead
-                source, n = "own", own
-        self._save_if_losing(model, slot, own if source == "own" else n if source == "checkpoint" else 0)
+                source, n, found = "host", min(entry[1], max_keep), entry
+        return source, n, found
+
+    def _load_from(self, model: ModelBackend, slot: Slot, target: list[int], source: str, n: int, found: Any,
+                   own: int, max_keep: int) -> int:
+        """Put the prefix ``_pick_source`` chose into the slot's KV; returns the tokens it holds."""
         if source == "own":
-            n = self._keep_own(model, slot, target, own, max_keep)
-        elif source == "checkpoint":
-            n = n if self.checkpoints.restore(model, slot.id, ckpt) else self._clear(model, slot)
-        elif source == "shared":
+            return self._keep_own(model, slot, target, own, max_keep)
+        if source == "checkpoint":
+            return n if self.checkpoints.restore(model, slot.id, found) else self._clear(model, slot)
+        if source == "shared":
             model.seq_clear(slot.id)
-            model.seq_copy_prefix(donor[0], slot.id, n)
-        else:
-            n = self._restore(model, slot, taken.state, n)
-        slot.tokens = target[:n]
-        self.checkpoints.prune(slot.id, slot.tokens)
+            model.seq_copy_prefix(found[0], slot.id, n)
+            return n
+        return self._restore(model, slot, found.state, n)  # found: the RAM-tier entry taken
+
+    def _count(self, target: list[int], source: str, n: int, common: int) -> None:
+        """The lookup's statistics; BadInput when a prefix of unknown tokens must be recomputed."""
         if n < common:  # a prefix the slot held is computed again: say so
             self.stats.cut_refused += 1
             self.stats.tokens_recomputed += common - n
@@ -188,7 +203,6 @@ class PromptCache:
             self.stats.hits += 1
             self.stats.tokens_saved += n
             setattr(self.stats, f"from_{source}", getattr(self.stats, f"from_{source}") + 1)
-        return n
 
     def _best_donor(self, model: ModelBackend, slot: Slot, target: list[int],
                     max_keep: int) -> tuple[int, int] | None:

@@ -9,8 +9,9 @@ passes before the swap, the reload is dropped and the old config keeps serving. 
 config replaces a pending one (as in the C++); asking again for the pending target joins it.
 
 The ``Reloader`` runs on the actor task only: builds finish on the loader thread and come
-back as ``BuildDone`` messages, timers as ``DrainTimeout`` messages. See
-``docs/architecture.md`` (reload state machine).
+back as ``BuildDone`` messages, timers as ``DrainTimeout`` messages. Every change of phase
+goes through ``Reloader._advance``, checked against the table in :mod:`engine.reload_state`
+(also ``docs/architecture.md``, reload state machine).
 """
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ from typing import Any, Callable, Protocol
 from .backend import BackendFactory, ModelBackend
 from .jobs import ReloadFailed
 from .model_params import ModelParams
+from .reload_state import ReloadEvent, next_phase
 from .status import ReloadState, ReloadStatus
 
 log = logging.getLogger("engine.reload")
 
-LOADING, DRAINING, SWAPPED, FAILED, DROPPED = (ReloadState.LOADING, ReloadState.DRAINING, ReloadState.SWAPPED,
-                                               ReloadState.FAILED, ReloadState.DROPPED)
+LOADING, DRAINING = ReloadState.LOADING, ReloadState.DRAINING
 
 
 class Generations:
@@ -148,9 +149,10 @@ class Reloader:
         call_later = self._call_later or loop.call_later
         ticket.timer = call_later(self.drain_timeout, lambda: self.host.post(DrainTimeout(ticket)))
         inplace_drain = self.mode == "inplace" and self.host.model is not None
-        self.status = ReloadStatus(state=DRAINING if inplace_drain else LOADING, generation=ticket.generation,
-                                   target=params.model_path, tier=tier, started_at=time.time(),
-                                   keys=tuple(dict.fromkeys(keys)), model_bytes=_size(params.model_path))
+        self._advance(ReloadEvent.STAGE_DRAIN if inplace_drain else ReloadEvent.STAGE_BUILD,
+                      ReloadStatus(generation=ticket.generation, target=params.model_path, tier=tier,
+                                   started_at=time.time(), keys=tuple(dict.fromkeys(keys)),
+                                   model_bytes=_size(params.model_path)))
         if not inplace_drain:  # shadow; or in-place with no model left to free
             self._build(ticket)
         return ticket
@@ -159,7 +161,7 @@ class Reloader:
         """Drop the pending reload (a newer config replaced it, or the engine stops)."""
         if self.current is not None:
             log.info("reload to generation %d dropped: %s", self.current.generation, reason)
-            self._end(self.current, DROPPED, reason)
+            self._end(self.current, ReloadEvent.DROP, reason)
             self.host.admit_queued()  # what waited for a drain that no longer happens
 
     # ------------------------------------------------------------------ messages
@@ -177,7 +179,7 @@ class Reloader:
         self.status = replace(self.status, load_ms=msg.load_ms, progress=1.0 if error is None else ticket.progress)
         if error is not None:
             log.warning("reload failed, still serving generation %d: %s", self.host.generations.live, error)
-            self._end(ticket, FAILED, str(error))
+            self._end(ticket, ReloadEvent.BUILD_FAILED, str(error))
             if self.host.model is None:  # in-place freed the old model: bring it back
                 await self._restore()
             return
@@ -185,7 +187,7 @@ class Reloader:
             self._swap(ticket, model)
             return
         ticket.shadow = model
-        self.status = replace(self.status, state=DRAINING)
+        self._advance(ReloadEvent.SHADOW_BUILT)
 
     async def on_drain_timeout(self, msg: DrainTimeout) -> None:
         if msg.ticket is not self.current:
@@ -195,7 +197,7 @@ class Reloader:
         reason = (f"drain timeout of {self.drain_timeout:g}s passed with slots {self.host.busy_slots()} still "
                   f"busy; pending config dropped")
         log.warning(reason)
-        self._end(msg.ticket, DROPPED, reason)
+        self._end(msg.ticket, ReloadEvent.DROP, reason)
         self.host.admit_queued()
 
     async def maybe_swap(self) -> None:
@@ -205,7 +207,7 @@ class Reloader:
             return
         if ticket.shadow is None:  # in-place: free first, then build
             old = self.host.install(None, self.host.params)
-            self.status = replace(self.status, state=LOADING)
+            self._advance(ReloadEvent.FREE_OLD)
             if old is not None:
                 await asyncio.get_running_loop().run_in_executor(self.host.loader, old.close)
             self._build(ticket)
@@ -214,6 +216,12 @@ class Reloader:
         self._swap(ticket, model)
 
     # ------------------------------------------------------------------ transitions
+    def _advance(self, event: ReloadEvent, status: ReloadStatus | None = None, **changes: Any) -> None:
+        """The one place the phase changes: ``event`` must be legal in the current phase (else
+        IllegalReloadTransition, and the status stays). ``status``: a fresh one, for a new reload."""
+        phase = next_phase(self.status.state, event)
+        self.status = replace(status or self.status, state=phase, **changes)
+
     def _build(self, ticket: ReloadTicket) -> None:
         t0 = time.perf_counter()
         ticket.progress = 0.0
@@ -229,12 +237,12 @@ class Reloader:
                               swap_ms=(time.perf_counter() - t0) * 1000)
         log.info("swapped to config generation %d (%s) after %.0f ms load", ticket.generation,
                  ticket.params.model_path, ticket.load_ms)
-        self._end(ticket, SWAPPED)
+        self._end(ticket, ReloadEvent.SWAP)
         if old is not None:
             self.host.loader.submit(old.close)  # freed off-loop
         self.host.admit_queued()
 
-    def _end(self, ticket: ReloadTicket, state: ReloadState, error: str | None = None) -> None:
+    def _end(self, ticket: ReloadTicket, event: ReloadEvent, error: str | None = None) -> None:
         if ticket.timer is not None:
             ticket.timer.cancel()
         if ticket.shadow is not None:
@@ -242,7 +250,7 @@ class Reloader:
             self.host.loader.submit(shadow.close)
         if ticket is self.current:
             self.current = None
-            self.status = replace(self.status, state=state, error=error or "")
+            self._advance(event, error=error or "")
         if not ticket.outcome.done():
             ticket.outcome.set_result(error)
 

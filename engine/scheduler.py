@@ -69,7 +69,7 @@ class Scheduler:
         if job.cancelled:
             fail(job, asyncio.CancelledError())
         elif slot.busy or slot.queue or slot.erase_waiters or not serving.open:
-            if not job.wait and (slot.busy or slot.queue or slot.erase_waiters):
+            if not job.request.wait and (slot.busy or slot.queue or slot.erase_waiters):
                 fail(job, EngineBusy(f"slot {slot.id} is busy"))
             elif len(slot.queue) >= self.slot_queue:
                 fail(job, EngineBusy(f"slot {slot.id} is busy and its queue is full"))
@@ -175,7 +175,7 @@ class Scheduler:
                     return
 
     def _admit(self, slot: Slot, job: GenJob, serving: Serving) -> bool:
-        if job.params is not None and job.params != serving.params:
+        if job.request.params is not None and job.request.params != serving.params:
             fail(job, ModelChanged(
                 f"the model config this request named was replaced before it ran (config generation "
                 f"{serving.generation} serves {serving.params.model_path}); retry"))

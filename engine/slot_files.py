@@ -26,7 +26,7 @@ from codec.slotfile import HEAD_SIZE, encode_slot_file_head, parse_slot_file_hea
 from .jobs import BadInput, EngineBusy, EngineUnavailable
 
 if TYPE_CHECKING:
-    from .actor import Engine
+    from .api import EngineApi
 
 MAX_FILENAME_BYTES = 255
 _FORBIDDEN = frozenset(':*?"<>|/\\') | {chr(0xFF0E), chr(0x2215), chr(0x2216), chr(0xFFFD), chr(0xFEFF)}
@@ -72,9 +72,9 @@ def slot_file_path(directory: str | os.PathLike[str] | None, filename: str) -> P
     return path
 
 
-async def save(engine: "Engine", slot: int, filename: str) -> SlotFileResult:
+async def save(engine: "EngineApi", slot: int, filename: str) -> SlotFileResult:
     """Write ``slot``'s tokens and state. Raises SlotFilesDisabled, BadInput, EngineBusy, OSError."""
-    path = slot_file_path(engine.cfg.slot_save_path, filename)
+    path = slot_file_path(engine.slot_save_path, filename)
     t0 = time.perf_counter()
     out = await engine.state_get(slot)
     try:
@@ -84,10 +84,10 @@ async def save(engine: "Engine", slot: int, filename: str) -> SlotFileResult:
     return SlotFileResult(slot, filename, len(out.tokens), n, (time.perf_counter() - t0) * 1000)
 
 
-async def restore(engine: "Engine", slot: int, filename: str) -> SlotFileResult:
+async def restore(engine: "EngineApi", slot: int, filename: str) -> SlotFileResult:
     """Load a slot file into ``slot``. Raises SlotFilesDisabled, BadInput (no such file, not a
     slot file, tokens this model does not have, a state llama.cpp refuses), EngineBusy."""
-    path = slot_file_path(engine.cfg.slot_save_path, filename)
+    path = slot_file_path(engine.slot_save_path, filename)
     t0 = time.perf_counter()
     try:
         tokens, state, size = await asyncio.get_running_loop().run_in_executor(None, _read, path,

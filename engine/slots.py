@@ -196,11 +196,11 @@ class Slot:
             identity=identity,
             job_id=job.id if job is not None else None,
             waiting_on=self._waiting_on(reload_holds),
-            n_predict=shown.n_predict if shown is not None else 0,
+            n_predict=shown.request.n_predict if shown is not None else 0,
             n_decoded=self.n_decoded,
             has_new_line=self.has_new_line,
-            sampling=shown.sampling if shown is not None else None,
-            stop=tuple(shown.stop) if shown is not None else (),
+            sampling=shown.request.sampling if shown is not None else None,
+            stop=tuple(shown.request.stop) if shown is not None else (),
         )
 
     def _waiting_on(self, reload_holds: bool) -> str | None:

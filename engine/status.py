@@ -174,12 +174,12 @@ class ConfigureOutcome:
     unchanged_keys: list[str] | None = None  # staged keys that asked for what is live already
     state_chunk_size_applied: int | None = None
     reload: ReloadState | None = None  # set when a reload is pending for this config
-    reload_ticket: Any = field(default=None, compare=False, repr=False)  # for Engine.wait_reload
+    reload_ticket: Any = field(default=None, compare=False, repr=False)  # for EngineApi.wait_reload
 
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """A request's ``model`` / ``hydra_config``, settled (see ``Engine.select_model``)."""
+    """A request's ``model`` / ``hydra_config``, settled (see ``EngineApi.select_model``)."""
 
     name: str  # the name to report: the requested alias, else the resident model's
     fallback: bool  # the name is neither an alias nor the resident model (PREFILL model_fallback)

@@ -18,6 +18,7 @@ from typing import Any
 
 from .backend import BatchItem, ModelBackend
 from .chat.formats import generation_opens_reasoning
+from .checkpoints import Checkpoints
 from .jobs import BadInput, GenJob, TokenEvent
 from .prompt_cache import PromptCache
 from .reasoning_budget import BudgetTracker, tracker_for
@@ -62,14 +63,14 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
     """The job's new tokens (None: it has no input and continues its slot). Raises BadInput."""
     if job.tokenized is not None and job.tokenized[0] is model:
         new = job.tokenized[1]
-    elif job.messages is not None:
-        text = model.render_chat(job.messages, **(job.template_vars or {}))
+    elif job.request.messages is not None:
+        text = model.render_chat(job.request.messages, **(job.request.template_vars or {}))
         job.opens_reasoning = generation_opens_reasoning(text, model.chat_syntax)
         new = model.chat_text_tokens(text)
-    elif job.prompt is not None:
-        new = model.tokenize(job.prompt, add_special=not job.append or not slot_has_tokens)
-    elif job.tokens is not None:
-        new = list(job.tokens)
+    elif job.request.prompt is not None:
+        new = model.tokenize(job.request.prompt, add_special=not job.request.append or not slot_has_tokens)
+    elif job.request.tokens is not None:
+        new = list(job.request.tokens)
     else:
         return None
     nv = model.n_vocab
@@ -80,13 +81,13 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
 
 def sampling_for_output(model: ModelBackend, job: GenJob) -> SamplerParams:
     """The job's sampling; a grammar waits for the think block to close when the prompt opened one."""
-    grammar = job.sampling.grammar
+    grammar = job.request.sampling.grammar
     if grammar is None or not job.opens_reasoning or not grammar.after_think:
-        return job.sampling
+        return job.request.sampling
     from .chat.tool_grammar import after_reasoning
 
     close = model.chat_syntax.think_close or "</think>"
-    return replace(job.sampling, grammar=after_reasoning(grammar, close))
+    return replace(job.request.sampling, grammar=after_reasoning(grammar, close))
 
 
 def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) -> None:
@@ -97,27 +98,27 @@ def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) 
     job.tokenized = None
     if new is None:
         target = slot.tokens + slot.tail
-    elif job.append:
+    elif job.request.append:
         target = slot.tokens + slot.tail + new
     else:
         target = new
-    need_logits = job.n_predict > 0 or job.capture_state
+    need_logits = job.request.n_predict > 0 or job.request.capture_state
     if not target and need_logits:
         target = [model.bos]
-    if len(target) + (1 if job.n_predict > 0 else 0) > n_ctx_slot:
+    if len(target) + (1 if job.request.n_predict > 0 else 0) > n_ctx_slot:
         raise BadInput(f"prompt of {len(target)} tokens does not fit the slot context of {n_ctx_slot}")
     # the last token must be decoded (again) to get its logits
     max_keep = len(target) - 1 if need_logits else len(target)
-    keep = cache.line_up(model, slot, target, max_keep, continuation=new is None or job.append)
+    keep = cache.line_up(model, slot, target, max_keep, continuation=new is None or job.request.append)
     slot.tail = []
     r.pending = target[keep:]
     r.cached_tokens = keep
     r.prompt_tokens = len(target)
-    r.sampler = model.make_sampler(sampling_for_output(model, job)) if job.n_predict > 0 else None
+    r.sampler = model.make_sampler(sampling_for_output(model, job)) if job.request.n_predict > 0 else None
     syntax = model.chat_syntax
-    r.budget = tracker_for(job.reasoning_budget, job.opens_reasoning, syntax.think_open, syntax.think_close)
+    r.budget = tracker_for(job.request.reasoning_budget, job.opens_reasoning, syntax.think_open, syntax.think_close)
     r.admitted = True
-    slot.begin("prefill" if r.pending else "decode", len(r.pending) + job.n_predict)
+    slot.begin("prefill" if r.pending else "decode", len(r.pending) + job.request.n_predict)
 
 
 def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: int | None) -> None:
@@ -126,15 +127,15 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
     job, slot = r.job, r.slot
     if not r.t_prefill_done:
         r.t_prefill_done = time.perf_counter()
-        if job.capture_state:
+        if job.request.capture_state:
             r.logits = model.logits(slot.id).tobytes()
             r.state = model.state_seq_get(slot.id)
-        if job.n_predict > 0:
+        if job.request.n_predict > 0:
             slot.enter("decode", time.monotonic())
-    if r.n_generated >= job.n_predict:
-        r.stop_reason = r.stop_reason or ("none" if job.n_predict == 0 else "length")
+    if r.n_generated >= job.request.n_predict:
+        r.stop_reason = r.stop_reason or ("none" if job.request.n_predict == 0 else "length")
         return
-    n_probs = job.sampling.n_probs
+    n_probs = job.request.sampling.n_probs
     # the alternatives are read from the raw logits before sampling (sample() may change them)
     top = tuple((model.token_to_piece(t), p) for t, p in model.top_logprobs(slot.id, n_probs)) if n_probs else ()
     forced = r.budget.next_forced(model, r.text) if r.budget is not None else None
@@ -142,7 +143,7 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
         if forced is not None:  # the reasoning budget is spent: its message and close tag are written
             tok, lp = forced, 0.0
             model.accept(r.sampler, tok)
-        elif job.want_logprobs or n_probs:
+        elif job.request.want_logprobs or n_probs:
             tok, lp = model.sample(slot.id, r.sampler, True)
         else:
             tok, lp = model.sample(slot.id, r.sampler), 0.0
@@ -162,11 +163,11 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
     r.text += piece
     if r.budget is not None:
         r.budget.observe(r.text, piece)
-    if job.stop and _hit_stop(r, job.stop):
+    if job.request.stop and _hit_stop(r, job.request.stop):
         r.stop_reason = "stop"
         slot.tail = [tok]
         return
-    if r.n_generated >= job.n_predict:
+    if r.n_generated >= job.request.n_predict:
         r.stop_reason = "length"
         slot.tail = [tok]  # sampled but not yet in the KV cache; a continuation feeds it
         return
@@ -205,45 +206,13 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
     ``counters`` (the engine's stats) gets ``n_decode`` and ``n_busy_slots`` per decode: what
     llama-server's ``llamacpp:n_decode_total`` / ``n_busy_slots_per_decode`` count."""
     t0 = time.perf_counter()
-    for r in running:
-        if not r.admitted and not r.finished:
-            try:
-                admit(model, r, n_ctx_slot, cache)
-                if not r.pending and r.last is None:
-                    # Everything was cached and nothing to generate (pure prefill hit).
-                    r.t_prefill_done = time.perf_counter()
-                    if r.job.capture_state:
-                        r.state = model.state_seq_get(r.slot.id)
-                    r.stop_reason = "none"
-            except Exception as e:
-                r.error = e
+    _admit_new(model, running, n_ctx_slot, cache)
     iters = 0
     ckpts = cache.checkpoints if cache.checkpoints.wanted(model) else None
     while True:
         items: list[BatchItem] = []
         fed: list[tuple[Running, list[int], bool]] = []
-        budget = token_budget
-        for r in running:
-            if r.finished or r.job.cancelled:
-                continue
-            if r.pending:
-                if budget <= 0:
-                    continue
-                n = min(budget, len(r.pending))
-                if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
-                    held, end = len(r.slot.tokens), len(r.slot.tokens) + len(r.pending)
-                    ckpts.before_chunk(model, r.slot.id, r.slot.tokens, end, token_budget)
-                    n = ckpts.chunk_len(held, n, end, token_budget)
-                chunk = r.pending[:n]
-                last_chunk = len(chunk) == len(r.pending)
-                want = last_chunk and (r.job.n_predict > 0 or r.job.capture_state)
-                items.append(BatchItem(r.slot.id, chunk, len(r.slot.tokens), want))
-                fed.append((r, chunk, want))
-                budget -= len(chunk)
-            elif r.last is not None:
-                items.append(BatchItem(r.slot.id, [r.last], len(r.slot.tokens), True))
-                fed.append((r, [r.last], True))
-                budget -= 1
+        _fill_batch(model, running, token_budget, ckpts, items, fed)
         if not items:
             break
         had_prefill = any(len(c) > 1 or r.pending for r, c, _ in fed)
@@ -251,22 +220,77 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
         if counters is not None:
             counters["n_decode"] += 1
             counters["n_busy_slots"] += len(items)
-        for r, chunk, want in fed:
-            r.slot.tokens.extend(chunk)
-            if r.pending:
-                del r.pending[:len(chunk)]
-                r.slot.advance(len(chunk), time.monotonic())
-            r.last = None
-            if want:
-                _after_logits(model, r, n_ctx_slot, shift_keep)
-            elif not r.pending and not r.finished:  # prefill-only job without logits: done
-                r.t_prefill_done = time.perf_counter()
-                r.stop_reason = "none"
+        _after_decode(model, fed, n_ctx_slot, shift_keep)
         iters += 1
         if had_prefill or iters >= max_iters or time.perf_counter() - t0 >= time_slice:
             break
         if any(r.finished for r, _, _ in fed):
             break
+    _refresh_state_sizes(model, running)
+
+
+def _admit_new(model: ModelBackend, running: list[Running], n_ctx_slot: int, cache: PromptCache) -> None:
+    """Admit every job not admitted yet; a job whose whole input was cached and that generates
+    nothing ends here (pure prefill hit). An admission error is the job's error."""
+    for r in running:
+        if not r.admitted and not r.finished:
+            try:
+                admit(model, r, n_ctx_slot, cache)
+                if not r.pending and r.last is None:
+                    # Everything was cached and nothing to generate (pure prefill hit).
+                    r.t_prefill_done = time.perf_counter()
+                    if r.job.request.capture_state:
+                        r.state = model.state_seq_get(r.slot.id)
+                    r.stop_reason = "none"
+            except Exception as e:
+                r.error = e
+
+
+def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, ckpts: Checkpoints | None,
+                items: list[BatchItem], fed: list[tuple[Running, list[int], bool]]) -> None:
+    """Append to ``items`` (and ``fed``: job, tokens, logits wanted) one prefill chunk or the
+    next token of each live job, prefill chunks within ``token_budget`` tokens in all."""
+    budget = token_budget
+    for r in running:
+        if r.finished or r.job.cancelled:
+            continue
+        if r.pending:
+            if budget <= 0:
+                continue
+            n = min(budget, len(r.pending))
+            if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
+                held, end = len(r.slot.tokens), len(r.slot.tokens) + len(r.pending)
+                ckpts.before_chunk(model, r.slot.id, r.slot.tokens, end, token_budget)
+                n = ckpts.chunk_len(held, n, end, token_budget)
+            chunk = r.pending[:n]
+            last_chunk = len(chunk) == len(r.pending)
+            want = last_chunk and (r.job.request.n_predict > 0 or r.job.request.capture_state)
+            items.append(BatchItem(r.slot.id, chunk, len(r.slot.tokens), want))
+            fed.append((r, chunk, want))
+            budget -= len(chunk)
+        elif r.last is not None:
+            items.append(BatchItem(r.slot.id, [r.last], len(r.slot.tokens), True))
+            fed.append((r, [r.last], True))
+            budget -= 1
+
+
+def _after_decode(model: ModelBackend, fed: list[tuple[Running, list[int], bool]], n_ctx_slot: int,
+                  shift_keep: int | None) -> None:
+    """The batch is decoded: its tokens are in each slot's KV cache; sample where logits were wanted."""
+    for r, chunk, want in fed:
+        r.slot.tokens.extend(chunk)
+        if r.pending:
+            del r.pending[:len(chunk)]
+            r.slot.advance(len(chunk), time.monotonic())
+        r.last = None
+        if want:
+            _after_logits(model, r, n_ctx_slot, shift_keep)
+        elif not r.pending and not r.finished:  # prefill-only job without logits: done
+            r.t_prefill_done = time.perf_counter()
+            r.stop_reason = "none"
+
+
+def _refresh_state_sizes(model: ModelBackend, running: list[Running]) -> None:
     # the size walks every KV cell (~30-50 µs): a snapshot figure, refreshed a few times a second
     now = time.monotonic()
     for r in running:

@@ -44,10 +44,23 @@ def parse_meta(raw: bytes) -> dict | None:
     return out if isinstance(out, dict) else {"_value": out}
 
 
+class ReplyCut(asyncio.IncompleteReadError):
+    """The server closed the connection part-way through a reply (the server's fault, or a
+    port that is not Hydra's). ``received`` counts the bytes of that reply that did arrive."""
+
+    def __init__(self, received: int, expected: int):
+        super().__init__(b"", expected)
+        self.received = received
+
+    def __reduce__(self):
+        return type(self), (self.received, self.expected)
+
+
 class HydraClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
         self._busy = False
+        self._reply: ResponseDecoder | None = None  # the reply whose head read_head returned
 
     @classmethod
     async def connect(cls, host: str = "127.0.0.1", port: int = 9503, timeout: float = 10.0) -> "HydraClient":
@@ -88,21 +101,29 @@ class HydraClient:
                 return ev
             data = await self.reader.read(dec.wanted)
             if not data:
-                raise asyncio.IncompleteReadError(b"", dec.wanted)
+                raise ReplyCut(dec.offset + dec.buffered, dec.wanted)
             dec.feed(data)
 
     async def read_head(self) -> tuple[ResponseHeader, bytes]:
-        """Header and meta only; the payload (or PIN's pieces) is still to be read."""
-        start = await self._next(ResponseDecoder())
+        """Header and meta only; the payload (``read_payload``, or PIN's pieces) is still to be read."""
+        self._reply = dec = ResponseDecoder()
+        start = await self._next(dec)
         return start.header, start.meta
 
-    async def read_response(self) -> Response:
-        dec = ResponseDecoder()
-        start = await self._next(dec)
+    async def read_payload(self) -> bytes:
+        """The payload of the reply whose head ``read_head`` returned; the stream is then at the
+        next reply."""
+        dec, self._reply = self._reply, None
+        if dec is None:
+            raise RuntimeError("caller bug: read_payload without a read_head before it (one read_payload per reply)")
         chunks = []
         while not isinstance(ev := await self._next(dec), ResponseEnd):
             chunks.append(ev.data)
-        return Response(start.header.status, parse_meta(start.meta), b"".join(chunks), start.meta)
+        return b"".join(chunks)
+
+    async def read_response(self) -> Response:
+        head, meta = await self.read_head()
+        return Response(head.status, parse_meta(meta), await self.read_payload(), meta)
 
     async def request(self, op: int, key: str | bytes = b"", payload: bytes = b"", trace: str | bytes = b"",
                       timeout: float | None = 60.0) -> Response:

@@ -6,8 +6,12 @@ letters a..z in turn. A position without a cell holds ``HOLE`` (removed by a ``s
 the middle, or forgotten by a sliding window of ``n_swa``); a decode whose tokens would
 attend to a hole fails, so a test sees any reuse of a prefix whose cells are gone. A
 sequence's state is its token list as bytes, stamped with the serial number of the model
-that made it. ``Gate``s let a test
-hold a decode step or a model build on its thread until it lets go, and see that it is held.
+that made it. ``Gate``s let a test hold a decode step or a model build on its thread until it
+lets go — all at once (``open``) or exactly ``n`` at a time (``release(n)``: step mode) — and
+await that something is held there (``wait_held``). A ``Signal`` wakes the asyncio tasks that
+wait for a condition whenever something it depends on changes, from any thread: the gates,
+builds and closes of a factory notify its ``changed`` signal (``tests.engine_env`` adds the
+actor's own events), so tests wait for events, with a deadline, instead of polling.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from engine.chat.formats import detect_format
 from engine.kv_cache import KvCacheInfo
 from engine.model_params import ModelParams
 from engine.sampling import SamplerParams
+from tests.signals import Signal
 
 BOS, EOS, FIRST_BYTE = 1, 2, 3
 HOLE = -2  # a position whose cell is gone
@@ -53,31 +58,63 @@ def letters(kv: list[int]) -> int:
 
 
 class Gate:
-    """Blocks the thread that passes it while closed. Counts who waits and who passed."""
+    """Holds the threads that pass it while closed; ``release(n)`` lets exactly ``n`` more of
+    them through (step mode), ``open`` all. Counts who waits and who passed; every change
+    notifies ``changed``, so ``await gate.wait_held()`` needs no polling."""
 
     def __init__(self) -> None:
-        self._open = threading.Event()
-        self._open.set()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._credits = 0  # passes released while closed, not taken yet
         self.waiting = 0
         self.passed = 0
+        self.changed = Signal()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def held(self) -> int:
+        """Threads held here that no release has let go yet."""
+        with self._cond:
+            return max(0, self.waiting - self._credits) if self._closed else 0
 
     def close(self) -> None:
-        self._open.clear()
+        with self._cond:
+            self._closed = True
+        self.changed.notify()
 
     def open(self) -> None:
-        self._open.set()
+        with self._cond:
+            self._closed, self._credits = False, 0
+            self._cond.notify_all()
+        self.changed.notify()
+
+    def release(self, n: int = 1) -> None:
+        """Let exactly ``n`` held (or next) threads through a closed gate."""
+        with self._cond:
+            self._credits += n
+            self._cond.notify(n)
+        self.changed.notify()
 
     def pass_through(self) -> None:
-        with self._lock:
+        with self._cond:
             self.waiting += 1
-        try:
-            if not self._open.wait(60):  # a safety net for a broken test, never a timing assumption
-                raise RuntimeError("gate left closed")
-        finally:
-            with self._lock:
+            self.changed.notify()
+            try:  # 60 s: a safety net for a broken test, never a timing assumption
+                if not self._cond.wait_for(lambda: not self._closed or self._credits > 0, 60):
+                    raise RuntimeError("gate left closed")
+                if self._closed:
+                    self._credits -= 1
+            finally:
                 self.waiting -= 1
                 self.passed += 1
+        self.changed.notify()
+
+    async def wait_held(self, n: int = 1, what: str = "a thread held at the gate") -> None:
+        """Until ``n`` threads are held here (a build started, a decode step waits)."""
+        await self.changed.wait_for(lambda: self.held >= n, what)
 
 
 @dataclass
@@ -91,8 +128,9 @@ class ScriptedSampler:
 
 class ScriptedBackend:
     def __init__(self, params: ModelParams, script: Callable[[list[int]], int], decode_gate: Gate,
-                 n_swa: int = 0, kv_shareable: bool = True):
+                 n_swa: int = 0, kv_shareable: bool = True, changed: Signal | None = None):
         self.params = params
+        self.changed = changed  # notified when the model is closed
         self.n_swa = n_swa
         self.kv_shareable = kv_shareable
         self.can_shift = n_swa == 0
@@ -275,6 +313,8 @@ class ScriptedBackend:
 
     def close(self) -> None:
         self.closed = True
+        if self.changed is not None:
+            self.changed.notify()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -297,6 +337,12 @@ class ScriptedFactory:
     decode_gate: Gate = field(default_factory=Gate)
     build_gate: Gate = field(default_factory=Gate)
     built: list[ScriptedBackend] = field(default_factory=list)
+    # notified by both gates, by every build that returns and by every model closed
+    changed: Signal = field(default_factory=Signal)
+
+    def __post_init__(self) -> None:
+        self.decode_gate.changed.forward.append(self.changed)
+        self.build_gate.changed.forward.append(self.changed)
 
     def check(self) -> None:
         pass
@@ -305,11 +351,15 @@ class ScriptedFactory:
         if progress is not None:
             progress(0.5)  # a build held at the gate shows a load half done
         self.build_gate.pass_through()
-        if params.model_path in self.fail:
-            raise RuntimeError(f"cannot load {params.model_path}")
-        model = ScriptedBackend(params, self.script, self.decode_gate, self.n_swa, self.kv_shareable)
-        self.built.append(model)
-        return model
+        try:
+            if params.model_path in self.fail:
+                raise RuntimeError(f"cannot load {params.model_path}")
+            model = ScriptedBackend(params, self.script, self.decode_gate, self.n_swa, self.kv_shareable,
+                                    self.changed)
+            self.built.append(model)
+            return model
+        finally:
+            self.changed.notify()
 
     def devices(self, params: ModelParams) -> list[str]:
         return ["CPU"]
@@ -346,9 +396,15 @@ class ManualTimers:
 
 
 async def until(predicate: Callable[[], bool], what: str = "condition", timeout: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds (the deadline only turns a hang into a failure)."""
+    """Poll ``predicate`` until it holds, for what no event announces (another process, the
+    GC, a thread outside the engine); engine steps and builds have events (``tests.engine_env``:
+    ``Env.step``, ``Env.wait_for``; ``Gate.wait_held``). First a burst of bare yields (what the
+    loop's own tasks do settles there), then 1 ms sleeps (another thread has to run); the
+    deadline only turns a hang into a failure."""
     deadline = time.monotonic() + timeout
+    yields = 0
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
+        yields += 1
+        await asyncio.sleep(0 if yields <= 64 else 0.001)

@@ -67,14 +67,14 @@ def test_unreadable_proc_changes_nothing() -> None:
 
 @pytest.mark.asyncio
 async def test_steps_give_a_shadow_load_one_thread_and_take_it_back():
-    from engine.jobs import GenJob
+    from engine.jobs import GenRequest
     from tests.engine_env import long_generation, run, scripted_engine
     from tests.scripted_backend import until
 
     async with scripted_engine(n_ctx_slot=4096) as env:
         eng, f = env.engine, env.factory
         quiet = OtherLoad(read=lambda: (0.0, 0.0))  # no other process on this "host"
-        eng.compute_threads = ComputeThreads(2, 2, quiet)
+        eng.actor.compute_threads = ComputeThreads(2, 2, quiet)
         old = env.model
         gen = await long_generation(eng, 0)
         # the slot holds the job before its first step runs; the step sets the threads
@@ -87,6 +87,6 @@ async def test_steps_give_a_shadow_load_one_thread_and_take_it_back():
         assert old.threads_now == 1
         f.build_gate.open()
         gen.cancel()
-        await until(lambda: eng.model is not old, "the swap")
-        await run(eng, GenJob(1, prompt="after", n_predict=2))
-        assert eng.model.threads_now == 2
+        await until(lambda: eng.actor.model is not old, "the swap")
+        await run(eng, GenRequest(1, prompt="after", n_predict=2))
+        assert eng.actor.model.threads_now == 2

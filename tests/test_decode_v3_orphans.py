@@ -18,7 +18,7 @@ from codec.decode_v3 import encode_decode_v3
 from codec.enums import Op, Status
 from codec.framing import RESPONSE_HEADER_SIZE, decode_response_header, encode_request
 from hydra_rpc.hydra.decode_results import DecodeEntry, DecodeResults
-from engine.jobs import EngineBusy, GenJob
+from engine.jobs import EngineBusy, GenRequest
 from hydra_rpc.client import HydraClient
 from tests.engine_env import long_generation, scripted_engine
 from tests.helpers import poll_until, serving
@@ -111,16 +111,16 @@ async def test_a_detached_job_never_queues_and_is_bounded_by_the_result_table():
         eng = env.engine
         busy = await long_generation(eng, 0)
         with pytest.raises(EngineBusy, match="slot 0 is busy"):
-            await eng.submit_admitted(GenJob(0, prompt="x", n_predict=2, wait=False))
+            await eng.submit_admitted(GenRequest(0, prompt="x", n_predict=2, wait=False))
         assert eng.snapshot(0).queued == 0
         busy.cancel()
         await until(lambda: not eng.snapshot(0).is_processing, "slot 0 idle")
         # evicted while running (beyond the newest max_entries): cancelled, nobody can read it
         results = DecodeResults(ttl=300, max_entries=1)
-        first = DecodeEntry(1, 0, await eng.submit_admitted(GenJob(0, prompt="x", n_predict=4000, wait=False)))
+        first = DecodeEntry(1, 0, await eng.submit_admitted(GenRequest(0, prompt="x", n_predict=4000, wait=False)))
         results.add(first)
         await until(lambda: eng.snapshot(0).job_id == first.job.id, "first job running")
-        results.add(DecodeEntry(2, 1, GenJob(1)))
+        results.add(DecodeEntry(2, 1, GenRequest(1)))
         res = await first.job.result()
         assert res.stop_reason == "cancelled" and first.error.startswith("evicted")
 

@@ -1,6 +1,7 @@
 """The engine actor step by step on the scripted backend: generation, batching, snapshots,
 cancellation, queueing and BUSY, state transfer, CONFIGURE tiers. No model, no wall clock:
-a test holds a decode step at a gate and looks at the published state while it is held.
+in step mode a test runs the engine one step at a time (``env.step()``) and looks at the
+published state while the next step is held (tests/engine_env.py).
 (The same behaviours on the real model and over TCP: test_engine_opcodes, test_http_*.)"""
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import asyncio
 
 import pytest
 
-from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest
 from engine.sampling import GREEDY, SamplerParams, merge_sampling
-from tests.engine_env import long_generation, run, scripted_engine
-from tests.scripted_backend import EOS, FIRST_BYTE, until
+from tests.engine_env import run, scripted_engine
+from tests.scripted_backend import EOS, FIRST_BYTE
 
 
 def letter(c: str) -> int:
@@ -21,7 +22,7 @@ def letter(c: str) -> int:
 @pytest.mark.asyncio
 async def test_prefill_then_scripted_generation():
     async with scripted_engine() as env:
-        res = await run(env.engine, GenJob(0, prompt="hi", n_predict=5, sampling=GREEDY))
+        res = await run(env.engine, GenRequest(0, prompt="hi", n_predict=5, sampling=GREEDY))
         # [BOS, h, i] is prefilled; the script then says the letter at each position: d, e, f, g, h
         assert res.text == b"defgh" and res.stop_reason == "length" and res.tokens_generated == 5
         assert res.prompt_tokens == 3 and res.cached_tokens == 0
@@ -34,10 +35,10 @@ async def test_prefill_then_scripted_generation():
 async def test_continuation_feeds_the_tail_and_prefix_is_reused():
     async with scripted_engine() as env:
         eng = env.engine
-        first = await run(eng, GenJob(0, prompt="hi", n_predict=2))
-        again = await run(eng, GenJob(0, n_predict=2))  # no input: continue the slot's sequence
+        first = await run(eng, GenRequest(0, prompt="hi", n_predict=2))
+        again = await run(eng, GenRequest(0, n_predict=2))  # no input: continue the slot's sequence
         assert again.cached_tokens == first.n_past and again.text == b"fg"
-        prefix = await run(eng, GenJob(0, prompt="hi there", n_predict=0))
+        prefix = await run(eng, GenRequest(0, prompt="hi there", n_predict=0))
         assert prefix.cached_tokens == 3 and prefix.stop_reason == "none"
 
 
@@ -49,17 +50,17 @@ async def test_stop_reasons_eos_stop_and_context_full():
     from tests.scripted_backend import ScriptedFactory
 
     async with scripted_engine(backend=ScriptedFactory(script=eos_after_4)) as env:
-        res = await run(env.engine, GenJob(0, prompt="a", n_predict=10))
+        res = await run(env.engine, GenRequest(0, prompt="a", n_predict=10))
         assert res.stop_reason == "eos" and res.text == b"xx"
     async with scripted_engine(n_ctx_slot=8) as env:
-        res = await run(env.engine, GenJob(0, prompt="ab", n_predict=100, stop=["ef"]))
+        res = await run(env.engine, GenRequest(0, prompt="ab", n_predict=100, stop=["ef"]))
         assert res.stop_reason == "stop" and res.text.endswith(b"ef")
-        res = await run(env.engine, GenJob(1, prompt="ab", n_predict=100))
+        res = await run(env.engine, GenRequest(1, prompt="ab", n_predict=100))
         assert res.stop_reason == "ctx_full" and res.n_past == 7
         with pytest.raises(BadInput, match="does not fit"):
-            await run(env.engine, GenJob(1, prompt="a" * 8, n_predict=1))
+            await run(env.engine, GenRequest(1, prompt="a" * 8, n_predict=1))
         with pytest.raises(BadInput, match="out of range"):
-            await run(env.engine, GenJob(1, tokens=[1, 10**6]))
+            await run(env.engine, GenRequest(1, tokens=[1, 10**6]))
 
 
 @pytest.mark.asyncio
@@ -69,8 +70,8 @@ async def test_context_shift_keeps_a_full_slot_generating():
     from dataclasses import replace
 
     async with scripted_engine(n_ctx_slot=8) as env:
-        env.engine.params = replace(env.engine.params, context_shift=True)
-        res = await run(env.engine, GenJob(0, prompt="ab", n_predict=20))
+        env.engine.actor.params = replace(env.engine.params, context_shift=True)
+        res = await run(env.engine, GenRequest(0, prompt="ab", n_predict=20))
         assert res.stop_reason == "length" and res.tokens_generated == 20
         assert env.engine.snapshot(0).n_past < 8  # shifted, never past the slot's context
         kv = env.model.kv[0]
@@ -79,78 +80,76 @@ async def test_context_shift_keeps_a_full_slot_generating():
 
 @pytest.mark.asyncio
 async def test_two_slots_share_one_batched_decode():
-    async with scripted_engine() as env:
-        eng, gate = env.engine, env.factory.decode_gate
-        gate.close()
-        a, b = GenJob(0, prompt="one", n_predict=3), GenJob(1, prompt="two", n_predict=3)
-        eng.submit(a)
-        eng.submit(b)
-        await until(lambda: gate.waiting == 1, "the first step")
-        gate.open()
-        await asyncio.gather(a.result(), b.result())
+    async with scripted_engine(stepped=True) as env:
+        eng = env.engine
+        a, b = GenRequest(0, prompt="one", n_predict=3), GenRequest(1, prompt="two", n_predict=3)
+        a = eng.submit(a)
+        b = eng.submit(b)
+        await env.settled()  # the first step held
+        assert env.held
+        await env.finish(a)
+        await env.finish(b)
         assert [(0, 4), (1, 4)] in env.model.batches  # both prefills in one llama_decode
         assert [(0, 1), (1, 1)] in env.model.batches  # and their decode steps too
 
 
 @pytest.mark.asyncio
 async def test_snapshots_answer_while_a_step_is_held():
-    async with scripted_engine() as env:
-        eng, gate = env.engine, env.factory.decode_gate
-        gate.close()
-        job = GenJob(0, prompt="abc", n_predict=4)
-        eng.submit(job)
-        await until(lambda: gate.waiting == 1, "a held step")
+    async with scripted_engine(stepped=True) as env:
+        eng = env.engine
+        job = GenRequest(0, prompt="abc", n_predict=4)
+        job = eng.submit(job)
+        await env.settled()
+        assert env.held  # a held step
         snap = eng.snapshot(0)
         assert snap.is_processing and snap.job_id == job.id and snap.operation in ("prefill", "decode")
         assert eng.info().slots_busy == 1 and not eng.snapshot(1).is_processing
-        gate.open()
-        await job.result()
+        await env.finish(job)
         assert not eng.snapshot(0).is_processing and eng.snapshot(0).job_id is None
 
 
 @pytest.mark.asyncio
 async def test_cancel_running_and_queued_jobs_frees_the_slot_at_the_next_step():
-    async with scripted_engine() as env:
-        eng, gate = env.engine, env.factory.decode_gate
-        gate.close()
-        running, queued = GenJob(0, prompt="a", n_predict=1000), GenJob(0, prompt="b", n_predict=1)
-        eng.submit(running)
-        eng.submit(queued)
-        await until(lambda: gate.waiting == 1 and eng.snapshot(0).queued == 1, "one running, one queued")
+    async with scripted_engine(stepped=True) as env:
+        eng = env.engine
+        running, queued = GenRequest(0, prompt="a", n_predict=1000), GenRequest(0, prompt="b", n_predict=1)
+        running = eng.submit(running)
+        queued = eng.submit(queued)
+        await env.settled()
+        assert env.held and eng.snapshot(0).queued == 1  # one running (its first step held), one queued
         queued.cancel()
         running.cancel()
-        gate.open()
+        await env.step()  # the step in flight ends: both leave with it, nothing else runs
+        assert running.finished() and queued.finished() and not env.held
         res = await running.result()
         assert res.stop_reason == "cancelled" and res.tokens_generated < 1000
         with pytest.raises(asyncio.CancelledError):
             await queued.result()
-        await until(lambda: not eng.snapshot(0).is_processing and eng.snapshot(0).queued == 0, "slot 0 idle")
-        assert (await run(eng, GenJob(0, prompt="c", n_predict=1))).stop_reason == "length"
+        assert not eng.snapshot(0).is_processing and eng.snapshot(0).queued == 0  # slot 0 idle
+        assert (await env.run(GenRequest(0, prompt="c", n_predict=1))).stop_reason == "length"
 
 
 @pytest.mark.asyncio
 async def test_busy_slot_queues_in_order_then_answers_busy():
-    async with scripted_engine(slot_queue=2) as env:
-        eng, gate = env.engine, env.factory.decode_gate
-        gate.close()
-        jobs = [GenJob(0, prompt=p, n_predict=1) for p in ("a", "b", "c", "d")]
-        for j in jobs:
-            eng.submit(j)
+    async with scripted_engine(slot_queue=2, stepped=True) as env:
+        eng = env.engine
+        jobs = [eng.submit(GenRequest(0, prompt=p, n_predict=1)) for p in ("a", "b", "c", "d")]
         with pytest.raises(EngineBusy, match="queue is full"):
             await jobs[3].result()
-        assert eng.snapshot(0).queued == 2
-        gate.open()
-        results = [await j.result() for j in jobs[:3]]
+        snap = eng.snapshot(0)
+        assert snap.queued == 2 and snap.job_id == jobs[0].id
+        assert list(snap.queued_jobs) == [jobs[1].id, jobs[2].id]  # queued in the order they came
+        results = [await env.finish(j) for j in jobs[:3]]
         assert [r.tokens[:2] for r in results] == [[1, letter(p)] for p in "abc"]  # FIFO
         with pytest.raises(BadInput, match="invalid slot"):
-            eng.submit(GenJob(7))
+            eng.submit(GenRequest(7))
 
 
 @pytest.mark.asyncio
 async def test_state_get_put_moves_a_sequence_to_another_slot():
     async with scripted_engine() as env:
         eng = env.engine
-        await run(eng, GenJob(0, prompt="hello", n_predict=0))
+        await run(eng, GenRequest(0, prompt="hello", n_predict=0))
         out = await eng.state_get(0)
         try:
             assert out.n_past == 6 and out.tokens == env.model.kv[0]
@@ -158,8 +157,8 @@ async def test_state_get_put_moves_a_sequence_to_another_slot():
         finally:
             out.release()
         assert env.model.kv[1] == env.model.kv[0] and eng.snapshot(1).n_past == 6
-        a = await run(eng, GenJob(0, n_predict=3))
-        b = await run(eng, GenJob(1, n_predict=3))
+        a = await run(eng, GenRequest(0, n_predict=3))
+        b = await run(eng, GenRequest(1, n_predict=3))
         assert a.text == b.text
         with pytest.raises(ValueError, match="not a scripted state"):
             await eng.state_put(1, [1, 2], b"junk")
@@ -170,14 +169,14 @@ async def test_state_get_put_moves_a_sequence_to_another_slot():
 
 @pytest.mark.asyncio
 async def test_state_ops_refuse_a_busy_slot():
-    async with scripted_engine(n_ctx_slot=4096) as env:
+    async with scripted_engine(n_ctx_slot=4096, stepped=True) as env:
         eng = env.engine
-        job = await long_generation(eng, 0)
+        job = await env.long_generation(0)
         for call in (eng.state_get(0), eng.state_put(0, [1], b"")):  # an erase waits (test_engine_erase.py)
             with pytest.raises(EngineBusy, match="slot 0 is"):
-                await call
+                await env.call(call)  # answered between two steps
         job.cancel()
-        assert (await job.result()).stop_reason == "cancelled"
+        assert (await env.finish(job)).stop_reason == "cancelled"
 
 
 @pytest.mark.asyncio
@@ -212,14 +211,14 @@ async def test_an_actor_bug_fails_callers_instead_of_hanging_them(monkeypatch):
         def bug(serving):
             raise RuntimeError("a bug in the scheduler")
 
-        monkeypatch.setattr(eng.scheduler, "reap_cancelled", bug)
+        monkeypatch.setattr(eng.actor.scheduler, "reap_cancelled", bug)
         await eng.configure({})  # answered; the actor crashes right after
-        await until(lambda: eng.startup_stage == "failed", "the crash noticed")
+        await env.wait_for(lambda: eng.startup_stage == "failed", "the crash noticed")  # its task's end
         assert "a bug in the scheduler" in eng.startup_error and not eng.ready
         with pytest.raises(EngineUnavailable, match="not running"):
             await eng.configure({})
         with pytest.raises(EngineUnavailable):
-            eng.submit(GenJob(0, prompt="x"))
+            eng.submit(GenRequest(0, prompt="x"))
 
 
 def test_sampling_merge_t1_defaults_then_request_fields():

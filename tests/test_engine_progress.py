@@ -1,16 +1,16 @@
 """What a slot's snapshot says about progress, step by step on the scripted backend: rates,
-``waiting_on`` (client, queue, reload, transfer) and the paused-on-client job. The same over
-TCP with the real model: test_slot_progress."""
+``waiting_on`` (client, queue, reload, transfer) and the paused-on-client job. The engine runs
+step by step (tests/engine_env.py): a test lets a step run, then reads the snapshot it
+published. The same over TCP with the real model: test_slot_progress."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from engine.jobs import EngineBusy, GenJob
+from engine.jobs import EngineBusy, GenJob, GenRequest
 from engine.rates import WINDOW, RateWindow, rate
-from tests.engine_env import long_generation, run, scripted_engine
-from tests.scripted_backend import until
+from tests.engine_env import run, scripted_engine
 
 
 def test_rate_is_read_at_read_time_and_falls_to_zero():
@@ -28,11 +28,12 @@ def test_rate_is_read_at_read_time_and_falls_to_zero():
 
 @pytest.mark.asyncio
 async def test_decoding_slot_reports_rate_eta_and_recent_progress():
-    async with scripted_engine(n_ctx_slot=4096) as env:
+    async with scripted_engine(n_ctx_slot=4096, stepped=True) as env:
         eng = env.engine
-        job = await long_generation(eng, 0)
-        await until(lambda: eng.snapshot(0).n_decoded > 3, "tokens decoded")
+        job = await env.long_generation(0)
+        await env.step(4)  # the prompt and a token, then a token a step
         snap = eng.snapshot(0)
+        assert snap.n_decoded > 3  # tokens decoded
         now = snap.last_progress
         assert snap.operation == "decode" and snap.waiting_on is None and snap.queue_position is None
         assert snap.tokens_per_s(now) > 0 and snap.eta_ms(now) > 0
@@ -40,82 +41,95 @@ async def test_decoding_slot_reports_rate_eta_and_recent_progress():
         assert snap.n_remain == snap.tokens_total - snap.tokens_processed > 0
         assert eng.info().slot_states == ("decode", "idle")
         job.cancel()
-        await until(lambda: not eng.snapshot(0).busy, "slot idle")
+        await env.step()  # it ends with the step in flight
         idle = eng.snapshot(0)
+        assert not idle.busy
         assert idle.ms_since_progress(now) is None and idle.tokens_per_s(now) == 0 and idle.n_remain == 0
 
 
 @pytest.mark.asyncio
 async def test_a_job_whose_client_is_not_reading_pauses_and_says_client():
-    async with scripted_engine(n_ctx_slot=4096) as env:
+    async with scripted_engine(n_ctx_slot=4096, stepped=True) as env:
         eng = env.engine
-        job = await long_generation(eng, 0)
+        job = await env.long_generation(0)
         job.set_client_blocked(True)
-        await until(lambda: eng.snapshot(0).waiting_on == "client", "waiting_on client")
+        await env.step()  # the step in flight ends; then the actor sees the job paused: idle
+        assert eng.snapshot(0).waiting_on == "client" and not env.held
         paused = eng.snapshot(0).tokens_processed
         # the actor keeps serving other work, and never steps the paused job meanwhile
-        res = await run(eng, GenJob(1, prompt="x", n_predict=5))
+        res = await env.run(GenRequest(1, prompt="x", n_predict=5))
         assert res.tokens_generated == 5
         snap = eng.snapshot(0)
         assert snap.tokens_processed == paused and snap.is_processing
         later = snap.last_progress + 1.0
         assert snap.ms_since_progress(later) > snap.ms_since_progress(snap.last_progress)
         job.set_client_blocked(False)
-        await until(lambda: eng.snapshot(0).tokens_processed > paused, "the job resumes")
+        await env.step()
+        assert eng.snapshot(0).tokens_processed > paused  # the job resumes
         assert eng.snapshot(0).waiting_on is None
         # a client that goes away while its job is paused: the job is reaped at once
         job.set_client_blocked(True)
-        await until(lambda: eng.snapshot(0).waiting_on == "client", "paused again")
+        await env.step()
+        assert eng.snapshot(0).waiting_on == "client" and not env.held  # paused again
         job.cancel()
+        await env.wait_for(job.finished, "the paused job reaped")  # no step released: the cancel wakes the actor
+        await env.settled()
         res = await job.result()
         assert res.stop_reason == "cancelled" and not eng.snapshot(0).busy
 
 
 @pytest.mark.asyncio
 async def test_jobs_behind_another_say_queue_and_position():
-    async with scripted_engine(n_ctx_slot=4096) as env:
+    async with scripted_engine(n_ctx_slot=4096, stepped=True) as env:
         eng = env.engine
-        first = await long_generation(eng, 0)
-        second = eng.submit(GenJob(0, prompt="b", n_predict=1))
-        await until(lambda: eng.snapshot(0).queue_position == 1, "one queued")
-        third = eng.submit(GenJob(0, prompt="c", n_predict=1))
-        await until(lambda: eng.snapshot(0).queue_position == 2, "two queued")
+        first = await env.long_generation(0)
+        second = eng.submit(GenRequest(0, prompt="b", n_predict=1))
+        await env.step()  # the actor takes the job after the step in flight
+        assert eng.snapshot(0).queue_position == 1  # one queued
+        third = eng.submit(GenRequest(0, prompt="c", n_predict=1))
+        await env.step()
+        assert eng.snapshot(0).queue_position == 2  # two queued
         snap = eng.snapshot(0)
         assert snap.waiting_on == "queue" and snap.queued_jobs == (second.id, third.id)
         first.cancel()
-        await second.result()
-        await third.result()
+        await env.finish(second)
+        await env.finish(third)
         assert eng.snapshot(0).waiting_on is None
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["serve-old", "reject"])
 async def test_work_held_by_a_pending_reload_says_reload(policy):
-    async with scripted_engine(n_ctx_slot=4096, reload_policy=policy) as env:
+    async with scripted_engine(n_ctx_slot=4096, reload_policy=policy, stepped=True) as env:
         eng = env.engine
-        busy = await long_generation(eng, 0)  # keeps the reload draining
-        await eng.configure({"model_path": "model-b"})
-        await until(lambda: eng.reload.state.value == "draining", "reload draining")
+        busy = await env.long_generation(0)  # keeps the reload draining
+        await env.call(eng.configure({"model_path": "model-b"}))
+        await env.builds_done(1)
+        await env.step()  # the actor takes the built model after this step: draining
+        assert eng.reload.state.value == "draining"  # reload draining
         if policy == "serve-old":  # new work waits for the swap
-            held = eng.submit(GenJob(1, prompt="x", n_predict=1))
-            await until(lambda: eng.snapshot(1).queued == 1, "job held")
+            held = eng.submit(GenRequest(1, prompt="x", n_predict=1))
         else:  # new work is refused until the swap
             with pytest.raises(EngineBusy):
-                eng.submit(GenJob(1, prompt="x", n_predict=1))
-        await until(lambda: eng.snapshot(1).waiting_on == "reload", "slot 1 says reload")
+                eng.submit(GenRequest(1, prompt="x", n_predict=1))
+        await env.step()  # published while draining (serve-old: with the job the actor took after it)
+        if policy == "serve-old":
+            assert eng.snapshot(1).queued == 1  # job held
+        assert eng.snapshot(1).waiting_on == "reload"  # slot 1 says reload
         assert eng.snapshot(0).waiting_on is None  # the draining job itself advances
         busy.cancel()
-        await until(lambda: eng.reload.state.value == "swapped", "swapped")
+        await env.step()  # the last step of the draining job; the swap follows it
+        assert eng.reload.state.value == "swapped"
         if policy == "serve-old":
-            await held.result()
-        await until(lambda: eng.snapshot(1).waiting_on is None, "nothing held")
+            await env.finish(held)
+        assert eng.snapshot(1).waiting_on is None  # nothing held
 
 
 @pytest.mark.asyncio
 async def test_a_state_transfer_says_transfer():
     async with scripted_engine() as env:
         eng, gate = env.engine, env.factory.decode_gate
-        await run(eng, GenJob(0, prompt="abc", n_predict=2))
+        await run(eng, GenRequest(0, prompt="abc", n_predict=2))
         size = env.model.state_seq_size
 
         def held_size(seq: int) -> int:  # the transfer's first model call waits at the gate
@@ -126,7 +140,8 @@ async def test_a_state_transfer_says_transfer():
         gate.close()
         task = asyncio.ensure_future(eng.state_get(0))
         try:
-            await until(lambda: eng.snapshot(0).waiting_on == "transfer", "transfer")
+            await gate.wait_held(1, "the transfer's first model call")  # published before it
+            assert eng.snapshot(0).waiting_on == "transfer"
             assert eng.info().slot_states[0] == "transfer"
         finally:
             gate.open()
@@ -141,13 +156,14 @@ async def test_model_states_follow_the_reloads():
         eng = env.engine
         assert eng.model_states() == {"a": "loaded", "b": "unloaded", "c": "unloaded"}
         await eng.swap_model("c")
-        await until(lambda: eng.reload.state.value == "failed", "the build of c failed")
+        await env.builds_done(1)
+        await env.wait_for(lambda: eng.reload.state.value == "failed", "the build of c failed")
         assert eng.model_states()["c"] == "failed"
         env.factory.build_gate.close()
         await eng.swap_model("b")
         assert eng.model_states() == {"a": "loaded", "b": "loading", "c": "unloaded"}
         env.factory.build_gate.open()
-        await until(lambda: eng.model_states()["b"] == "loaded", "b swapped in")
+        await env.wait_for(lambda: eng.model_states()["b"] == "loaded", "b swapped in")
         assert eng.model_states()["a"] == "unloaded"
 
 
@@ -164,7 +180,7 @@ def test_an_idle_slots_snapshot_is_reused_only_while_nothing_it_shows_changed():
     assert slot.snapshot(*args) is first  # nothing changed: not built again
 
     def job(n: int) -> GenJob:
-        return GenJob(slot=1, n_predict=n, sampling=SamplerParams(temperature=0.1 * n), stop=[f"s{n}"])
+        return GenJob(GenRequest(slot=1, n_predict=n, sampling=SamplerParams(temperature=0.1 * n), stop=[f"s{n}"]))
 
     changes = [
         lambda: slot.tokens.extend([5, 6, 7]),

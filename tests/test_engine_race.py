@@ -3,7 +3,9 @@ model or a config is served by exactly that one or fails.
 
 A hypothesis state machine interleaves CONFIGURE T1/T2/T3, SWAP_QUANT, PREFILLs with
 ``model`` / ``hydra_config`` (left running while the next steps happen), STATE_GET/PUT, a
-long generation that keeps reloads draining, and drain timeouts, on the scripted backend.
+long generation that keeps reloads draining, and drain timeouts, on the scripted backend in
+step mode: the engine decodes only when a rule lets a step run (``step``, or a call the actor
+answers between two steps), so engine steps are part of the interleaving hypothesis explores.
 Every scripted state is stamped with the model that produced it, so a PREFILL's captured
 state says which model really served it. Then the race as it was reported, over TCP with
 real models.
@@ -21,13 +23,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from codec.enums import Op
-from engine.jobs import EngineBusy, GenJob, ModelChanged, ReloadFailed
+from engine.jobs import EngineBusy, GenRequest, JobHandle, ModelChanged, ReloadFailed
 from engine.model_params import ModelParams
 from engine.status import ReloadState
 from hydra_rpc.client import HydraClient
 from tests.engine_env import scripted_engine
 from tests.helpers import poll_until, serving
-from tests.scripted_backend import ScriptedFactory, parse_state, until
+from tests.scripted_backend import ScriptedFactory, parse_state
 
 ALIASES = {"a": "model-a", "b": "model-b", "c": "model-c", "bad": "model-bad"}
 N_SLOTS = 3
@@ -64,21 +66,21 @@ class ReloadRace(RuleBasedStateMachine):
         self.loop = new_loop()
         factory = ScriptedFactory(fail={"model-bad"})
         self._env_cm = scripted_engine(n_slots=N_SLOTS, n_ctx_slot=4096, aliases=dict(ALIASES), backend=factory,
-                                       reload_mode=self.reload_mode, slot_queue=4)
+                                       reload_mode=self.reload_mode, slot_queue=4, stepped=True)
         self.env = self.loop.run_until_complete(self._env_cm.__aenter__())
         self.engine = self.env.engine
         self.prefills: list[Prefill] = []
         self.params_of: dict[int, ModelParams] = {}  # config generation → the model config it names
         self.last_live = self.engine.generation
-        self.blocker: GenJob | None = None
+        self.blocker: JobHandle | None = None
 
     def teardown(self) -> None:
         try:
             if self.blocker is not None:
                 self.blocker.cancel()
             self.env.timers.fire()  # nothing stays pending
-            self.run(self.engine.configure({}))  # wake the actor: cancelled queued jobs leave
-            self.run(until(lambda: all(p.task.done() for p in self.prefills), "every PREFILL settled", 30))
+            self.call(self.engine.configure({}))  # wake the actor: cancelled queued jobs leave
+            self.run(self.env.advance(lambda: all(p.task.done() for p in self.prefills), "every PREFILL settled"))
             self.check_prefills()
         finally:
             self.loop.run_until_complete(self._env_cm.__aexit__(None, None, None))
@@ -87,9 +89,14 @@ class ReloadRace(RuleBasedStateMachine):
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
+    def call(self, coro):
+        """A mailbox call: the actor answers it between two steps (steps are let run until then)."""
+        return self.run(self.env.call(coro))
+
     def settle(self) -> None:
-        """Builds take no time here: wait for the reload to leave ``loading``."""
-        self.run(until(lambda: self.engine.reload.state is not ReloadState.LOADING, "the build done"))
+        """Builds take no time here: wait for the reload to leave ``loading`` (the actor takes a
+        built model between two steps: steps are let run until then)."""
+        self.run(self.env.advance(lambda: self.engine.reload.state is not ReloadState.LOADING, "the build done"))
 
     def record(self, generation: int, params: ModelParams) -> None:
         known = self.params_of.setdefault(generation, params)
@@ -98,34 +105,35 @@ class ReloadRace(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
     @rule(temp=st.sampled_from([0.1, 0.5, 0.9]))
     def configure_t1(self, temp: float) -> None:
-        out = self.run(self.engine.configure({"sampling.temp": temp}))
+        out = self.call(self.engine.configure({"sampling.temp": temp}))
         assert out.reload_ticket is None and out.tier == "T1"
         assert out.config_generation not in self.params_of, f"T1 reused generation {out.config_generation}"
         self.record(out.config_generation, out.params)
 
     @rule(cfg=st.sampled_from(STAGED))
     def configure_staged(self, cfg: dict) -> None:
-        out = self.run(self.engine.configure(cfg))
+        out = self.call(self.engine.configure(cfg))
         self.record(out.config_generation, out.params)
         self.settle()
 
     @rule(alias=st.sampled_from(sorted(ALIASES)))
     def swap_quant(self, alias: str) -> None:
-        out = self.run(self.engine.swap_model(alias))
+        out = self.call(self.engine.swap_model(alias))
         self.record(out.config_generation, out.params)
         self.settle()
 
     @rule(slot=st.integers(0, N_SLOTS - 1), request=st.sampled_from(REQUESTS))
     def prefill(self, slot: int, request: tuple) -> None:
         alias, hydra_config = request
-        task = self.loop.create_task(self._prefill(slot, alias, hydra_config))
+        task = self.env.task(self.loop.create_task(self._prefill(slot, alias, hydra_config)))
         self.prefills.append(Prefill(task, slot, alias, hydra_config))
-        self.run(until(lambda: task.done() or self.engine.reload.state is not ReloadState.LOADING, "started"))
+        self.run(self.env.advance(lambda: task.done() or self.engine.reload.state is not ReloadState.LOADING,
+                                  "started"))
 
     async def _prefill(self, slot: int, alias: str | None, hydra_config: dict | None):
         choice = await self.engine.select_model(alias, hydra_config)
-        job = GenJob(slot, prompt="prefill me", n_predict=0, capture_state=True, params=choice.params)
-        self.engine.submit(job)
+        job = GenRequest(slot, prompt="prefill me", n_predict=0, capture_state=True, params=choice.params)
+        job = self.engine.submit(job)
         return choice, await job.result()
 
     @rule(src=st.integers(0, N_SLOTS - 1), dst=st.integers(0, N_SLOTS - 1))
@@ -145,7 +153,7 @@ class ReloadRace(RuleBasedStateMachine):
                 (n_past, len(tokens), before, self.engine.generation)
 
         try:
-            self.run(transfer())
+            self.call(transfer())
         except EngineBusy:
             pass  # the slot was busy (or an in-place reload had no model): refused, nothing changed
 
@@ -153,8 +161,8 @@ class ReloadRace(RuleBasedStateMachine):
     @rule(slot=st.integers(0, N_SLOTS - 1))
     def start_long_generation(self, slot: int) -> None:
         """Keeps a reload draining (in-flight work finishes first) while other steps happen."""
-        async def submit() -> GenJob:
-            return self.engine.submit(GenJob(slot, prompt="long", n_predict=4000))
+        async def submit() -> JobHandle:
+            return self.engine.submit(GenRequest(slot, prompt="long", n_predict=4000))
 
         self.blocker = self.run(submit())
 
@@ -163,15 +171,25 @@ class ReloadRace(RuleBasedStateMachine):
     def stop_long_generation(self) -> None:
         job, self.blocker = self.blocker, None
         job.cancel()
-        self.run(self.engine.configure({}))  # a queued job leaves when the actor next looks
-        self.run(until(lambda: job.done.done(), "the long generation ended"))
+        self.call(self.engine.configure({}))  # a queued job leaves when the actor next looks
+        self.run(self.env.advance(job.finished, "the long generation ended"))
         self.settle()
 
     @rule()
     def drain_timeout(self) -> None:
         self.env.timers.fire()
-        self.run(self.engine.configure({}))  # the timeout message is handled before this reply
+        self.call(self.engine.configure({}))  # the timeout message is handled before this reply
         self.settle()
+
+    @rule()
+    def step(self) -> None:
+        """Let one engine step run, if one is held (a running PREFILL or long generation)."""
+        async def one() -> None:
+            await self.env.settled()
+            if self.env.held:
+                await self.env.step()
+
+        self.run(one())
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -179,7 +197,7 @@ class ReloadRace(RuleBasedStateMachine):
         live = self.engine.generation
         assert live >= self.last_live, f"config generation went back from {self.last_live} to {live}"
         self.last_live = live
-        if self.engine.model is not None:
+        if self.engine.actor.model is not None:
             self.record(live, self.engine.params)
 
     @invariant()

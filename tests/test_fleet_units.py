@@ -166,10 +166,11 @@ def test_a_state_is_checked_against_the_context_before_llama_cpp_sees_it(fleet_m
 @pytest.mark.asyncio
 async def test_configure_refuses_a_context_llama_cpp_could_not_build(tiny_model_path, monkeypatch):
     from engine import kv_layout
-    from engine.actor import Engine, EngineConfig
+    from engine.api import EngineApi
+    from engine.config import EngineConfig
     from engine.model_params import ModelParams
 
-    eng = Engine(EngineConfig(model=ModelParams(tiny_model_path, n_ctx=512, n_slots=2, n_threads=1),
+    eng = EngineApi(EngineConfig(model=ModelParams(tiny_model_path, n_ctx=512, n_slots=2, n_threads=1),
                               low_priority=False))
     await eng.start()
     try:
@@ -197,7 +198,7 @@ def test_builtin_chat_formats_are_llama_cpps(tiny_model_path):
 # ---------------------------------------------------------------------- HTTP switches, INFO
 @pytest.mark.asyncio
 async def test_disabled_endpoints_answer_501_as_llama_server(tiny_model_path):
-    from engine.actor import Engine, EngineConfig
+    from engine.config import EngineConfig
     from engine.model_params import ModelParams
     from hydra_rpc.app import App
     from hydra_rpc.config import ServerConfig
@@ -205,8 +206,7 @@ async def test_disabled_endpoints_answer_501_as_llama_server(tiny_model_path):
 
     app = App(ServerConfig(host="127.0.0.1", port=0, http_metrics=False, http_slots=False),
               EngineConfig(model=ModelParams(tiny_model_path, n_ctx=256, n_slots=1)))
-    app.engine = Engine(app.engine_cfg)
-    http = await start_http(app, "127.0.0.1", 0)
+    http = await start_http(app.services, "127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{http.address[1]}") as s:
             for path, flag in (("/metrics", "--metrics"), ("/slots", "--slots")):
@@ -231,16 +231,17 @@ async def test_quant_swap_is_advertised_only_with_a_model_alias():
 
 @pytest.mark.asyncio
 async def test_context_shift_on_a_real_model(tiny_model_path):
-    from engine.actor import Engine, EngineConfig
-    from engine.jobs import GenJob
+    from engine.api import EngineApi
+    from engine.config import EngineConfig
+    from engine.jobs import GenRequest
     from engine.model_params import ModelParams
     from engine.sampling import GREEDY
 
-    eng = Engine(EngineConfig(model=ModelParams(tiny_model_path, n_ctx=256, n_slots=1, n_threads=1,
+    eng = EngineApi(EngineConfig(model=ModelParams(tiny_model_path, n_ctx=256, n_slots=1, n_threads=1,
                                                 context_shift=True), low_priority=False))
     await eng.start()
     try:
-        job = eng.submit(GenJob(0, prompt="one two three", n_predict=600, sampling=GREEDY))
+        job = eng.submit(GenRequest(0, prompt="one two three", n_predict=600, sampling=GREEDY))
         res = await job.result()
         assert res.stop_reason == "length" and res.tokens_generated == 600 and res.n_past < 256
     finally:

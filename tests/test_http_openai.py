@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.actor import Engine, EngineConfig
+from engine.config import EngineConfig
 from engine.model_params import ModelParams
 from hydra_rpc.app import App
 from hydra_rpc.config import ServerConfig
@@ -206,8 +206,7 @@ def test_stop_filter_streams_exactly_the_text_before_the_stop(pieces, stops, sen
 async def test_health_is_503_while_the_first_model_loads_then_200(tiny_model_path):
     app = App(ServerConfig(host="127.0.0.1", port=0),
               EngineConfig(model=ModelParams(tiny_model_path, n_ctx=512, n_slots=2, n_threads=1)))
-    app.engine = Engine(app.engine_cfg)  # what App.start does first; the HTTP side may come up before the load
-    http = await start_http(app, "127.0.0.1", 0)
+    http = await start_http(app.services, "127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{http.address[1]}") as s:
             async with s.get("/health") as r:
@@ -233,8 +232,7 @@ async def test_health_is_503_while_the_first_model_loads_then_200(tiny_model_pat
 async def test_health_reports_a_failed_first_load(tmp_path):
     app = App(ServerConfig(host="127.0.0.1", port=0),
               EngineConfig(model=ModelParams(str(tmp_path / "missing.gguf"), n_ctx=256, n_slots=1)))
-    app.engine = Engine(app.engine_cfg)
-    http = await start_http(app, "127.0.0.1", 0)
+    http = await start_http(app.services, "127.0.0.1", 0)
     try:
         with pytest.raises(Exception):
             await app.engine.start()

@@ -75,10 +75,11 @@ def test_the_nice_value_applies_to_each_call_thread() -> None:
 async def test_no_loader_thread_outlives_a_load_or_a_reload(tiny_model_path: str) -> None:
     """The real model: after start-up and after a shadow reload, the threads that built the
     models (and entered OpenMP regions doing so) are gone."""
-    from engine.actor import Engine, EngineConfig
+    from engine.api import EngineApi
+    from engine.config import EngineConfig
     from engine.model_params import ModelParams
 
-    eng = Engine(EngineConfig(model=ModelParams(tiny_model_path, n_ctx=512, n_slots=1, n_threads=2)))
+    eng = EngineApi(EngineConfig(model=ModelParams(tiny_model_path, n_ctx=512, n_slots=1, n_threads=2)))
     await eng.start()
     try:
         await _until(lambda: not _loader_threads())

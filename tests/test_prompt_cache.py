@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.jobs import GenJob
+from engine.jobs import GenRequest
 from engine.model_params import ModelParams
 from engine.sampling import GREEDY
 from tests.engine_env import run, scripted_engine
@@ -27,7 +27,7 @@ def factory(**kw) -> ScriptedFactory:
 
 
 async def gen(engine, slot, prompt, n=6):
-    return await run(engine, GenJob(slot, prompt=prompt, n_predict=n, sampling=GREEDY))
+    return await run(engine, GenRequest(slot, prompt=prompt, n_predict=n, sampling=GREEDY))
 
 
 def params(n_slots: int = 2, **kw) -> ModelParams:
@@ -53,7 +53,7 @@ async def test_second_slot_copies_the_shared_system_prompt():
         await gen(eng, 0, SYSTEM + "Ann: hi")
         res = await gen(eng, 1, SYSTEM + "Bob: hello")
         assert res.cached_tokens == len(SYSTEM) + 1  # BOS + the system prompt, from slot 0
-        assert eng.cache.stats.from_shared == 1
+        assert eng.actor.cache.stats.from_shared == 1
     async with scripted_engine(backend=factory(), model=params(cache_prompt=False)) as env:
         uncached = await gen(env.engine, 1, SYSTEM + "Bob: hello")
         assert uncached.cached_tokens == 0
@@ -75,7 +75,7 @@ async def test_no_sharing_without_a_unified_kv_or_past_a_sliding_window():
         res = await gen(env.engine, 0, SYSTEM + "user three")
         assert res.cached_tokens == 0 and res.stop_reason == "length"
         # a continuation needs only the window: it is kept
-        res = await run(env.engine, GenJob(0, n_predict=3))
+        res = await run(env.engine, GenRequest(0, n_predict=3))
         assert res.cached_tokens == res.prompt_tokens - 1
 
 
@@ -87,7 +87,7 @@ async def test_cache_reuse_shifts_matching_chunks_into_place():
         await gen(eng, 0, head + middle + tail, n=1)
         res = await gen(eng, 0, head + tail + "more")
         assert res.cached_tokens == 1 + len(head) + len(tail)  # the tail chunk moved up, not recomputed
-        assert eng.cache.stats.chunks_shifted == 1
+        assert eng.actor.cache.stats.chunks_shifted == 1
         assert env.model.kv[0][:res.prompt_tokens] == env.model.tokenize(head + tail + "more")
     async with scripted_engine(n_ctx_slot=256, backend=factory()) as env:  # cache_reuse off
         await gen(env.engine, 0, head + middle + tail, n=1)
@@ -104,8 +104,8 @@ async def test_no_cache_prompt_recomputes_prompts_but_continues_sessions():
         again = await gen(eng, 0, SYSTEM + "q")
         assert again.cached_tokens == 0 and again.text == first.text
         await gen(eng, 1, SYSTEM + "q")
-        assert eng.cache.stats.hits == 0 and eng.cache.host.stats.saves == 0  # the RAM tier is not used
-        cont = await run(eng, GenJob(0, n_predict=2))  # a DECODE continues the slot's KV
+        assert eng.actor.cache.stats.hits == 0 and eng.actor.cache.host.stats.saves == 0  # the RAM tier is not used
+        cont = await run(eng, GenRequest(0, n_predict=2))  # a DECODE continues the slot's KV
         assert cont.cached_tokens == again.n_past
 
 
@@ -116,11 +116,11 @@ async def test_a_replaced_conversation_comes_back_from_the_ram_tier():
         conv_a = SYSTEM + "user A: tell me about cats\n"
         first_a = await replaced(eng, conv_a)
         turn_a = conv_a + first_a.text.decode() + "\nuser A: and dogs?\n"
-        assert len(eng.cache.host) == 1 and eng.cache.stats.from_host == 0
+        assert len(eng.actor.cache.host) == 1 and eng.actor.cache.stats.from_host == 0
         back = await gen(eng, 0, turn_a)
         assert back.cached_tokens == first_a.n_past  # all of A's KV, loaded back
-        assert eng.cache.stats.from_host == 1 and eng.cache.host.stats.restores == 1
-        assert len(eng.cache.host) == 1  # the other conversation took A's place there
+        assert eng.actor.cache.stats.from_host == 1 and eng.actor.cache.host.stats.restores == 1
+        assert len(eng.actor.cache.host) == 1  # the other conversation took A's place there
     async with one_slot(cache_ram_mib=0) as env:
         await replaced(env.engine, conv_a)
         cold = await gen(env.engine, 0, turn_a)
@@ -134,22 +134,22 @@ async def test_ram_tier_entries_never_outlive_their_model():
         eng = env.engine
         conv_a = SYSTEM + "user A: cats"
         await replaced(eng, conv_a)
-        assert len(eng.cache.host) == 1
+        assert len(eng.actor.cache.host) == 1
         out = await eng.configure({"model_path": "b"})
         await eng.wait_reload(out.reload_ticket)
-        assert len(eng.cache.host) == 0 and eng.cache.host.stats.invalidated == 1
+        assert len(eng.actor.cache.host) == 0 and eng.actor.cache.host.stats.invalidated == 1
         back = await gen(eng, 0, conv_a + " and dogs")
-        assert back.cached_tokens == 0 and eng.cache.stats.from_host == 0
+        assert back.cached_tokens == 0 and eng.actor.cache.stats.from_host == 0
 
 
 @pytest.mark.asyncio
 async def test_ram_tier_is_bounded_and_evicts_the_oldest():
     async with one_slot() as env:
         eng = env.engine
-        eng.cache.host.limit_bytes = 3 * (16 + 4 * 70) + 4 * 70  # room for about three 70-token conversations
+        eng.actor.cache.host.limit_bytes = 3 * (16 + 4 * 70) + 4 * 70  # room for about three 70-token conversations
         for i in range(6):
             await gen(eng, 0, f"conversation {i}: " + "x" * 50, n=1)
-        host = eng.cache.host
+        host = eng.actor.cache.host
         assert 0 < len(host) <= 4 and host.n_bytes <= host.limit_bytes and host.stats.evictions >= 1
         oldest = await gen(eng, 0, "conversation 0: " + "x" * 50 + " again")
         assert oldest.cached_tokens < 16  # evicted: recomputed
@@ -159,7 +159,7 @@ async def test_ram_tier_is_bounded_and_evicts_the_oldest():
 async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
     async with one_slot(slot_save_path=str(tmp_path)) as env:
         eng = env.engine
-        host = eng.cache.host
+        host = eng.actor.cache.host
         host.limit_bytes = 2 * (16 + 8 * 85)  # two conversations (state + tokens) in RAM, and on disk
         convs = [SYSTEM + f"user {c}: tell me about {c}" for c in "ABC"]
         firsts = [await gen(eng, 0, c) for c in convs]
@@ -171,7 +171,7 @@ async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
         assert back.cached_tokens == firsts[0].n_past and not files[0].exists()
         out = await eng.configure({"model_path": "b"})
         await eng.wait_reload(out.reload_ticket)
-        assert not host.spilled and not list(host.disk.dir.iterdir()) and eng.cache.info().disk_bytes == 0
+        assert not host.spilled and not list(host.disk.dir.iterdir()) and eng.actor.cache.info().disk_bytes == 0
         private = host.disk.dir
     assert not private.exists() and list(tmp_path.iterdir()) == []  # the engine stopped: nothing left
     async with one_slot(cache_ram_mib=0) as env:

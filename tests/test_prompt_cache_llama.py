@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from codec import payloads as P
 from codec.enums import Op
-from engine.actor import Engine, EngineConfig
-from engine.jobs import GenJob, GenResult
+from engine.api import EngineApi
+from engine.config import EngineConfig
+from engine.jobs import GenRequest, GenResult
 from engine.model_params import ModelParams
 from engine.sampling import GREEDY
 from hydra_rpc.client import HydraClient
@@ -31,7 +32,7 @@ SYSTEM = " ".join(f"rule {i}: answer briefly and precisely." for i in range(22))
 @contextlib.asynccontextmanager
 async def real_engine(path: str, n_slots: int = 2, cache_prompt: bool = True, **cfg):
     # one KV pool of 1024 cells that each slot may fill (llama-server's unified KV)
-    eng = Engine(EngineConfig(model=ModelParams(path, n_ctx=1024, n_slots=n_slots, n_threads=1,
+    eng = EngineApi(EngineConfig(model=ModelParams(path, n_ctx=1024, n_slots=n_slots, n_threads=1,
                                                 cache_prompt=cache_prompt), low_priority=False, **cfg))
     await eng.start()
     try:
@@ -40,27 +41,26 @@ async def real_engine(path: str, n_slots: int = 2, cache_prompt: bool = True, **
         await eng.stop()
 
 
-async def run(eng: Engine, job: GenJob) -> GenResult:
-    eng.submit(job)
-    return await job.result()
+async def run(eng: EngineApi, request: GenRequest) -> GenResult:
+    return await eng.submit(request).result()
 
 
-def prefill(slot: int, prompt: str) -> GenJob:
-    return GenJob(slot, prompt=prompt, n_predict=0, capture_state=True)  # what a Hydra PREFILL runs
+def prefill(slot: int, prompt: str) -> GenRequest:
+    return GenRequest(slot, prompt=prompt, n_predict=0, capture_state=True)  # what a Hydra PREFILL runs
 
 
-def cont(slot: int, n: int = 24) -> GenJob:
-    return GenJob(slot, n_predict=n, sampling=GREEDY)  # a greedy DECODE continuing the slot
+def cont(slot: int, n: int = 24) -> GenRequest:
+    return GenRequest(slot, n_predict=n, sampling=GREEDY)  # a greedy DECODE continuing the slot
 
 
 @pytest.mark.asyncio
 async def test_second_slot_reuses_the_first_slots_system_prompt(tiny_model_path):
     async with real_engine(tiny_model_path) as eng:
-        assert len(eng.model.tokenize(SYSTEM)) >= 500
+        assert len(eng.actor.model.tokenize(SYSTEM)) >= 500
         await run(eng, prefill(0, SYSTEM + " Ann asks: why?"))
         second = await run(eng, prefill(1, SYSTEM + " Bob asks: how?"))
         cached = await run(eng, cont(1))
-        assert second.cached_tokens >= 500 and eng.cache.stats.from_shared == 1
+        assert second.cached_tokens >= 500 and eng.actor.cache.stats.from_shared == 1
     async with real_engine(tiny_model_path, cache_prompt=False) as eng:
         alone = await run(eng, prefill(1, SYSTEM + " Bob asks: how?"))
         uncached = await run(eng, cont(1))
@@ -76,15 +76,15 @@ async def test_a_conversation_evicted_from_its_slot_comes_back_from_the_ram_tier
         first = await run(eng, cont(0, 8))
         history = first.tokens + first.generated[-1:]  # what Ann's next turn starts with
         await run(eng, prefill(0, "A different conversation takes the only slot."))
-        assert eng.cache.info().ram_entries == 1
-        back = await run(eng, GenJob(0, tokens=history + eng.model.tokenize(turn2, add_special=False),
+        assert eng.actor.cache.info().ram_entries == 1
+        back = await run(eng, GenRequest(0, tokens=history + eng.actor.model.tokenize(turn2, add_special=False),
                                      n_predict=16, sampling=GREEDY))
-        assert back.cached_tokens == len(first.tokens) and eng.cache.info().ram_restores == 1
+        assert back.cached_tokens == len(first.tokens) and eng.actor.cache.info().ram_restores == 1
     async with real_engine(tiny_model_path, n_slots=1, cache_ram_mib=0) as eng:
         await run(eng, prefill(0, SYSTEM + " Ann asks: why?"))
         await run(eng, cont(0, 8))
         await run(eng, prefill(0, "A different conversation takes the only slot."))
-        cold = await run(eng, GenJob(0, tokens=history + eng.model.tokenize(turn2, add_special=False),
+        cold = await run(eng, GenRequest(0, tokens=history + eng.actor.model.tokenize(turn2, add_special=False),
                                      n_predict=16, sampling=GREEDY))
         assert cold.cached_tokens <= 1
     assert back.generated == cold.generated
@@ -95,13 +95,13 @@ async def test_a_ram_tier_entry_is_never_used_after_a_reload(tiny_model_path):
     async with real_engine(tiny_model_path, n_slots=1) as eng:
         await run(eng, prefill(0, SYSTEM + " Ann asks: why?"))
         await run(eng, prefill(0, "A different conversation takes the only slot."))
-        assert eng.cache.info().ram_entries == 1
+        assert eng.actor.cache.info().ram_entries == 1
         out = await eng.configure({"n_ctx": 1024 + 256})  # a T3 reload: a new context
         await eng.wait_reload(out.reload_ticket)
-        info = eng.cache.info()
+        info = eng.actor.cache.info()
         assert info.ram_entries == 0 and info.ram_invalidated == 1 and info.ram_bytes == 0
         back = await run(eng, prefill(0, SYSTEM + " Ann asks: why?"))
-        assert back.cached_tokens == 0 and eng.cache.info().ram_restores == 0
+        assert back.cached_tokens == 0 and eng.actor.cache.info().ram_restores == 0
 
 
 @pytest.mark.asyncio
@@ -109,14 +109,14 @@ async def test_a_ram_tier_state_is_checked_as_a_state_put_is(tiny_model_path, mo
     async with real_engine(tiny_model_path, n_slots=1) as eng:
         await run(eng, prefill(0, SYSTEM + " Ann asks: why?"))
         await run(eng, prefill(0, "A different conversation takes the only slot."))
-        (entry,) = eng.cache.host.entries.values()
+        (entry,) = eng.actor.cache.host.entries.values()
         state = bytearray(entry.state)  # magic, seq_id, n_stream, cell_count, then the cells
         cells, words = struct.unpack_from("<I", state, 12)[0], 6 if eng.kv_cache.layout.cell_ext else 3
         struct.pack_into("<i", state, 16 + 4 * words * (cells - 1), 1 << 26)  # the last cell's position
         entry.state = bytes(state)
         seen: list[int] = []
-        set_state = eng.model.state_seq_set
-        monkeypatch.setattr(eng.model, "state_seq_set", lambda seq, data: seen.append(seq) or set_state(seq, data))
+        set_state = eng.actor.model.state_seq_set
+        monkeypatch.setattr(eng.actor.model, "state_seq_set", lambda seq, data: seen.append(seq) or set_state(seq, data))
         back = await run(eng, prefill(0, SYSTEM + " Ann asks: why?"))
         assert seen == [] and back.cached_tokens == 0  # refused before llama.cpp saw it; computed instead
         assert "positions 0..67108864 outside" in caplog.text
@@ -239,8 +239,7 @@ async def test_slot_files_need_a_directory(tiny_model_path):
 
     app = App(ServerConfig(host="127.0.0.1", port=0),
               EngineConfig(model=ModelParams(tiny_model_path, n_ctx=256, n_slots=1, n_threads=1)))
-    app.engine = Engine(app.engine_cfg)
-    side = await start_http(app, "127.0.0.1", 0)
+    side = await start_http(app.services, "127.0.0.1", 0)
     await app.engine.start()
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{side.address[1]}") as s:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from codec.enums import Op, Status
-from engine.actor import EngineConfig
+from engine.config import EngineConfig
 from engine.model_params import ModelParams
 from hydra_rpc.app import App
 from hydra_rpc.client import HydraClient
@@ -40,7 +40,7 @@ async def test_chats_during_a_reload(tiny_model_path, tiny_model_b_path, policy)
     await app.start()
     release = threading.Event()
     try:
-        app.engine.loader.submit(release.wait, 60)  # the build queues behind this
+        app.engine.actor.loader.submit(release.wait, 60)  # the build queues behind this
         async with await HydraClient.connect(*app.address) as c:
             r = await c.request(Op.CONFIGURE, b"", json.dumps({"model_path": tiny_model_b_path}).encode())
         assert r.status == Status.OK and r.meta["reload"] == "loading"

@@ -4,31 +4,28 @@ over every slot; when all are busy the job waits in one shared, bounded queue.
 (Over HTTP with the real model: test_prompt_cache_llama.)"""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from engine.jobs import BadInput, EngineBusy, GenJob
+from engine.jobs import BadInput, EngineBusy, GenRequest
 from engine.slot_choice import choose_slot
 from engine.slots import Slot
 from tests.engine_env import run, scripted_engine
-from tests.scripted_backend import until
 
 
 @pytest.mark.asyncio
 async def test_a_burst_spreads_over_every_slot_then_queues():
-    async with scripted_engine(n_slots=4, slot_queue=2) as env:
-        eng, gate = env.engine, env.factory.decode_gate
-        gate.close()
-        jobs = [eng.submit(GenJob(None, prompt=f"chat {i}", n_predict=2)) for i in range(12)]
-        await until(lambda: gate.waiting == 1, "the first step")
+    async with scripted_engine(n_slots=4, slot_queue=2, stepped=True) as env:
+        eng = env.engine
+        jobs = [eng.submit(GenRequest(None, prompt=f"chat {i}", n_predict=2)) for i in range(12)]
+        await env.settled()
+        assert env.held  # the first step
         assert sorted(s.job_id is not None for s in eng.snapshots) == [True] * 4
-        assert len(eng.scheduler.unassigned) == 8  # 2 per slot
-        extra = eng.submit(GenJob(None, prompt="one too many", n_predict=2))  # handled after this step
-        gate.open()
+        assert len(eng.actor.scheduler.unassigned) == 8  # 2 per slot
+        extra = eng.submit(GenRequest(None, prompt="one too many", n_predict=2))  # handled after this step
+        await env.step()
         with pytest.raises(EngineBusy, match="all 4 slots are busy"):
             await extra.result()
-        results = await asyncio.gather(*(j.result() for j in jobs))
+        results = [await env.finish(j) for j in jobs]
         assert {r.slot for r in results} == {0, 1, 2, 3}
         assert all(j.slot == r.slot for j, r in zip(jobs, results))
 
@@ -37,20 +34,20 @@ async def test_a_burst_spreads_over_every_slot_then_queues():
 async def test_a_returning_conversation_finds_its_slot_else_the_least_recently_used():
     async with scripted_engine(n_slots=3) as env:
         eng = env.engine
-        a = await run(eng, GenJob(None, prompt="apples are red, first turn", n_predict=2))
-        b = await run(eng, GenJob(None, prompt="bananas are yellow, first turn", n_predict=2))
+        a = await run(eng, GenRequest(None, prompt="apples are red, first turn", n_predict=2))
+        b = await run(eng, GenRequest(None, prompt="bananas are yellow, first turn", n_predict=2))
         assert (a.slot, b.slot) == (0, 1)  # empty slots are the least recently used
-        back = await run(eng, GenJob(None, prompt="bananas are yellow, first turn" + "xy" + " and more",
+        back = await run(eng, GenRequest(None, prompt="bananas are yellow, first turn" + "xy" + " and more",
                                      n_predict=2))
         assert back.slot == b.slot and back.cached_tokens > 20
-        new = await run(eng, GenJob(None, prompt="something else", n_predict=2))
+        new = await run(eng, GenRequest(None, prompt="something else", n_predict=2))
         assert new.slot == 2
-        other = await run(eng, GenJob(None, prompt="yet another thing", n_predict=2))
+        other = await run(eng, GenRequest(None, prompt="yet another thing", n_predict=2))
         assert other.slot == a.slot  # slot 0 was used least recently
-        pinned = await run(eng, GenJob(2, prompt="bananas are yellow, first turn and more", n_predict=2))
+        pinned = await run(eng, GenRequest(2, prompt="bananas are yellow, first turn and more", n_predict=2))
         assert pinned.slot == 2  # an explicit slot is honoured
         with pytest.raises(BadInput, match="names no slot"):
-            eng.submit(GenJob(None, n_predict=2))
+            eng.submit(GenRequest(None, n_predict=2))
 
 
 def test_choose_slot_by_similarity_threshold_then_lru():

@@ -15,9 +15,9 @@ from codec import decode_v3 as V3
 from codec.enums import Op, Status
 from codec.framing import encode_request, encode_request_header
 from codec.kvblob import encode_kv_blob_header
-from engine.actor import EngineConfig
+from engine.config import EngineConfig
 from engine.buffers import LeasedBuffer, lazy_buffer
-from engine.jobs import GenJob
+from engine.jobs import GenRequest
 from engine.model_params import ModelParams
 from hydra_rpc.app import App
 from hydra_rpc.client import HydraClient
@@ -100,12 +100,12 @@ async def test_refused_concurrent_state_puts_give_their_buffers_back_without_the
     be freed as soon as the replies are out — an exception whose traceback a future or a frame
     keeps in a reference cycle would hold them."""
     tracked = TrackedBuffers()
-    monkeypatch.setattr("hydra_rpc.hydra.handlers.LeasedBuffer", lambda: LeasedBuffer(tracked))
+    monkeypatch.setattr("hydra_rpc.services.LeasedBuffer", lambda: LeasedBuffer(tracked))
     async with in_process_app(tiny_model_path) as app:
         gc.collect()
         gc.disable()
         try:
-            job = app.engine.submit(GenJob(0, prompt="busy", n_predict=4000))
+            job = app.engine.submit(GenRequest(0, prompt="busy", n_predict=4000))
             await until(lambda: app.engine.snapshot(0).job_id == job.id, "slot 0 generating")
             host, port = app.address
             holder, *others = [await HydraClient.connect(host, port) for _ in range(5)]

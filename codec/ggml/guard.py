@@ -230,27 +230,12 @@ class _Filter:
                         self.body_left = size - inspect
                         continue
                     self._inspect = inspect
-                # slow path: a header or head split across feeds is gathered in _held
-                want = hs if self._inspect is None else hs + self._inspect
-                take = min(want - len(self._held), n - pos)
-                self._held += mv[pos : pos + take]
-                pos += take
-                if self._inspect is None:
-                    if len(self._held) < hs:
-                        break
-                    fields = header.unpack_from(self._held)
-                    self._size = fields[-1]
-                    self._inspect = self._on_header(*fields)
-                if len(self._held) < hs + self._inspect:
-                    continue
-                if self._on_head(memoryview(self._held)[hs:]):
+                pos, frame = self._gather(mv, pos, n)  # slow path: a header or head split across feeds
+                if frame is not None:
                     if b > a:
                         out.append(mv[a:b])
                     a = b = pos
-                    out.append(bytes(self._held))
-                self.body_left = self._size - self._inspect
-                self._held = bytearray()  # a new one: a held graph's memory is given back at once
-                self._inspect = None
+                    out.append(frame)
         except Refused as e:
             if b > a:
                 out.append(mv[a:b])
@@ -259,6 +244,25 @@ class _Filter:
         if b > a:
             out.append(mv[a:b])
         return out
+
+    def _gather(self, mv: memoryview, pos: int, n: int) -> tuple[int, Buffer | None]:
+        """Add to ``_held`` what ``mv[pos:n]`` has of the header or inspected head; returns the
+        position after it and, once the head is whole and the frame forwarded, the held bytes."""
+        hs = self._HEADER.size
+        take = min((hs if self._inspect is None else hs + self._inspect) - len(self._held), n - pos)
+        self._held += mv[pos : pos + take]
+        pos += take
+        if self._inspect is None and len(self._held) >= hs:
+            fields = self._HEADER.unpack_from(self._held)
+            self._size = fields[-1]
+            self._inspect = self._on_header(*fields)
+        if self._inspect is None or len(self._held) < hs + self._inspect:
+            return pos, None
+        frame = bytes(self._held) if self._on_head(memoryview(self._held)[hs:]) else None
+        self.body_left = self._size - self._inspect
+        self._held = bytearray()  # a new one: a held graph's memory is given back at once
+        self._inspect = None
+        return pos, frame
 
     def _on_header(self, *fields: int) -> int:
         """Check a header; return how many payload bytes must be seen before forwarding."""

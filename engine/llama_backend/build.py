@@ -8,7 +8,7 @@ rather than failing), and a quantized cache type whose blocks do not divide the 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import llama_cpp.llama_cpp as L
 
@@ -162,10 +162,11 @@ def check_kv_fits(model: Any, p: ModelParams) -> None:
             f"{have >> 20} MiB of memory is available: lower n_ctx (--ctx-size) or use a quantized cache type")
 
 
-def load(p: ModelParams, progress: "Callable[[float], None] | None" = None) -> "LoadedModel":
+def load(p: ModelParams, progress: "Callable[[float], None] | None" = None,
+         llama_env: Mapping[str, str] | None = None) -> "LoadedModel":
     """Load ``p``'s model and create its context (blocking; the loader thread). ggml-RPC
     servers must be registered already; the KV cache is described before this returns.
-    ``progress`` gets llama.cpp's load progress (0..1)."""
+    ``progress`` gets llama.cpp's load progress (0..1); ``llama_env``: see :class:`LoadedModel`."""
     from ..tensor_overrides import build_tensor_overrides
     from .model import LoadedModel
 
@@ -183,7 +184,7 @@ def load(p: ModelParams, progress: "Callable[[float], None] | None" = None) -> "
                         extra_ctx_params=context_fields(p), kv_unified=p.kv_unified,
                         n_threads_batch=p.n_threads_batch, n_ctx_slot_cap=p.n_ctx_slot_cap,
                         chat_template=p.chat_template, jinja=p.jinja, chat_kwargs=p.template_kwargs,
-                        before_context=lambda m: check_kv_fits(m, p), progress=progress)
+                        before_context=lambda m: check_kv_fits(m, p), progress=progress, llama_env=llama_env)
     del keep  # llama.cpp has copied what the pointers point to
     try:
         model.kv_cache  # noqa: B018 - described here, off the event loop

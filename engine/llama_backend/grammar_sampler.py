@@ -3,10 +3,10 @@
 llama.cpp's grammar sampler throws a C++ exception ("Unexpected empty grammar stack") or
 aborts (an end-of-generation token while the grammar is incomplete) when it *accepts* a token
 the grammar does not allow; across ctypes either kills the server. So the grammar never goes
-into the sampler chain: :func:`sample_row` does what llama-server's ``common_sampler_sample``
-does (sample, check the one token, resample under the grammar when it is refused), and a token
-is accepted only after the grammar's own ``apply`` allowed it. When no token is allowed it
-raises :class:`GrammarExhausted` and accepts nothing.
+into the sampler chain: ``engine.llama_backend.sampler.sample_row`` does what llama-server's
+``common_sampler_sample`` does (sample, check the one token, resample under the grammar when it
+is refused), and a token is accepted only after the grammar's own ``apply`` allowed it. When no
+token is allowed it raises :class:`GrammarExhausted` and accepts nothing.
 
 Lazy grammars are handled here too, not by llama.cpp: its trigger regexes run in ``std::regex``
 (which throws on a bad pattern and recurses per character of the searched text), and its
@@ -21,7 +21,7 @@ import re
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -32,17 +32,10 @@ from . import vocab as vocab_mod
 from .runtime import LlamaBackendError, last_llama_errors
 from ..utf8 import owed_after, unfinished, valid_prefix
 
-if TYPE_CHECKING:
-    from .sampler import Sampler
-
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_NESTING = 64  # llama.cpp's parser recurses once per parenthesis level
 MAX_TRIGGER_PATTERNS = 16
 TRIGGER_WINDOW = 4096  # unanchored triggers are searched in the last this-many bytes (+ the new piece)
-MAX_RESAMPLES = 8
-# when the sampled token is refused, the grammar first judges only this many most likely
-# candidates (all of them only if it allows none): a whole vocabulary is 262,144 tokens on Gemma
-SHORTLIST = 32
 
 # numpy twin of llama_token_data: the chain reads and writes it in place
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -138,7 +131,8 @@ def check_grammar_spec(spec: GrammarSpec) -> None:
 
 
 # ---- the grammar, with laziness -----------------------------------------------------------
-def _token_array(cur: np.ndarray, size: int | None = None) -> Any:
+def token_array(cur: np.ndarray, size: int | None = None) -> Any:
+    """A ``llama_token_data_array`` over ``cur`` (``TOKEN_DATA``) in place: the chain writes into it."""
     return L.llama_token_data_array(
         cur.ctypes.data_as(L.llama_token_data_p), len(cur) if size is None else size, -1, False)
 
@@ -148,7 +142,7 @@ class _Probe:
 
     def __init__(self) -> None:
         self.one = np.zeros(1, dtype=TOKEN_DATA)
-        self.ref = ctypes.byref(_token_array(self.one))
+        self.ref = ctypes.byref(token_array(self.one))
 
     def allowed(self, grammar: Any, tok: int) -> bool:
         one = self.one[0]
@@ -214,7 +208,7 @@ class GrammarConstraint:
     def apply(self, cur: np.ndarray) -> None:
         """Set the logit of every candidate the grammar refuses to -inf (no-op before a trigger)."""
         if self.active:
-            L.llama_sampler_apply(self._g, ctypes.byref(_token_array(cur)))
+            L.llama_sampler_apply(self._g, ctypes.byref(token_array(cur)))
             if self._utf8 is not None:
                 cur["logit"][~self._utf8_allowed()[cur["id"]]] = -np.inf
 
@@ -326,113 +320,3 @@ class GrammarConstraint:
                     return m.start(g)
             return m.start(0)
         return None
-
-
-# ---- sampling ---------------------------------------------------------------------------------
-def _fill(sampler: "Sampler", row: np.ndarray) -> np.ndarray:
-    cur = sampler.candidates(row.shape[0])
-    cur["id"] = sampler.ids
-    cur["logit"] = row
-    cur["p"] = 0.0
-    if sampler.bias_ids is not None:
-        cur["logit"][sampler.bias_ids] += sampler.bias_values
-    return cur
-
-
-def _chain_pick(chain: Any, cur: np.ndarray, banned: set[int]) -> int:
-    if banned:
-        cur["logit"][np.fromiter(banned, dtype=np.int64)] = -np.inf
-    if not np.isfinite(cur["logit"]).any():
-        raise GrammarExhausted("no token is allowed at this step")
-    arr = _token_array(cur)
-    L.llama_sampler_apply(chain, ctypes.byref(arr))
-    if not 0 <= arr.selected < arr.size:
-        raise LlamaBackendError("the sampler chain selected no token")
-    return int(arr.data[arr.selected].id)
-
-
-def sample_row(sampler: "Sampler", row: np.ndarray) -> int:
-    """Sample one token from a raw logits row with the sampler's logit bias and grammar, and
-    accept it into the grammar and the chain. Raises :class:`GrammarExhausted` (nothing
-    accepted) when the grammar allows no token."""
-    chain, grammar = sampler.handle, sampler.grammar
-    if grammar is not None and grammar.active and _plain_greedy(sampler):
-        tok = _greedy_pick(sampler, grammar, row)
-        grammar.accept(tok)
-        L.llama_sampler_accept(chain, tok)
-        return tok
-    tok = _chain_pick(chain, _fill(sampler, row), set())
-    if grammar is not None and not grammar.allows(tok):
-        short = _shortlist_pick(sampler, grammar, row)
-        tok = short if short is not None else _resample(sampler, grammar, row, first=tok)
-    if grammar is not None:
-        grammar.accept(tok)
-    L.llama_sampler_accept(chain, tok)
-    return tok
-
-
-def _plain_greedy(sampler: "Sampler") -> bool:
-    """The chain is argmax alone (no penalties): numpy can stand in for it."""
-    return sampler.params.greedy and not sampler.params.penalties_enabled
-
-
-def _greedy_pick(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray) -> int:
-    """Greedy under an active grammar, as the general path decides it, without building the
-    whole candidate array for the first choice or the shortlist."""
-    logits = row
-    if sampler.bias_ids is not None:
-        logits = row.copy()
-        logits[sampler.bias_ids] += sampler.bias_values
-    tok = int(np.argmax(logits))
-    if grammar.allows(tok):
-        return tok
-    if len(logits) > SHORTLIST:
-        ids = np.argpartition(logits, -SHORTLIST)[-SHORTLIST:]
-        short = np.empty(SHORTLIST, dtype=TOKEN_DATA)
-        short["id"], short["logit"], short["p"] = ids, logits[ids], 0.0
-        grammar.apply(short)
-        best = int(np.argmax(short["logit"]))
-        if np.isfinite(short["logit"][best]):  # apply() left only what the grammar allows
-            return int(short["id"][best])
-    return _resample(sampler, grammar, row, first=tok)
-
-
-def _shortlist_pick(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray) -> int | None:
-    """llama-server's second try, on the most likely candidates only: the grammar judges
-    ``SHORTLIST`` tokens instead of the whole vocabulary. None: it allowed none of them (or
-    is lazy, where a refusal can depend on the whole text), so the whole vocabulary decides."""
-    cur = _fill(sampler, row)
-    if not grammar.active or len(cur) <= SHORTLIST:
-        return None
-    short = cur[np.argpartition(cur["logit"], -SHORTLIST)[-SHORTLIST:]]  # a copy, contiguous
-    grammar.apply(short)
-    if not np.isfinite(short["logit"]).any():
-        return None
-    return _chain_pick(sampler.handle, short, set())  # apply() left only what the grammar allows
-
-
-def _resample(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray, first: int) -> int:
-    """The grammar judges the whole vocabulary; a lazy grammar's refusals (a trigger whose text
-    breaks it) are taken out one by one."""
-    refused = {first}
-    for _ in range(MAX_RESAMPLES):
-        cur = _fill(sampler, row)
-        grammar.apply(cur)
-        tok = _chain_pick(sampler.handle, cur, refused if not grammar.active else set())
-        if grammar.allows(tok):
-            if tok in refused:  # pragma: no cover - the chain picked a -inf candidate
-                raise GrammarExhausted("no token is allowed at this step")
-            return tok
-        refused.add(tok)
-    raise GrammarExhausted("no token allowed by the grammar was sampled")
-
-
-def accept_forced(sampler: "Sampler", tok: int) -> None:
-    """``tok`` chosen without sampling: the grammar must allow it (else GrammarExhausted, nothing
-    taken), then the grammar and the chain accept it as they accept a sampled token."""
-    grammar = sampler.grammar
-    if grammar is not None:
-        if not grammar.allows(tok):
-            raise GrammarExhausted("the grammar refuses the token the reasoning budget writes")
-        grammar.accept(tok)
-    L.llama_sampler_accept(sampler.handle, tok)

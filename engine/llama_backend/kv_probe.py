@@ -4,25 +4,36 @@ rows, iSWA caches), so it is never re-derived from hyper-parameters (engine/kv_c
 from __future__ import annotations
 
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import Any, Mapping, Protocol
 
 import llama_cpp.llama_cpp as L
 
 from codec.errors import CodecError
 from codec.seqstate import ggml_type_name, parse_seq_state
 
-from ..backend import BatchItem
+from ..backend import BatchItem, ModelBackend
 from ..kv_cache import KvCacheInfo, KvLayout
 from ..kv_layout import attention_rotation
-
-if TYPE_CHECKING:
-    from .model import LoadedModel
 
 _FLASH_ATTN = {int(L.LLAMA_FLASH_ATTN_TYPE_ENABLED): "on", int(L.LLAMA_FLASH_ATTN_TYPE_DISABLED): "off",
                int(L.LLAMA_FLASH_ATTN_TYPE_AUTO): "auto"}
 _ROPE_SCALING = {int(L.LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED): "model", int(L.LLAMA_ROPE_SCALING_TYPE_NONE): "none",
                  int(L.LLAMA_ROPE_SCALING_TYPE_LINEAR): "linear", int(L.LLAMA_ROPE_SCALING_TYPE_YARN): "yarn",
                  int(L.LLAMA_ROPE_SCALING_TYPE_LONGROPE): "longrope"}
+
+
+class Probed(ModelBackend, Protocol):
+    """What is read of a :class:`LoadedModel` here: named as a protocol, so that the model
+    may describe itself with this module."""
+
+    cparams: Any
+
+    @property
+    def model_handle(self) -> Any: ...
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def n_ctx_slot(self) -> int: ...
 
 
 def llama_cpp_build() -> str:
@@ -32,7 +43,7 @@ def llama_cpp_build() -> str:
         return "llama-cpp-python"
 
 
-def probe(m: "LoadedModel") -> tuple[KvLayout | None, tuple[int, int]]:
+def probe(m: Probed) -> tuple[KvLayout | None, tuple[int, int]]:
     """Seq 0 written with one token, then two (and left empty): the layout of ``m``'s sequence
     states (None for a memory the seq-state parser does not know: recurrent and hybrid models),
     and how they grow — (bytes of a one-token state, bytes each further token adds). Sizes are
@@ -61,8 +72,9 @@ def _layout(blob: bytes, n_ctx_slot: int) -> KvLayout | None:
     return None
 
 
-def describe(m: "LoadedModel", environ: dict[str, str]) -> KvCacheInfo:
-    """``m``'s KV cache for INFO / STATE_META and restores."""
+def describe(m: Probed, environ: Mapping[str, str]) -> KvCacheInfo:
+    """``m``'s KV cache for INFO / STATE_META and restores. ``environ``: what llama.cpp read
+    from the environment when it built the context (``LLAMA_ATTN_ROT_DISABLE``)."""
     c = m.cparams
     type_k, type_v = ggml_type_name(int(c.type_k)), ggml_type_name(int(c.type_v))
     layout, growth = probe(m)
@@ -81,4 +93,4 @@ def describe(m: "LoadedModel", environ: dict[str, str]) -> KvCacheInfo:
                        kv_unified=bool(c.kv_unified), n_ctx=m.n_ctx, n_ctx_slot=m.n_ctx_slot, rope=rope,
                        rotation=rotation, build=llama_cpp_build(), layout=layout,
                        n_ctx_train=int(L.llama_model_n_ctx_train(m.model_handle)), head_dim=heads,
-                       state_growth=growth)
+                       state_growth=growth, rotation_disabled=bool(environ.get("LLAMA_ATTN_ROT_DISABLE")))

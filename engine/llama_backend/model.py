@@ -7,64 +7,38 @@ engine's inference thread). Built against llama-cpp-python 0.3.36 (llama.cpp's
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, overload
+from typing import Any, Callable, Literal, Mapping, Sequence, overload
 
 import numpy as np
 
 import llama_cpp.llama_cpp as L
 
 from ..backend import BatchItem
-from ..chat.formats import ChatFormat, detect_format
 from ..kv_cache import KvCacheInfo
 from ..sampling import SamplerParams
-from . import vocab
+from . import seq_state
 from .batch import LlamaBatch
-from .chat_template import ChatTemplate
-from .grammar_sampler import accept_forced, sample_row
-from .identity import chat_template_source, read_identity
+from .context import context_params, create_context, load_model_file
+from .identity import read_identity
 from .kv_probe import describe
-from .legacy_chat import is_jinja_source, render_builtin
-from .runtime import (
-    DecodeError,
-    LlamaBackendError,
-    StateError,
-    clear_llama_errors,
-    default_threads,
-    ensure_backend,
-    last_llama_errors,
-)
-from .sampler import Sampler, make_sampler, top_logprobs
-from ..utf8 import utf8_masks
+from .model_text import ModelText
+from .runtime import DecodeError, LlamaBackendError, clear_llama_errors, default_threads, last_llama_errors
+from .sampler import Sampler, accept_forced, make_sampler, sample_row, top_logprobs
 
 
-def _set_fields(params: Any, extra: dict[str, Any] | None, struct_name: str) -> None:
-    names = {f[0] for f in type(params)._fields_}
-    for k, v in (extra or {}).items():
-        if k not in names:
-            raise ValueError(f"unknown {struct_name} field {k!r}")
-        setattr(params, k, v)
-
-
-def _report(progress: Callable[[float], None], share: float) -> bool:
-    """llama.cpp's progress callback: never abort the load, and never let an exception into C."""
-    try:
-        progress(float(share))
-    except Exception:  # pragma: no cover - a reporting bug must not fail the load
-        pass
-    return True
-
-
-class LoadedModel:
+class LoadedModel(ModelText):
     """``n_ctx`` is the total context, ``n_seq_max`` the slots; with ``kv_unified`` (the
     default) the sequences share ``n_ctx`` cells and each may grow up to ``n_ctx`` tokens as
     long as the total fits, without it each gets ``n_ctx / n_seq_max`` (llama.cpp's rule; a
     slot's limit is :attr:`n_ctx_slot`). ``before_context`` sees the loaded model before the
-    context is allocated and may refuse it by raising.
+    context is allocated and may refuse it by raising. ``llama_env``: the environment llama.cpp
+    reads, as the engine's configuration captured it (``EngineConfig.llama_env``; None: this
+    process's); the KV cache's description follows it.
 
-    Implements :class:`engine.backend.ModelBackend`. Not thread-safe.
+    Implements :class:`engine.backend.ModelBackend` (tokens and chat: :class:`ModelText`).
+    Not thread-safe.
     """
 
     def __init__(
@@ -86,96 +60,54 @@ class LoadedModel:
         chat_kwargs: dict[str, Any] | None = None,
         before_context: Callable[[Any], None] | None = None,
         progress: Callable[[float], None] | None = None,
+        llama_env: Mapping[str, str] | None = None,
     ) -> None:
         self._model = None
         self._ctx = None
         self._batch: LlamaBatch | None = None
         self._closed = False
         self._kv_cache: KvCacheInfo | None = None
+        self._llama_env = llama_env
         self.tensor_overrides: tuple[dict[str, Any], ...] = ()  # what -ot / --n-cpu-moe moved (build.load)
         self.gpu_offload: Any = None  # engine.gpu.Offload: where the layers went (build.load)
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
         self.model_path = path
-        ensure_backend()
-
-        mparams = L.llama_model_default_params()
-        mparams.n_gpu_layers = int(n_gpu_layers)
-        _set_fields(mparams, extra_model_params, "llama_model_params")
-        if progress is not None:
-            callback = L.llama_progress_callback(lambda share, _user: _report(progress, share))
-            mparams.progress_callback = callback  # referenced until the load returns
-        clear_llama_errors()
-        model = L.llama_model_load_from_file(os.fsencode(path), mparams)
-        if not model:
-            raise LlamaBackendError(f"failed to load model {path}: {'; '.join(last_llama_errors()) or 'unknown error'}")
-        self._model = model
-
+        self._model = load_model_file(path, n_gpu_layers, extra_model_params, progress)
         try:
             if before_context is not None:
-                before_context(model)
+                before_context(self._model)
             nt = int(n_threads) if n_threads and n_threads > 0 else default_threads()
-            cparams = L.llama_context_default_params()
-            cparams.n_ctx = int(n_ctx)
-            cparams.n_batch = int(n_batch)
-            cparams.n_ubatch = min(int(n_batch), 512)
-            cparams.n_seq_max = int(n_seq_max)
-            cparams.n_threads = nt
-            cparams.n_threads_batch = int(n_threads_batch) if n_threads_batch and n_threads_batch > 0 else nt
-            cparams.kv_unified = bool(kv_unified)
-            cparams.no_perf = True
-            _set_fields(cparams, extra_ctx_params, "llama_context_params")
-            self.cparams = cparams
-            ctx = L.llama_init_from_model(model, cparams)
-            if not ctx:
-                raise LlamaBackendError(
-                    f"failed to create a context for {path}: {'; '.join(last_llama_errors()) or 'unknown error'}"
-                )
-            self._ctx = ctx
-            self._mem = L.llama_get_memory(ctx)
-            self._vocab = L.llama_model_get_vocab(model)
-            self._n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
-            self._n_ctx = int(L.llama_n_ctx(ctx))
-            self._n_batch = int(L.llama_n_batch(ctx))
-            self._n_seq_max = int(L.llama_n_seq_max(ctx))
-            n_slot = int(L.llama_n_ctx_seq(ctx))  # llama-server's n_ctx_slot()
-            if n_ctx_slot_cap > 0:
-                n_slot = min(n_slot, int(n_ctx_slot_cap))
-            self._n_ctx_slot = min(n_slot, int(L.llama_model_n_ctx_train(model)))
-            self.n_threads = nt
-            self._threads_now = nt
-            # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
-            self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
-            self._logit_idx: dict[int, int] = {}
-            self._identity = read_identity(model, self._vocab, path, self._n_vocab)
-            template = chat_template if chat_template is not None else chat_template_source(model)
-            # llama.cpp's own formats: --no-jinja, or a template that names one ("chatml")
-            self._builtin_template = template if template and (not jinja or not is_jinja_source(template)) else None
-            self.chat = ChatTemplate(None if self._builtin_template else template, self._identity["architecture"])
-            self.chat_kwargs = dict(chat_kwargs or {})
-            if chat_template is not None:  # one given by the operator or a CONFIGURE (llama-server
-                self._check_chat_template()  # refuses an unsupported --chat-template at start too)
-            self._chat_syntax: ChatFormat | None = None
-            self._utf8_masks: np.ndarray | None = None
-            self._pieces: list[bytes] | None = None
+            self.cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=nt,
+                                          n_threads_batch=n_threads_batch, kv_unified=kv_unified,
+                                          extra=extra_ctx_params)
+            self._ctx = create_context(self._model, self.cparams, path)
+            self._read_context(nt, n_ctx_slot_cap)
+            self._identity = read_identity(self._model, self._vocab, path, self._n_vocab)
+            self._init_text(self._model, chat_template, jinja, chat_kwargs, self._identity["architecture"])
         except BaseException:
             self.close()
             raise
 
-    def _check_chat_template(self) -> None:
-        """A template that cannot work fails the build, not the first chat: a jinja source is
-        compiled; a built-in name (``chatml``; --no-jinja) is tried on one message, as
-        llama.cpp then looks the name up."""
-        try:
-            if self._builtin_template:
-                render_builtin(self._builtin_template, [{"role": "user", "content": "hi"}], True)
-            else:
-                self.chat.compile()
-        except LlamaBackendError as e:
-            raise LlamaBackendError(f"chat template: {e}") from None
-        except Exception as e:  # jinja2's TemplateError and what its compiler raises
-            raise LlamaBackendError(f"chat template does not compile: {type(e).__name__}: {e}") from None
+    def _read_context(self, n_threads: int, n_ctx_slot_cap: int) -> None:
+        """What the new context settled on (llama.cpp pads and caps what was asked)."""
+        ctx, model = self._ctx, self._model
+        self._mem = L.llama_get_memory(ctx)
+        self._vocab = L.llama_model_get_vocab(model)
+        self._n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        self._n_ctx = int(L.llama_n_ctx(ctx))
+        self._n_batch = int(L.llama_n_batch(ctx))
+        self._n_seq_max = int(L.llama_n_seq_max(ctx))
+        n_slot = int(L.llama_n_ctx_seq(ctx))  # llama-server's n_ctx_slot()
+        if n_ctx_slot_cap > 0:
+            n_slot = min(n_slot, int(n_ctx_slot_cap))
+        self._n_ctx_slot = min(n_slot, int(L.llama_model_n_ctx_train(model)))
+        self.n_threads = n_threads
+        self._threads_now = n_threads
+        # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
+        self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
+        self._logit_idx: dict[int, int] = {}
 
     # ---- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
@@ -214,16 +146,7 @@ class LoadedModel:
             raise LlamaBackendError("model is closed")
         return self._ctx
 
-    def _voc(self) -> Any:
-        if self._closed:
-            raise LlamaBackendError("model is closed")
-        return self._vocab
-
     # ---- properties --------------------------------------------------------------------
-    @property
-    def n_vocab(self) -> int:
-        return self._n_vocab
-
     @property
     def n_layer(self) -> int:
         """The model's repeating layers (llama.cpp offloads n_layer + 1: the output layer too)."""
@@ -247,7 +170,8 @@ class LoadedModel:
         """The KV cache's configuration and layout (described on first use: this decodes one
         token, so the factory asks on the loader thread)."""
         if self._kv_cache is None:
-            self._kv_cache = describe(self, dict(os.environ))
+            env = self._llama_env if self._llama_env is not None else os.environ
+            self._kv_cache = describe(self, dict(env))
         return self._kv_cache
 
     @property
@@ -262,14 +186,6 @@ class LoadedModel:
         return self._n_batch
 
     @property
-    def bos(self) -> int:
-        return int(L.llama_vocab_bos(self._voc()))
-
-    @property
-    def eos(self) -> int:
-        return int(L.llama_vocab_eos(self._voc()))
-
-    @property
     def identity(self) -> dict[str, Any]:
         """See :func:`engine.llama_backend.identity.read_identity`."""
         return dict(self._identity)
@@ -281,87 +197,6 @@ class LoadedModel:
             L.llama_set_n_threads(self._ctx_handle(), n, n)
             self._threads_now = n
 
-    # ---- tokenization ------------------------------------------------------------------
-    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Text -> tokens. ``add_special`` adds BOS (if the model wants it); ``parse_special``
-        turns special-token text like ``<s>`` / ``<start_of_turn>`` into those tokens."""
-        return vocab.tokenize(self._voc(), text, add_special, parse_special)
-
-    def token_to_piece(self, tok: int, special: bool = False) -> bytes:
-        """Raw bytes of one token (may be a partial UTF-8 sequence). Control tokens give
-        b"" unless ``special``."""
-        return vocab.token_to_piece(self._voc(), tok, special)
-
-    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
-        """Tokens -> raw bytes. Control tokens are dropped unless ``special``."""
-        return vocab.detokenize(self._voc(), tokens, special)
-
-    def is_eog(self, tok: int) -> bool:
-        return bool(L.llama_vocab_is_eog(self._voc(), int(tok)))
-
-    # ---- chat template -----------------------------------------------------------------
-    @property
-    def chat_format(self) -> str:
-        return "builtin" if self._builtin_template else self.chat.format
-
-    def _piece_text(self, tok: int) -> str:
-        return self.token_to_piece(tok, special=True).decode("utf-8", "replace") if tok >= 0 else ""
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
-        """Render ``messages`` to prompt text (see :class:`ChatTemplate`).
-
-        Tokenize the result with ``parse_special=True``; :meth:`chat_tokens` does that and
-        avoids a doubled BOS when the template itself emits one.
-        """
-        if self._builtin_template:
-            return render_builtin(self._builtin_template, messages, add_generation_prompt)
-        return self.chat.render(messages, add_generation_prompt, bos_token=self._piece_text(self.bos),
-                                eos_token=self._piece_text(self.eos), **{**self.chat_kwargs, **extra})
-
-    @property
-    def chat_syntax(self) -> ChatFormat:
-        """The template's tool-call and reasoning format (``engine.chat.formats``)."""
-        if self._chat_syntax is None:
-            self._chat_syntax = detect_format(self._builtin_template or self.chat.source)
-        return self._chat_syntax
-
-    def utf8_masks(self) -> np.ndarray:
-        """bool[4, n_vocab]: row k says which tokens keep the text valid UTF-8 when it ends
-        with k continuation bytes still owed. llama.cpp's grammar decodes a character from its
-        lead byte alone, so without this a grammar lets a model write invalid text (and a JSON
-        string longer than its maxLength once decoded). Computed on first use."""
-        if self._utf8_masks is None:
-            self._utf8_masks = utf8_masks(self.token_pieces())
-        return self._utf8_masks
-
-    def token_pieces(self) -> list[bytes]:
-        """Every token's bytes (special tokens' text included), by id; computed on first use
-        (a grammar reads them for every candidate it refines)."""
-        if self._pieces is None:
-            self._pieces = [self.token_to_piece(t, special=True) for t in range(self.n_vocab)]
-        return self._pieces
-
-    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
-        """The prompt text for ``messages`` with the generation prompt; ``extra`` are template
-        variables (``tools``, the request's ``chat_template_kwargs``)."""
-        return self.apply_chat_template(messages, True, **extra)
-
-    def chat_tokens(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
-    ) -> list[int]:
-        """:meth:`apply_chat_template` + :meth:`chat_text_tokens`."""
-        return self.chat_text_tokens(self.apply_chat_template(messages, add_generation_prompt, **extra))
-
-    def chat_text_tokens(self, text: str) -> list[int]:
-        """Rendered chat text → tokens (parse_special) with exactly one leading BOS when the
-        model adds BOS (a template may emit one itself)."""
-        toks = self.tokenize(text, add_special=True, parse_special=True)
-        bos = self.bos
-        if bos >= 0 and len(toks) >= 2 and toks[0] == bos and toks[1] == bos:
-            toks = toks[1:]
-        return toks
 
     # ---- sequences ---------------------------------------------------------------------
     def _check_seq(self, seq: int) -> int:
@@ -548,9 +383,9 @@ class LoadedModel:
     def make_sampler(self, params: SamplerParams | None = None) -> Sampler:
         return make_sampler(params, self)
 
-    # ---- state -------------------------------------------------------------------------
+    # ---- state (engine.llama_backend.seq_state) ----------------------------------------------
     def state_seq_size(self, seq: int) -> int:
-        return int(L.llama_state_seq_get_size(self._ctx_handle(), self._check_seq(seq)))
+        return seq_state.size(self._ctx_handle(), self._check_seq(seq))
 
     def state_seq_get(self, seq: int) -> memoryview:
         """Snapshot of ``seq``'s KV cells (restorable into any seq with :meth:`state_seq_set`).
@@ -559,37 +394,24 @@ class LoadedModel:
         which matters for multi-hundred-MiB states (peak memory ≈ 1× the state).
         """
         seq = self._check_seq(seq)
-        ctx = self._ctx_handle()
-        size = int(L.llama_state_seq_get_size(ctx, seq))
-        buf = (ctypes.c_uint8 * max(size, 1))()
-        n = int(L.llama_state_seq_get_data(ctx, buf, size, seq))
-        return memoryview(buf).cast("B")[:n].toreadonly()
+        return seq_state.get(self._ctx_handle(), seq)
 
     def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int:
         """Write ``seq``'s state into ``buf`` (writable, ≥ :meth:`state_seq_size`); returns its length."""
         seq = self._check_seq(seq)
-        mv = memoryview(buf).cast("B")
-        dst = (ctypes.c_uint8 * len(mv)).from_buffer(mv)
-        return int(L.llama_state_seq_get_data(self._ctx_handle(), dst, len(mv), seq))
+        return seq_state.get_into(self._ctx_handle(), seq, buf)
 
     def checkpoint_get(self, seq: int) -> bytes:
         """``seq``'s partial state (``PARTIAL_ONLY``: the recurrent part of a hybrid memory, the
         window part of an iSWA cache): a context checkpoint, as llama-server takes them."""
         seq = self._check_seq(seq)
-        ctx, flags = self._ctx_handle(), L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = int(L.llama_state_seq_get_size_ext(ctx, seq, flags))
-        buf = (ctypes.c_uint8 * max(size, 1))()
-        n = int(L.llama_state_seq_get_data_ext(ctx, buf, size, seq, flags))
-        return bytes(memoryview(buf).cast("B")[:n])
+        return seq_state.get_partial(self._ctx_handle(), seq)
 
     def checkpoint_set(self, seq: int, data: bytes) -> bool:
         """Load a :meth:`checkpoint_get` capture into ``seq``; the cells it does not cover stay."""
         seq = self._check_seq(seq)
         self._logit_idx.pop(seq, None)
-        src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
-        clear_llama_errors()
-        return int(L.llama_state_seq_set_data_ext(self._ctx_handle(), src, len(data), seq,
-                                                 L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)) > 0
+        return seq_state.set_partial(self._ctx_handle(), seq, data)
 
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         """Replace ``seq``'s cells with a snapshot from :meth:`state_seq_get`; returns bytes read.
@@ -600,30 +422,5 @@ class LoadedModel:
         """
         seq = self._check_seq(seq)
         ctx = self._ctx_handle()
-        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._logit_idx.pop(seq, None)
-        n_bytes = len(data) if not isinstance(data, memoryview) else data.nbytes
-        if not n_bytes:
-            return 0
-        # No ctypes.cast of a ctypes object: it links the object and its cast in a reference cycle
-        # (each keeps the other in ``_objects``), and the cycle would keep the caller's buffer
-        # — hundreds of MiB — alive until the cyclic GC runs. A bytes object is cast by address
-        # (kept alive by ``data`` during the call); a c_uint8 array passes as the pointer itself.
-        if isinstance(data, bytes):
-            src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
-        else:
-            mv = memoryview(data).cast("B")
-            if mv.readonly:
-                mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
-            src = (ctypes.c_uint8 * n_bytes).from_buffer(mv)
-        clear_llama_errors()
-        n = int(L.llama_state_seq_set_data(ctx, src, n_bytes, seq))
-        if n == 0:
-            L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            logs = "; ".join(last_llama_errors(3))
-            raise StateError(
-                f"llama_state_seq_set_data rejected {n_bytes} bytes for seq {seq}"
-                + (f": {logs}" if logs else "")
-            )
-        return n
-
+        return seq_state.restore(ctx, self._mem, seq, data)

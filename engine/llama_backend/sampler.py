@@ -1,6 +1,9 @@
-"""llama.cpp sampler chains built from :class:`engine.sampling.SamplerParams`."""
+"""llama.cpp sampler chains built from :class:`engine.sampling.SamplerParams`, and how a token is
+drawn from one: by ``llama_sampler_sample`` alone, or (a grammar, a logit bias) from numpy
+candidates with the grammar kept outside the chain (:func:`sample_row`)."""
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -8,14 +11,19 @@ import numpy as np
 
 import llama_cpp.llama_cpp as L
 
-from ..sampling import SamplerParams
-from .grammar_sampler import TOKEN_DATA, GrammarConstraint
+from ..sampling import GrammarExhausted, SamplerParams
+from .grammar_sampler import TOKEN_DATA, GrammarConstraint, token_array
 from .runtime import LlamaBackendError
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from ..backend import ModelBackend
+    from .model_text import ModelText
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+MAX_RESAMPLES = 8
+# when the sampled token is refused, the grammar first judges only this many most likely
+# candidates (all of them only if it allows none): a whole vocabulary is 262,144 tokens on Gemma
+SHORTLIST = 32
 
 
 class Sampler:
@@ -55,11 +63,11 @@ class Sampler:
         return self._chain
 
     @overload
-    def sample(self, model: "LoadedModel", seq: int, want_logprob: Literal[False] = False) -> int: ...
+    def sample(self, model: "ModelBackend", seq: int, want_logprob: Literal[False] = False) -> int: ...
     @overload
-    def sample(self, model: "LoadedModel", seq: int, want_logprob: Literal[True]) -> tuple[int, float]: ...
+    def sample(self, model: "ModelBackend", seq: int, want_logprob: Literal[True]) -> tuple[int, float]: ...
 
-    def sample(self, model: "LoadedModel", seq: int, want_logprob: bool = False) -> int | tuple[int, float]:
+    def sample(self, model: "ModelBackend", seq: int, want_logprob: bool = False) -> int | tuple[int, float]:
         """Same as ``model.sample(seq, self, want_logprob)``."""
         return model.sample(seq, self, want_logprob)  # type: ignore[call-overload]
 
@@ -80,7 +88,7 @@ class Sampler:
 
 def make_sampler(
     params: SamplerParams | None = None,
-    model: "LoadedModel | None" = None,
+    model: "ModelText | None" = None,
     *,
     n_vocab: int | None = None,
 ) -> Sampler:
@@ -162,3 +170,113 @@ def top_logprobs(row: np.ndarray, n: int) -> list[tuple[int, float]]:
     m = float(row.max())
     lse = m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
     return [(int(t), float(row[t]) - lse) for t in top]
+
+
+# ---- sampling under a grammar (engine.llama_backend.grammar_sampler) -----------------------
+def _fill(sampler: "Sampler", row: np.ndarray) -> np.ndarray:
+    cur = sampler.candidates(row.shape[0])
+    cur["id"] = sampler.ids
+    cur["logit"] = row
+    cur["p"] = 0.0
+    if sampler.bias_ids is not None:
+        cur["logit"][sampler.bias_ids] += sampler.bias_values
+    return cur
+
+
+def _chain_pick(chain: Any, cur: np.ndarray, banned: set[int]) -> int:
+    if banned:
+        cur["logit"][np.fromiter(banned, dtype=np.int64)] = -np.inf
+    if not np.isfinite(cur["logit"]).any():
+        raise GrammarExhausted("no token is allowed at this step")
+    arr = token_array(cur)
+    L.llama_sampler_apply(chain, ctypes.byref(arr))
+    if not 0 <= arr.selected < arr.size:
+        raise LlamaBackendError("the sampler chain selected no token")
+    return int(arr.data[arr.selected].id)
+
+
+def sample_row(sampler: "Sampler", row: np.ndarray) -> int:
+    """Sample one token from a raw logits row with the sampler's logit bias and grammar, and
+    accept it into the grammar and the chain. Raises :class:`GrammarExhausted` (nothing
+    accepted) when the grammar allows no token."""
+    chain, grammar = sampler.handle, sampler.grammar
+    if grammar is not None and grammar.active and _plain_greedy(sampler):
+        tok = _greedy_pick(sampler, grammar, row)
+        grammar.accept(tok)
+        L.llama_sampler_accept(chain, tok)
+        return tok
+    tok = _chain_pick(chain, _fill(sampler, row), set())
+    if grammar is not None and not grammar.allows(tok):
+        short = _shortlist_pick(sampler, grammar, row)
+        tok = short if short is not None else _resample(sampler, grammar, row, first=tok)
+    if grammar is not None:
+        grammar.accept(tok)
+    L.llama_sampler_accept(chain, tok)
+    return tok
+
+
+def _plain_greedy(sampler: "Sampler") -> bool:
+    """The chain is argmax alone (no penalties): numpy can stand in for it."""
+    return sampler.params.greedy and not sampler.params.penalties_enabled
+
+
+def _greedy_pick(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray) -> int:
+    """Greedy under an active grammar, as the general path decides it, without building the
+    whole candidate array for the first choice or the shortlist."""
+    logits = row
+    if sampler.bias_ids is not None:
+        logits = row.copy()
+        logits[sampler.bias_ids] += sampler.bias_values
+    tok = int(np.argmax(logits))
+    if grammar.allows(tok):
+        return tok
+    if len(logits) > SHORTLIST:
+        ids = np.argpartition(logits, -SHORTLIST)[-SHORTLIST:]
+        short = np.empty(SHORTLIST, dtype=TOKEN_DATA)
+        short["id"], short["logit"], short["p"] = ids, logits[ids], 0.0
+        grammar.apply(short)
+        best = int(np.argmax(short["logit"]))
+        if np.isfinite(short["logit"][best]):  # apply() left only what the grammar allows
+            return int(short["id"][best])
+    return _resample(sampler, grammar, row, first=tok)
+
+
+def _shortlist_pick(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray) -> int | None:
+    """llama-server's second try, on the most likely candidates only: the grammar judges
+    ``SHORTLIST`` tokens instead of the whole vocabulary. None: it allowed none of them (or
+    is lazy, where a refusal can depend on the whole text), so the whole vocabulary decides."""
+    cur = _fill(sampler, row)
+    if not grammar.active or len(cur) <= SHORTLIST:
+        return None
+    short = cur[np.argpartition(cur["logit"], -SHORTLIST)[-SHORTLIST:]]  # a copy, contiguous
+    grammar.apply(short)
+    if not np.isfinite(short["logit"]).any():
+        return None
+    return _chain_pick(sampler.handle, short, set())  # apply() left only what the grammar allows
+
+
+def _resample(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray, first: int) -> int:
+    """The grammar judges the whole vocabulary; a lazy grammar's refusals (a trigger whose text
+    breaks it) are taken out one by one."""
+    refused = {first}
+    for _ in range(MAX_RESAMPLES):
+        cur = _fill(sampler, row)
+        grammar.apply(cur)
+        tok = _chain_pick(sampler.handle, cur, refused if not grammar.active else set())
+        if grammar.allows(tok):
+            if tok in refused:  # pragma: no cover - the chain picked a -inf candidate
+                raise GrammarExhausted("no token is allowed at this step")
+            return tok
+        refused.add(tok)
+    raise GrammarExhausted("no token allowed by the grammar was sampled")
+
+
+def accept_forced(sampler: "Sampler", tok: int) -> None:
+    """``tok`` chosen without sampling: the grammar must allow it (else GrammarExhausted, nothing
+    taken), then the grammar and the chain accept it as they accept a sampled token."""
+    grammar = sampler.grammar
+    if grammar is not None:
+        if not grammar.allows(tok):
+            raise GrammarExhausted("the grammar refuses the token the reasoning budget writes")
+        grammar.accept(tok)
+    L.llama_sampler_accept(sampler.handle, tok)

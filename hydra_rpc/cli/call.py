@@ -30,13 +30,12 @@ from codec.framing import (
     REQUEST_HEADER,
     REQUEST_HEADER_SIZE,
     RESPONSE_HEADER,
-    RESPONSE_HEADER_SIZE,
-    decode_response_header,
     encode_request,
+    encode_response_header,
 )
 from codec.payloads import decode_token_frames
 
-from hydra_rpc.client import HydraClient, parse_meta
+from hydra_rpc.client import HydraClient, ReplyCut, parse_meta
 from hydra_rpc.config import parse_hostport
 from hydra_rpc.cli.usage import UsageError
 
@@ -221,16 +220,16 @@ async def _call(args: argparse.Namespace) -> int:
     c = await HydraClient.connect(host, port)
     try:
         await c.send_raw(frame)
-        head = await c.reader.readexactly(RESPONSE_HEADER_SIZE)
-        hdr = decode_response_header(head)
-        meta_raw = await c.reader.readexactly(hdr.meta_len) if hdr.meta_len else b""
+        hdr, meta_raw = await c.read_head()
         if args.verbose:
-            _show_response_head(head, meta_raw)
+            # Every bit of the 12 header bytes is a field, so encoding the parsed header gives
+            # back exactly the bytes received.
+            _show_response_head(encode_response_header(hdr.status, hdr.meta_len, hdr.payload_len), meta_raw)
         _err(f"{status_name(hdr.status)} (0x{hdr.status:02x})")
         meta = parse_meta(meta_raw)
         if pin_stream_follows(decode_dialect(payload) if args.op == Op.DECODE else None, hdr):
             return await _stream_pin(c, args.verbose)
-        data = await c.reader.readexactly(hdr.payload_len) if hdr.payload_len else b""
+        data = await c.read_payload()
     finally:
         await c.close()
     if args.verbose and data:
@@ -272,8 +271,8 @@ def run(args: argparse.Namespace) -> int:
     except ConnectionRefusedError:
         raise UsageError(f"nothing listens on {where}; start the server (`hydra-rpc serve`) or fix "
                          "--target") from None
-    except asyncio.IncompleteReadError as e:
-        raise UsageError(f"{where} closed the connection after {len(e.partial)} bytes of the reply "
+    except ReplyCut as e:
+        raise UsageError(f"{where} closed the connection after {e.received} bytes of the reply "
                          "(is it a Hydra engine port?)") from None
     except (OSError, CodecError) as e:
         raise UsageError(f"cannot talk to {where}: {e}") from None

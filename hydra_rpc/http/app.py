@@ -37,16 +37,8 @@ from engine.jobs import EngineBusy
 from hydra_rpc.hydra.engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
 from hydra_rpc.http.limits import HttpLimits, max_body_for
 from hydra_rpc.http.chat import FINISH_REASON
-from hydra_rpc.http.openai import (
-    ApiError,
-    OpenAIRoutes,
-    completion_object,
-    cut_at_stop,
-    error_body,
-    json_response,
-    require_ready,
-    timings_of,
-)
+from hydra_rpc.http.errors import ApiError, error_body, json_response, require_ready
+from hydra_rpc.http.openai import OpenAIRoutes, completion_object, cut_at_stop, timings_of
 from hydra_rpc.http.models import ModelRoutes
 from hydra_rpc.http.slot_actions import ACTIONS as FILE_ACTIONS
 from hydra_rpc.http.slot_actions import slot_file_action
@@ -56,6 +48,8 @@ from hydra_rpc.http.state import slot_of as _slot_of
 from hydra_rpc.observability.logs import access_log_options
 from hydra_rpc.http.llama import LlamaRoutes
 from hydra_rpc.observability.metrics import CONTENT_TYPE, Metrics
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.services import Services
 
 log = logging.getLogger("hydra_rpc.http")
 
@@ -92,22 +86,19 @@ class HttpSide:
             await self.runner.cleanup()
 
 
-async def start_http(app: Any, host: str, port: int) -> HttpSide:
+async def start_http(services: Services, host: str, port: int) -> HttpSide:
     """Bind the HTTP side (port 0 picks a free port) on the running loop."""
-    max_body = int(os.environ.get("HYDRA_HTTP_MAX_BODY", max_body_for(app.engine_cfg.model)))
-    metrics = app.extras.get("metrics")
-    if metrics is None:  # app.py makes one when metrics.py imports; keep /metrics working regardless
-        metrics = app.extras["metrics"] = Metrics()
-    webapp = build_web_app(app, metrics, max_body)
-    limits = HttpLimits(app.server_cfg, app.budget, max_body)  # connections, deadlines, body size
+    max_body = int(os.environ.get("HYDRA_HTTP_MAX_BODY", max_body_for(services.engine.params)))
+    metrics, cfg = services.metrics, services.settings
+    webapp = build_web_app(services, metrics, max_body)
+    limits = HttpLimits(cfg, services.budget, max_body)  # connections, deadlines, body size
     webapp.middlewares.append(limits.middleware)
-    cfg = getattr(app, "server_cfg", None)
-    grace = getattr(cfg, "shutdown_timeout", 10.0)
+    grace = cfg.shutdown_timeout
     # handler_cancellation: a client that disconnects while its request waits (in a slot's
     # queue, or for a non-streamed result) gets its handler cancelled, which cancels its job.
     runner = web.AppRunner(webapp, **access_log_options(), handle_signals=False, handler_cancellation=True,
                            shutdown_timeout=grace, logger=_OneLineErrors(log, {}),
-                           keepalive_timeout=getattr(cfg, "http_timeout", 75.0))
+                           keepalive_timeout=cfg.http_timeout)
     await runner.setup()
     site = limits.site(runner, host, port)
     try:
@@ -116,7 +107,7 @@ async def start_http(app: Any, host: str, port: int) -> HttpSide:
         await runner.cleanup()
         raise
     side = HttpSide(runner)
-    metrics.bind(app, lambda: side.connections)
+    metrics.bind(services, lambda: side.connections)
     return side
 
 
@@ -130,9 +121,9 @@ class _OneLineErrors(logging.LoggerAdapter):
         self.logger.warning(f"{msg}: %s: %s", *args, type(exc).__name__, detail)
 
 
-def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
-    webapp = web.Application(client_max_size=max_body, middlewares=[_middleware(app, metrics)])
-    routes = Routes(app, metrics, max_body)
+def build_web_app(services: Services, metrics: Metrics, max_body: int) -> web.Application:
+    webapp = web.Application(client_max_size=max_body, middlewares=[_middleware(services.settings, metrics)])
+    routes = Routes(services, metrics, max_body)
     r = webapp.router
     r.add_get("/health", routes.health)
     r.add_get("/version", routes.version)
@@ -142,15 +133,14 @@ def build_web_app(app: Any, metrics: Metrics, max_body: int) -> web.Application:
     r.add_get("/v1/decode/{decode_request_id}", routes.decode_result)
     r.add_delete("/v1/decode/{decode_request_id}", routes.decode_cancel)
     r.add_get("/metrics", routes.prometheus)
-    OpenAIRoutes(app, max_body, metrics).add_to(r)
-    LlamaRoutes(app, max_body, metrics).add_to(r)
-    ModelRoutes(app, max_body).add_to(r)
-    StateRoutes(app).add_to(r)
+    OpenAIRoutes(services, max_body, metrics).add_to(r)
+    LlamaRoutes(services, max_body, metrics).add_to(r)
+    ModelRoutes(services, max_body).add_to(r)
+    StateRoutes(services).add_to(r)
     return webapp
 
 
-def _middleware(app: Any, metrics: Metrics):
-    cfg = getattr(app, "server_cfg", None)
+def _middleware(cfg: ServerConfig, metrics: Metrics):
 
     @web.middleware
     async def errors_and_metrics(request: web.Request, handler) -> web.StreamResponse:
@@ -202,19 +192,19 @@ def _http_error_message(request: web.Request, e: web.HTTPException) -> str:
 
 
 class Routes:
-    def __init__(self, app: Any, metrics: Metrics, max_body: int):
-        self.app = app
+    def __init__(self, services: Services, metrics: Metrics, max_body: int):
+        self.services = services
         self.metrics = metrics
         self.max_body = max_body
 
     @property
     def engine(self) -> Any:
-        return self.app.engine
+        return self.services.engine
 
     # ---------------------------------------------------------------- status
     async def health(self, request: web.Request) -> web.Response:
         eng = self.engine
-        server = self.app.server
+        server = self.services.hydra
         stage = eng.startup_stage if eng is not None else "init"
         ready = eng is not None and eng.ready
         body: dict[str, Any] = {
@@ -240,7 +230,7 @@ class Routes:
 
     def _endpoint_enabled(self, name: str) -> None:
         """llama-server's ``--metrics`` / ``--no-slots``: a disabled endpoint answers 501."""
-        if not getattr(self.app.server_cfg, f"http_{name}", True):
+        if not getattr(self.services.settings, f"http_{name}"):
             raise ApiError(501, f"This server does not support {name} endpoint. Start it with `--{name}`")
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -254,8 +244,7 @@ class Routes:
         eng = self.engine
         if eng is None or not eng.ready:
             raise ApiError(503, "Loading model", headers={"Retry-After": "1"})
-        ck = eng.cache.checkpoints  # the slot's context checkpoints (engine.checkpoints): n_tokens, size
-        return json_response([{**slot_entry(s, eng.n_ctx_slot), "checkpoints": ck.of_slot(s.slot_id)}
+        return json_response([{**slot_entry(s, eng.n_ctx_slot), "checkpoints": eng.checkpoints_of(s.slot_id)}
                               for s in eng.snapshots])
 
     async def slot_meta(self, request: web.Request) -> web.Response:
@@ -291,7 +280,7 @@ class Routes:
     def _decode_entry(self, request: web.Request) -> Any:
         raw = request.match_info["decode_request_id"]
         decode_id = _number(raw)
-        results = self.app.extras.get("decode_results")
+        results = self.services.decode_results
         entry = results.get(decode_id) if results is not None and decode_id is not None else None
         if entry is None:
             ttl = getattr(results, "ttl", 0)
@@ -327,7 +316,7 @@ class Routes:
                                   "status": entry.state}, status=status)
         eng = self.engine
         model = entry.model or (eng.identity.model_alias or eng.identity.model_name)
-        text, hit = cut_at_stop(res.text.decode("utf-8", "replace"), entry.job.stop)
+        text, hit = cut_at_stop(res.text.decode("utf-8", "replace"), entry.job.request.stop)
         finish = "stop" if hit else FINISH_REASON.get(res.stop_reason)
         created = int(time.time() - (time.monotonic() - entry.created))
         obj = completion_object("chat", f"chatcmpl-decode-{entry.id}", created, model, text, finish, res,
@@ -340,7 +329,7 @@ class Routes:
     def _progress(self, entry: Any) -> dict[str, Any]:
         # Tokens delivered so far sit in the job's event queue: nobody consumes them for a
         # merged DECODE. The slot snapshot adds the phase when this job is the one running.
-        out: dict[str, Any] = {"tokens_generated": entry.job.events.qsize(), "operation": "queued"}
+        out: dict[str, Any] = {"tokens_generated": entry.job.events_waiting, "operation": "queued"}
         eng = self.engine
         snap = eng.snapshot(entry.slot) if eng is not None and 0 <= entry.slot < eng.n_slots else None
         if snap is not None and snap.job_id == entry.job.id:

@@ -37,7 +37,7 @@ from engine.params_table import MAX_CTX
 from hydra_rpc.config import ServerConfig
 from hydra_rpc.conn_budget import Acceptor, ConnectionBudget
 from hydra_rpc.hydra.deadlines import IDLE, ClockTimer, ReadClock
-from hydra_rpc.http.openai import error_body
+from hydra_rpc.http.errors import error_body
 
 log = logging.getLogger("hydra_rpc.http")
 

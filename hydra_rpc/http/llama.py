@@ -8,9 +8,9 @@
 
 Request and response fields are llama-server's (tools/server/README.md of the pinned
 llama.cpp; ``server_task_result_cmpl_*::to_json_non_oaicompat``). A completion is parsed and
-refused exactly as ``/v1/completions`` is (``http.openai.parse_completion_request``: same
+refused exactly as ``/v1/completions`` is (``http.openai_request.parse_completion_request``: same
 fields, same limits, same 400s) and runs as one job in the same scheduler. Tokenizing and
-rendering run on the inference thread between two steps (``Engine.with_model``), so a reload
+rendering run on the inference thread between two steps (``EngineApi.with_model``), so a reload
 cannot free the model under them.
 """
 from __future__ import annotations
@@ -21,20 +21,21 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle
 
-from hydra_rpc.http.chat import dumps
-from hydra_rpc.http.openai import (ApiError, StopFilter, cut_at_stop, engine_error, json_response, outcome,
-                          parse_completion_request, read_json_object, require_ready, select_model, timings_of)
-from hydra_rpc.hydra.wire import limit_send_buffer
+from hydra_rpc.http.errors import ApiError, engine_error, json_response, read_json_object, require_ready
+from hydra_rpc.http.openai import StopFilter, cut_at_stop, outcome, timings_of
+from hydra_rpc.http.openai_request import parse_completion_request, select_model
+from hydra_rpc.http.sse import SseStream
+from hydra_rpc.services import Services
 
 MAX_TOKENS = 1 << 20  # a /detokenize list longer than any context is a mistake, not a request
 STOP_TYPE = {"eos": "eos", "length": "limit", "ctx_full": "limit", "stop": "word"}
 
 
 class LlamaRoutes:
-    def __init__(self, app: Any, max_body: int, metrics: Any):
-        self.app, self.max_body, self.metrics = app, max_body, metrics
+    def __init__(self, services: Services, max_body: int, metrics: Any):
+        self.services, self.max_body, self.metrics = services, max_body, metrics
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_post("/completion", self.completion)
@@ -46,7 +47,7 @@ class LlamaRoutes:
 
     @property
     def engine(self) -> Any:
-        return self.app.engine
+        return self.services.engine
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         require_ready(self.engine)
@@ -74,9 +75,9 @@ class LlamaRoutes:
             "model_alias": ident.model_alias or ident.model_name,
             "model_path": p.model_path,
             "modalities": {"vision": False, "video": False, "audio": False},
-            "endpoint_slots": getattr(self.app.server_cfg, "http_slots", True),
+            "endpoint_slots": self.services.settings.http_slots,
             "endpoint_props": False,
-            "endpoint_metrics": getattr(self.app.server_cfg, "http_metrics", True),
+            "endpoint_metrics": self.services.settings.http_metrics,
             "chat_template": p.chat_template or "",
             "build_info": kv.build if kv is not None else "",
             "is_sleeping": False,
@@ -150,10 +151,10 @@ class LlamaRoutes:
         choice = await select_model(engine, creq.model)
         sampling = replace(engine.sampling_for(creq.sampling), grammar=creq.grammar, logit_bias=creq.logit_bias,
                            n_probs=creq.n_probs)
-        job = GenJob(creq.slot, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict, sampling=sampling,
-                     stop=creq.stop, params=choice.params)
+        gen_request = GenRequest(creq.slot, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict,
+                                 sampling=sampling, stop=creq.stop, params=choice.params)
         try:
-            engine.submit(job)
+            job = engine.submit(gen_request)
         except (EngineBusy, BadInput, EngineUnavailable) as e:
             raise engine_error(e) from None
         reason = "cancelled"
@@ -175,51 +176,46 @@ class LlamaRoutes:
             if self.metrics is not None:
                 self.metrics.observe_generation("completion", reason)
 
-    async def _stream(self, request: web.Request, creq: Any, job: GenJob, model: str) -> tuple[web.StreamResponse, str]:
+    async def _stream(self, request: web.Request, creq: Any, job: JobHandle,
+                      model: str) -> tuple[web.StreamResponse, str]:
         events = job.stream()
         try:
             ev = await anext(events, None)  # the headers wait for the first token: a refusal keeps its status
             res = await outcome(job) if ev is None else None
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
-            if request.transport is not None:
-                limit_send_buffer(request.transport)
-            await resp.prepare(request)
+            stream = SseStream(request, job)
+            await stream.start()
             utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             stops = StopFilter(creq.stop)
             n = 0
-            out: list[bytes] = []
             while ev is not None:
                 n += 1
                 text = stops.feed(utf8.decode(ev.piece))
-                out.append(sse({"index": 0, "content": text, "tokens": [ev.token], "stop": False, "id_slot": -1,
-                                "tokens_predicted": n, "tokens_evaluated": 0}))
+                stream.event({"index": 0, "content": text, "tokens": [ev.token], "stop": False, "id_slot": -1,
+                              "tokens_predicted": n, "tokens_evaluated": 0})
                 if stops.hit:
                     job.cancel()
                     break
-                if job.events.empty() or len(out) >= 256:
-                    await resp.write(b"".join(out))
-                    out.clear()
+                if stream.burst_over():
+                    await stream.flush()
                 ev = await anext(events, None)
             tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
             try:
                 res = res or await outcome(job)
             except ApiError as e:  # the headers are out: in-band, as llama-server reports it
-                out.append(sse(e.body()))
-                await resp.write(b"".join(out))
-                return resp, "error"
+                stream.event(e.body())
+                await stream.flush()
+                return stream.resp, "error"
             if res is not None:
                 last = final_object(self.engine, creq, job, res, model, tail, stops.hit, False)
                 last["tokens"] = []
-                out.append(sse(last))
-            await resp.write(b"".join(out))  # llama-server's /completion sends no [DONE]
-            await resp.write_eof()
-            return resp, ("stop" if stops.hit else (res.stop_reason if res else "cancelled"))
+                stream.event(last)
+            # llama-server's /completion sends no [DONE]
+            return await stream.end(), ("stop" if stops.hit else (res.stop_reason if res else "cancelled"))
         finally:
             await events.aclose()
 
 
-def final_object(engine: Any, creq: Any, job: GenJob, res: GenResult, model: str, text: str, hit: bool,
+def final_object(engine: Any, creq: Any, job: JobHandle, res: GenResult, model: str, text: str, hit: bool,
                  return_tokens: bool) -> dict[str, Any]:
     """``server_task_result_cmpl_final::to_json_non_oaicompat``, field for field."""
     stop_type = "word" if hit else STOP_TYPE.get(res.stop_reason, "none")
@@ -228,7 +224,7 @@ def final_object(engine: Any, creq: Any, job: GenJob, res: GenResult, model: str
         "index": 0, "content": text, "tokens": list(res.generated) if return_tokens else [], "id_slot": res.slot,
         "stop": True, "model": model, "tokens_predicted": res.tokens_generated,
         "tokens_evaluated": res.prompt_tokens,
-        "generation_settings": {**settings(engine, job.sampling, creq.n_predict, creq.stop, creq.stream),
+        "generation_settings": {**settings(engine, job.request.sampling, creq.n_predict, creq.stop, creq.stream),
                                 "n_ctx": engine.n_ctx_slot, "model": model},
         "prompt": creq.prompt if creq.prompt is not None else "", "has_new_line": "\n" in text,
         "truncated": res.stop_reason == "ctx_full", "stop_type": stop_type, "stopping_word": word,
@@ -243,7 +239,7 @@ def settings(engine: Any, p: Any, n_predict: int, stop: list[str], stream: bool)
             "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.penalty_last_n,
             "repeat_penalty": p.penalty_repeat, "presence_penalty": p.penalty_present,
             "frequency_penalty": p.penalty_freq, "stop": list(stop), "max_tokens": n_predict,
-            "n_keep": int(engine.t1.get("n_keep", 0)), "stream": stream, "n_probs": p.n_probs,
+            "n_keep": engine.n_keep, "stream": stream, "n_probs": p.n_probs,
             "grammar": p.grammar.text if getattr(p.grammar, "text", None) else ""}
 
 
@@ -255,6 +251,4 @@ def piece_json(piece: bytes) -> str | list[int]:
         return list(piece)
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
 

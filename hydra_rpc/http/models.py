@@ -20,15 +20,16 @@ from aiohttp import web
 from engine.jobs import EngineUnavailable
 from engine.status import flat_fields
 
-from hydra_rpc.http.openai import ApiError, engine_error, json_response, read_json_object, require_ready
+from hydra_rpc.http.errors import ApiError, engine_error, json_response, read_json_object, require_ready
+from hydra_rpc.services import Services
 
 # our alias states → llama-server's status.value
 _STATUS = {"loaded": "loaded", "loading": "loading", "unloaded": "unloaded", "failed": "unloaded"}
 
 
 class ModelRoutes:
-    def __init__(self, app: Any, max_body: int):
-        self.app, self.max_body = app, max_body
+    def __init__(self, services: Services, max_body: int):
+        self.services, self.max_body = services, max_body
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/models", self.models)
@@ -37,7 +38,7 @@ class ModelRoutes:
         router.add_post("/models/unload", self.unload)
 
     async def models(self, request: web.Request) -> web.Response:
-        eng = self.app.engine
+        eng = self.services.engine
         require_ready(eng)
         resident = eng.identity.display_name
         meta = {k: v for k, v in flat_fields(eng.identity).items() if k != "model_path"}
@@ -50,7 +51,7 @@ class ModelRoutes:
         return json_response({"object": "list", "data": data})
 
     async def load(self, request: web.Request) -> web.Response:
-        eng = self.app.engine
+        eng = self.services.engine
         require_ready(eng)
         name = await self._model_name(request)
         state = self._state(name, 404)
@@ -68,7 +69,7 @@ class ModelRoutes:
                               "config_generation": out.config_generation})
 
     async def unload(self, request: web.Request) -> web.Response:
-        eng = self.app.engine
+        eng = self.services.engine
         require_ready(eng)
         name = await self._model_name(request)
         state = self._state(name, 400)
@@ -88,7 +89,7 @@ class ModelRoutes:
     def _state(self, name: str, unknown_status: int) -> str:
         """The alias's state; the resident model's own name counts as loaded. Unknown names:
         ``unknown_status`` (llama-server: 404 on load, 400 on unload)."""
-        eng = self.app.engine
+        eng = self.services.engine
         states = eng.model_states()
         if name in states:
             return states[name]

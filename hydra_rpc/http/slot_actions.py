@@ -18,14 +18,14 @@ from aiohttp import web
 from engine import slot_files
 from engine.jobs import BadInput, EngineBusy
 
-from hydra_rpc.http.openai import ApiError, json_response, read_json_object
+from hydra_rpc.http.errors import ApiError, json_response, read_json_object
 
 ACTIONS = ("save", "restore")
 
 
 async def slot_file_action(request: web.Request, engine: Any, slot: int, action: str, max_body: int,
                            busy: Callable[[int, Any], ApiError]) -> web.Response:
-    if not engine.cfg.slot_save_path:
+    if not engine.slot_save_path:
         raise ApiError(501, "this server does not support slot files: start it with --slot-save-path DIR")
     body = await read_json_object(request, max_body)
     filename = body.get("filename")

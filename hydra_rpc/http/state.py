@@ -29,7 +29,8 @@ from engine.kv_cache import BadDeclaration, KvStateMismatch, declared_kv_cache
 from hydra_rpc.hydra.engine_meta import identity_meta
 from hydra_rpc.hydra.handlers import KV_VERSION, BlobRejected, kv_blob_cap, restore_kv_blob
 from hydra_rpc.http.limits import reading_body, streams_body
-from hydra_rpc.http.openai import ApiError, json_response, require_ready
+from hydra_rpc.http.errors import ApiError, json_response, require_ready
+from hydra_rpc.services import Services
 
 OCTETS = "application/octet-stream"
 
@@ -51,9 +52,8 @@ def slot_of(request: web.Request, engine: Any) -> int:
 
 
 class StateRoutes:
-    def __init__(self, app: Any):
-        self.app = app
-        self._own_buffer = LeasedBuffer()  # until the binary port's handlers exist
+    def __init__(self, services: Services):
+        self.services = services
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_get("/slots/{slot_id}/state", self.get_state)
@@ -61,7 +61,7 @@ class StateRoutes:
 
     @property
     def engine(self) -> Any:
-        return self.app.engine
+        return self.services.engine
 
     def _require_idle(self, slot: int) -> None:
         snap = self.engine.snapshot(slot)
@@ -149,12 +149,11 @@ class StateRoutes:
             **identity_meta(eng.identity)})
 
     def _limits(self) -> Limits:
-        cfg = getattr(self.app, "server_cfg", None)
-        return cfg.limits if cfg is not None else Limits()
+        return self.services.settings.limits
 
     def _buffer(self) -> LeasedBuffer:
         """STATE_PUT's resident buffer (``App`` shares it), so both ports keep one between them."""
-        return self.app.extras.get("put_buffer") or self._own_buffer
+        return self.services.put_buffer
 
 
 KV_CACHE_HEADER = "X-Hydra-KV-Cache"

@@ -15,6 +15,9 @@ and limits; this module owns what goes on the wire when a request is refused and
   wait (``drain``) while the transport's write buffer is above its high-water mark;
 * ``peer_gone`` is set when the client half-closes or goes away, so a long generation for a
   client that left can be cancelled.
+
+Where the serving task and the client's end are lives in :mod:`hydra_rpc.hydra.conn_state`
+(every move checked against its table); backpressure in :mod:`hydra_rpc.hydra.flow_control`.
 """
 from __future__ import annotations
 
@@ -29,7 +32,10 @@ from codec.enums import Status, op_name, status_name
 from codec.errors import BadMagic, FrameTooLarge, RemoteProtocolError
 
 from hydra_rpc.config import ServerConfig
+from hydra_rpc.hydra.conn_state import (GRACEFUL_STOP, REQUEST_ENDS, REQUEST_STARTS, ConnState, Peer, Serving,
+                                        serving_after)
 from hydra_rpc.hydra.deadlines import IDLE, ClockTimer, ReadClock
+from hydra_rpc.hydra.flow_control import FlowControl
 from hydra_rpc.observability.logs import log_request, routine_level
 from hydra_rpc.hydra.wire import Body, PeerGone, Request, ResponseWriter
 
@@ -57,24 +63,49 @@ class HydraConnection(asyncio.BufferedProtocol):
         self.clock = ReadClock(cfg.idle_timeout, cfg.stall_timeout, cfg.min_rate, cfg.min_rate_window)
         self.peer_gone = asyncio.Event()
         self.closed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # see Request.closed
-        self._reset = False
+        self._reset = False  # how it ended, for ``closed``: the peer did not take everything we sent
         self.transport: asyncio.Transport | None = None
-        self.in_request = False
-        self.stopping = False  # set by a graceful shutdown: finish this request, then close
+        self.state = ConnState()
+        self._flow = FlowControl()
         self.requests = 0
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future | None = None  # the serving task waits here for bytes
         self._timer = ClockTimer(self.clock, self._deadline_passed)
-        self._eof = False  # nothing more will arrive
-        self._lost = False  # the transport is gone
-        self._read_paused = False
-        self._write_paused = False
-        self._drain_waiters: list[asyncio.Future] = []
-        self._served = False  # serve() has returned
+
+    # ---------------------------------------------------------------- state
+    def _transition(self, to: Serving | Peer) -> None:
+        """The only way the state changes; raises IllegalTransition on a move not in the table."""
+        self.state.move(to)
+        if self.state.finished:
+            self._let_go()
+
+    @property
+    def in_request(self) -> bool:
+        """A request is being answered: a graceful shutdown lets it finish (HydraServer.shutdown)."""
+        return self.state.in_request
+
+    @property
+    def stopping(self) -> bool:
+        """Set by a graceful shutdown: finish the request in flight, then close."""
+        return self.state.stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        if not value:
+            if self.state.stopping:
+                raise ValueError("a graceful stop cannot be taken back")
+            return
+        # asked twice (a second shutdown), or after serve() returned: nothing more to stop
+        if not self.state.stopping and self.state.serving is not Serving.SERVED:
+            self._transition(serving_after(GRACEFUL_STOP, self.state.serving))
+
+    @property
+    def _write_paused(self) -> bool:  # read by tests/test_connection_loop.py
+        return self._flow.writing_paused
 
     # ---------------------------------------------------------------- protocol callbacks
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self.transport = transport
+        self.transport = self._flow.transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
@@ -86,47 +117,39 @@ class HydraConnection(asyncio.BufferedProtocol):
         if w is not None and not w.done():
             w.set_result(None)
         elif (self.decoder.buffered >= self._high_water and not self.decoder.receiving
-              and not self._read_paused and not self._lost):
-            self._read_paused = True
-            self.transport.pause_reading()
+              and self.state.writable):  # a lost transport has nothing left to pause
+            self._flow.pause_reading()
 
     def eof_received(self) -> bool:
-        self._eof = True
+        self._transition(Peer.HALF_CLOSED)
         self.peer_gone.set()
         self._wake()
         return True  # keep the transport open: the responses still go out
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._reset = self._reset or exc is not None
-        self._eof = self._lost = True
         self.peer_gone.set()
         self._wake()
-        for fut in self._drain_waiters:
-            if not fut.done():
-                fut.set_exception(PeerGone("client went away during the response"))
-        self._drain_waiters.clear()
+        self._flow.fail_writers(lambda: PeerGone("client went away during the response"))
         self._timer.cancel()
-        if self._served:
-            self._let_go()
+        self._transition(Peer.GONE)  # lets go when already served
 
     def _let_go(self) -> None:
-        """Served and closed: drop the transport and disarm the deadline timer. Both point back at
-        this connection (the transport's protocol, the timer's callback), so kept they would make
-        every finished connection a reference cycle of ~17 objects that only the cyclic GC frees —
-        and its full collections stopped the event loop for 30–50 ms with 1,000 connections open
-        (docs/performance.md, 'Per request'). Dropped, a connection is freed when it ends."""
+        """Served and closed (``ConnState.finished``): drop the transport and disarm the deadline
+        timer. Both point back at this connection (the transport's protocol, the timer's callback),
+        so kept they would make every finished connection a reference cycle of ~17 objects that
+        only the cyclic GC frees — and its full collections stopped the event loop for 30–50 ms
+        with 1,000 connections open (docs/performance.md, 'Per request'). Dropped, a connection
+        is freed when it ends."""
         self.transport = None
+        self._flow.detach()
         self._timer.disarm()
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self._flow.pause_writing()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
-        for fut in self._drain_waiters:
-            if not fut.done():
-                fut.set_result(None)
-        self._drain_waiters.clear()
+        self._flow.resume_writing()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -138,24 +161,19 @@ class HydraConnection(asyncio.BufferedProtocol):
         self.transport.write(data)
 
     async def drain(self) -> None:
-        if self._lost:
+        if not self.state.writable:
             raise PeerGone("client went away during the response")
-        if self._write_paused:
-            fut = self._loop.create_future()
-            self._drain_waiters.append(fut)
-            await fut
+        await self._flow.drain()
 
     # ---------------------------------------------------------------- reading
     async def _wait_data(self) -> None:
         """Wait for more bytes from the client, under the read deadlines."""
-        if self._eof:
+        if not self.state.readable:
             raise PeerGone("client closed the connection" if self.decoder.at_boundary and not self.decoder.buffered
                            else "client closed the connection mid-frame")
         self.clock.wait(self._loop.time(), idle=self.decoder.at_boundary and not self.decoder.buffered)
         self._timer.arm()
-        if self._read_paused:
-            self._read_paused = False
-            self.transport.resume_reading()
+        self._flow.resume_reading()
         self._waiter = self._loop.create_future()
         try:
             await self._waiter
@@ -235,13 +253,11 @@ class HydraConnection(asyncio.BufferedProtocol):
     def _finish(self) -> None:
         self._timer.cancel()
         if self.transport is not None:
-            self._reset = self._reset or (not self._lost and _socket_error(self.transport))
+            self._reset = self._reset or (self.state.writable and _socket_error(self.transport))
             self.transport.close()
         if not self.closed.done():
             self.closed.set_result(self._reset)
-        self._served = True
-        if self._lost:
-            self._let_go()
+        self._transition(Serving.SERVED)  # lets go when the transport is gone already
 
     async def _refuse(self, e: FrameTooLarge) -> None:
         """A frame the decoder refused: one ERROR, then skip it (or close, when it is too big)."""
@@ -309,8 +325,8 @@ def _socket_error(transport: asyncio.BaseTransport) -> bool:
 
 
 class _RequestScope:
-    """One request's bookkeeping: ``in_request`` for graceful shutdown, the request log line
-    and the metrics callback, however the request ends."""
+    """One request's bookkeeping: the serving state (``in_request``, for graceful shutdown), the
+    request log line and the metrics callback, however the request ends."""
 
     __slots__ = ("conn", "header", "key", "trace", "resp", "started")
 
@@ -319,13 +335,14 @@ class _RequestScope:
         self.trace = trace.decode("utf-8", "replace")
 
     def __enter__(self) -> str:
-        self.conn.in_request = True
+        conn = self.conn
+        conn._transition(serving_after(REQUEST_STARTS, conn.state.serving))
         self.started = time.perf_counter()
         return self.trace
 
     def __exit__(self, *exc) -> None:
         conn, h, resp = self.conn, self.header, self.resp
-        conn.in_request = False
+        conn._transition(serving_after(REQUEST_ENDS, conn.state.serving))
         conn.requests += 1
         st = status_name(resp.status) if resp.status is not None else "NONE"
         op = op_name(h.op)

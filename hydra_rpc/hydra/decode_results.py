@@ -14,14 +14,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.jobs import GenJob, GenResult
+from engine.jobs import GenResult, JobHandle
 
 
 @dataclass
 class DecodeEntry:
     id: int
     slot: int
-    job: GenJob
+    job: JobHandle
     created: float = field(default_factory=time.monotonic)
     state: str = "running"  # running | done | failed | cancelled
     result: GenResult | None = None

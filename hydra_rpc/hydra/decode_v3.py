@@ -18,16 +18,16 @@ from codec import decode_v3 as V3
 from codec.enums import Status
 from codec.errors import MalformedPayload
 from codec.hashing import Xxh3Stream
-from engine.actor import Engine
 from engine.buffers import lazy_buffer
-from hydra_rpc.hydra.decode_results import DecodeEntry, DecodeResults
-from engine.jobs import EngineBusy, GenJob
+from engine.jobs import EngineBusy, GenRequest
 from engine.kv_cache import BadDeclaration, KvStateMismatch
 from engine.model_params import ModelParams
 
+from hydra_rpc.hydra.decode_results import DecodeEntry
 from hydra_rpc.hydra.engine_meta import identity_meta
 from hydra_rpc.hydra.handlers import BlobRejected, chat_input, check_kv_blob_size, restore_kv_blob, select_model
 from hydra_rpc.hydra.wire import PeerGone, Request, ResponseWriter
+from hydra_rpc.services import Services
 
 log = logging.getLogger("hydra_rpc.decode_v3")
 
@@ -59,12 +59,35 @@ def gate_a(kv_md: dict[str, Any], ident: dict[str, Any]) -> tuple[dict[str, Any]
 
 
 class DecodeV3:
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.results = DecodeResults()
+    def __init__(self, services: Services):
+        self.engine = services.engine
+        self.results = services.decode_results
         self._tasks: set[asyncio.Task] = set()
 
     async def handle(self, req: Request, resp: ResponseWriter, slot: int, first: bytes) -> None:
+        hdr, prompt, kv = await self._read_frame(req, first)
+        try:
+            prompt_obj = V3.parse_prompt_segment(prompt, hdr.generation)
+        except MalformedPayload as e:
+            if e.rule == "v3.prompt_build":
+                await resp.send(Status.BAD_REQUEST, {"error": f"prompt build failed: {e}", "decode_request_id": -1})
+                return
+            raise
+        decode_id = self.results.next_id()
+        choice = await select_model(self.engine, hdr.model, None)
+        match, valid, reason = gate_a(hdr.kv_metadata, identity_meta(self.engine.identity))
+        if not valid:
+            await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id, "match": match,
+                                           "reason": reason, "error_code": "CAP_MISMATCH"})
+            return
+        t0 = time.perf_counter()
+        if kv and not await self._restore(resp, slot, kv, hdr, decode_id):
+            return
+        restore_ms = (time.perf_counter() - t0) * 1000
+        await self._start(req, resp, slot, prompt_obj, choice, hdr, decode_id, match, restore_ms)
+
+    async def _read_frame(self, req: Request, first: bytes) -> tuple[Any, bytes, bytearray]:
+        """The whole frame, every rule checked: the header, the prompt, the KV segment and its hash."""
         body = req.body
         total = body.length
         hdr_len, hdr_hash = V3.parse_decode_v3_prefix(first[:V3.PREFIX_LEN], total)
@@ -87,44 +110,35 @@ class DecodeV3:
         if kv:
             h = Xxh3Stream(kv)
             V3.verify_segment_hash(hdr.kv_hash, h)
+        return hdr, prompt, kv
+
+    async def _restore(self, resp: ResponseWriter, slot: int, kv: bytearray, hdr: Any, decode_id: int) -> bool:
+        """The KV segment into the slot; False when refused (the refusal is sent)."""
         try:
-            prompt_obj = V3.parse_prompt_segment(prompt, hdr.generation)
-        except MalformedPayload as e:
-            if e.rule == "v3.prompt_build":
-                await resp.send(Status.BAD_REQUEST, {"error": f"prompt build failed: {e}", "decode_request_id": -1})
-                return
-            raise
-        decode_id = self.results.next_id()
-        choice = await select_model(self.engine, hdr.model, None)
-        match, valid, reason = gate_a(hdr.kv_metadata, identity_meta(self.engine.identity))
-        if not valid:
-            await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id, "match": match,
-                                           "reason": reason, "error_code": "CAP_MISMATCH"})
-            return
-        t0 = time.perf_counter()
-        if kv:
-            try:
-                # the sender's kv_cache: the rotation and RoPE its state's header does not carry
-                await restore_kv_blob(self.engine, slot, memoryview(kv), hdr.kv_metadata.get("kv_cache"))
-            except KvStateMismatch as e:
-                await resp.send(Status.BAD_REQUEST, {**e.as_meta(), "valid": False, "decode_request_id": decode_id})
-                return
-            except BadDeclaration as e:
-                await resp.send(Status.BAD_REQUEST, {"error": str(e), "valid": False, "decode_request_id": decode_id})
-                return
-            except EngineBusy as e:
-                await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
-                                              "error_code": "BUSY"})
-                return
-            except BlobRejected as e:
-                await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id,
-                                               "reason": f"KV restore failed: {e}", "error_code": "KV_RESTORE"})
-                return
-        restore_ms = (time.perf_counter() - t0) * 1000
+            # the sender's kv_cache: the rotation and RoPE its state's header does not carry
+            await restore_kv_blob(self.engine, slot, memoryview(kv), hdr.kv_metadata.get("kv_cache"))
+        except KvStateMismatch as e:
+            await resp.send(Status.BAD_REQUEST, {**e.as_meta(), "valid": False, "decode_request_id": decode_id})
+            return False
+        except BadDeclaration as e:
+            await resp.send(Status.BAD_REQUEST, {"error": str(e), "valid": False, "decode_request_id": decode_id})
+            return False
+        except EngineBusy as e:
+            await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
+                                          "error_code": "BUSY"})
+            return False
+        except BlobRejected as e:
+            await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id,
+                                           "reason": f"KV restore failed: {e}", "error_code": "KV_RESTORE"})
+            return False
+        return True
+
+    async def _start(self, req: Request, resp: ResponseWriter, slot: int, prompt_obj: dict[str, Any], choice: Any,
+                     hdr: Any, decode_id: int, match: dict[str, Any], restore_ms: float) -> None:
+        """Submit the generation (never queued) and answer; the result is collected detached."""
         n_past = self.engine.snapshot(slot).n_past
-        job = self._job(slot, prompt_obj, choice.params)
-        try:
-            await self.engine.submit_admitted(job)  # never queued: a busy slot answers BUSY, as the C++
+        try:  # never queued: a busy slot answers BUSY, as the C++ does
+            job = await self.engine.submit_admitted(self._request(slot, prompt_obj, choice.params))
         except EngineBusy as e:
             await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
                                           "error_code": "BUSY", "retry_after_ms": e.retry_after_ms})
@@ -146,7 +160,7 @@ class DecodeV3:
             req.closed.add_done_callback(
                 lambda f: f.result() and self._orphaned(entry, "the client reset the connection with the reply unread"))
 
-    def _job(self, slot: int, p: dict[str, Any], params: ModelParams | None) -> GenJob:
+    def _request(self, slot: int, p: dict[str, Any], params: ModelParams | None) -> GenRequest:
         # the prompt's own sampling object wins over the generation keys merged into the prompt
         fields = {k: p[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed") if k in p}
         if isinstance(p.get("sampling"), dict):
@@ -162,9 +176,9 @@ class DecodeV3:
             messages = None
         chat = chat_input(self.engine, p, messages)
         sampling = replace(self.engine.sampling_for(fields), grammar=chat.grammar)
-        return GenJob(slot, messages=chat.messages, prompt=prompt, n_predict=n_predict, sampling=sampling, stop=stop,
-                      params=params, wait=False, template_vars=chat.template_vars,
-                      reasoning_budget=chat.reasoning_budget)
+        return GenRequest(slot, messages=chat.messages, prompt=prompt, n_predict=n_predict, sampling=sampling,
+                          stop=stop, params=params, wait=False, template_vars=chat.template_vars,
+                          reasoning_budget=chat.reasoning_budget)
 
     def _orphaned(self, entry: DecodeEntry, why: str) -> None:
         if entry.stop(f"stopped: {why}"):

@@ -19,10 +19,9 @@ from codec.errors import CodecError, MalformedPayload
 from codec.hashing import Xxh3Stream
 from codec.limits import HYDRA_MAX_PROMPT_BYTES
 from codec.kvblob import KvBlobLayout, encode_kv_blob_header, max_kv_blob_size, parse_kv_blob, split_logits_tail
-from engine.actor import Engine
-from engine.buffers import LeasedBuffer
+from engine.api import EngineApi
 from engine.chat.prompt import ChatRequestError, normalize_messages, plan_chat, read_chat_options
-from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenResult, ReloadFailed
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle, ReloadFailed
 from engine.kv_cache import BadDeclaration, KvStateMismatch
 from engine.reasoning_budget import ReasoningBudget
 from engine.sampling import GREEDY, GrammarSpec
@@ -31,18 +30,19 @@ from engine.status import ModelChoice
 from hydra_rpc.hydra.engine_meta import configure_meta, identity_meta, info_meta, slot_meta
 from hydra_rpc.hydra.keys import parse_slot_key
 from hydra_rpc.hydra.wire import PeerGone, Request, ResponseWriter
+from hydra_rpc.services import Services
 
 KV_VERSION = 3
 SWAP_ANSWER_WITHIN_S = 25.0  # under the C++ engine's 30 s SWAP_QUANT task timeout
 
 
 class Handlers:
-    def __init__(self, engine: Engine, decode_v3: Any = None, info_extra: dict[str, Any] | None = None):
-        self.engine = engine
-        self.info_extra = info_extra or {}  # INFO keys of the process, e.g. ignored_args
+    def __init__(self, services: Services, decode_v3: Any = None):
+        self.engine = services.engine
+        self.info_extra = services.info_extra  # INFO keys of the process, e.g. ignored_args
         # merged DECODE v3 frames go here: ``await decode_v3(req, resp, slot, first_bytes)``
         self.decode_v3 = decode_v3
-        self.put_buffer = LeasedBuffer()  # STATE_PUT payloads land here (resident, reused)
+        self.put_buffer = services.put_buffer  # shared with HTTP PUT /slots/{id}/state
 
     def table(self) -> dict[int, Any]:
         t = {
@@ -194,7 +194,7 @@ class Handlers:
         payload = await req.body.read_all()
         if prefill_dialect(payload) is Dialect.PREFILL_E1:
             tokens = P.decode_e1_tokens(payload)
-            res = await run_job(req, self.engine, GenJob(slot, tokens=tokens, n_predict=0))
+            res = await run_job(req, self.engine.submit(GenRequest(slot, tokens=tokens, n_predict=0)))
             await resp.send(Status.OK, {"n_past": res.n_past, "config_generation": res.config_generation})
             return
         body = P.parse_prefill_json(payload)
@@ -205,9 +205,9 @@ class Handlers:
         if messages is not None and not isinstance(messages, list):
             raise MalformedPayload("messages must be an array", rule="prefill.messages")
         chat = chat_input(self.engine, body, messages)
-        job = GenJob(slot, messages=chat.messages, prompt=None if messages is not None else prompt, n_predict=0,
-                     capture_state=True, params=choice.params, template_vars=chat.template_vars)
-        res = await run_job(req, self.engine, job)
+        job = GenRequest(slot, messages=chat.messages, prompt=None if messages is not None else prompt, n_predict=0,
+                         capture_state=True, params=choice.params, template_vars=chat.template_vars)
+        res = await run_job(req, self.engine.submit(job))
         state, logits = res.state or b"", res.logits or b""
         head = encode_kv_blob_header(KV_VERSION, res.n_past, res.tokens)
         h = Xxh3Stream(head)
@@ -242,8 +242,8 @@ class Handlers:
         dialect = decode_dialect(payload)
         if dialect is Dialect.DECODE_E1:
             n_predict, tokens = P.decode_e1_decode(payload)
-            job = GenJob(slot, tokens=tokens, append=True, n_predict=max(0, n_predict), sampling=GREEDY)
-            res = await run_job(req, self.engine, job)
+            job = GenRequest(slot, tokens=tokens, append=True, n_predict=max(0, n_predict), sampling=GREEDY)
+            res = await run_job(req, self.engine.submit(job))
             await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
                                         "stop_reason": "complete", "config_generation": res.config_generation,
                                         **prompt_meta(res)}, res.text)
@@ -254,24 +254,21 @@ class Handlers:
         # PIN decodes greedily (top_k 1, temp 0); a request may ask for sampling explicitly.
         sampling = self.engine.sampling_for(d.body) if "temperature" in d.body else GREEDY
         chat = chat_input(self.engine, d.body, d.messages)
-        job = GenJob(slot, messages=chat.messages, append=d.messages is None, n_predict=d.n_predict,
-                     sampling=replace(sampling, grammar=chat.grammar), want_logprobs=dialect is Dialect.DECODE_SPEC,
-                     template_vars=chat.template_vars, reasoning_budget=chat.reasoning_budget)
+        job = GenRequest(slot, messages=chat.messages, append=d.messages is None, n_predict=d.n_predict,
+                         sampling=replace(sampling, grammar=chat.grammar), want_logprobs=dialect is Dialect.DECODE_SPEC,
+                         template_vars=chat.template_vars, reasoning_budget=chat.reasoning_budget)
+        handle = self.engine.submit(job)
         if dialect is Dialect.DECODE_SPEC:
-            res = await run_job(req, self.engine, job)
+            res = await run_job(req, handle)
             frames = bytearray()
-            events = []
-            while not job.events.empty():
-                ev = job.events.get_nowait()
-                if ev is not None:
-                    events.append(ev)
+            events = [ev for ev in handle.ready_events() if ev is not None]
             for i, ev in enumerate(events):
                 frames += P.encode_token_frame(ev.token, ev.logprob, final=i == len(events) - 1)
             await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
                                         "stop_reason": res.stop_reason, "config_generation": res.config_generation,
                                         **prompt_meta(res)}, bytes(frames))
             return
-        await stream_pin(req, resp, self.engine, job)
+        await stream_pin(req, resp, handle)
 
 
 @dataclass(frozen=True)
@@ -284,7 +281,7 @@ class ChatInput:
     reasoning_budget: ReasoningBudget | None = None
 
 
-def chat_input(engine: Engine, body: dict[str, Any], messages: list | None) -> ChatInput:
+def chat_input(engine: EngineApi, body: dict[str, Any], messages: list | None) -> ChatInput:
     """A Hydra request's ``messages`` as the HTTP chat endpoint renders them (``tools``,
     ``chat_template_kwargs``), so a P/D split prefills the prompt HTTP decode continues; and
     the grammar its ``tools``/``tool_choice``, ``grammar``, ``json_schema`` or
@@ -305,20 +302,20 @@ def prompt_meta(res: GenResult) -> dict[str, int]:
             "cache_tokens": res.cached_tokens}
 
 
-async def select_model(engine: Engine, alias: Any, hydra_config: Any) -> ModelChoice:
-    """PREFILL ``model`` / ``hydra_config`` and DECODE v3 ``model``: see ``Engine.select_model``."""
+async def select_model(engine: EngineApi, alias: Any, hydra_config: Any) -> ModelChoice:
+    """PREFILL ``model`` / ``hydra_config`` and DECODE v3 ``model``: see ``EngineApi.select_model``."""
     if hydra_config is not None and not isinstance(hydra_config, dict):
         raise MalformedPayload("hydra_config must be an object", rule="prefill.hydra_config")
     return await engine.select_model(alias if isinstance(alias, str) else None, hydra_config)
 
 
-def kv_blob_cap(engine: Engine) -> int:
+def kv_blob_cap(engine: EngineApi) -> int:
     """The largest KV blob this model and context can produce: a longer one is refused before a
     byte of it is stored (STATE_PUT payload, DECODE v3 kv segment, HTTP state PUT)."""
     return max_kv_blob_size(engine.n_ctx_slot, engine.max_state_size, engine.n_vocab)
 
 
-def check_kv_blob_size(engine: Engine, size: int, what: str, rule: str) -> None:
+def check_kv_blob_size(engine: EngineApi, size: int, what: str, rule: str) -> None:
     cap = kv_blob_cap(engine)
     if size > cap:
         raise MalformedPayload(
@@ -331,7 +328,7 @@ class BlobRejected(Exception):
     """A KV blob this model cannot take (foreign tokens, or a state llama.cpp refuses)."""
 
 
-async def restore_kv_blob(engine: Engine, slot: int, buf, declared: Any = None) -> tuple[KvBlobLayout, int]:
+async def restore_kv_blob(engine: EngineApi, slot: int, buf, declared: Any = None) -> tuple[KvBlobLayout, int]:
     """Parse a v1/v2/v3 KV blob and restore it into ``slot`` (STATE_PUT and DECODE v3 alike).
     ``declared``: the sender's ``kv_cache`` (DECODE v3 ``kv_metadata.kv_cache``, HTTP
     ``X-Hydra-KV-Cache``; a binary STATE_PUT has none), compared with this engine's first
@@ -386,9 +383,8 @@ def engine_errors(fn):
     return wrapped
 
 
-async def run_job(req: Request, engine: Engine, job: GenJob) -> GenResult:
-    """Submit a job and wait for it; cancel it if the client goes away meanwhile."""
-    engine.submit(job)
+async def run_job(req: Request, job: JobHandle) -> GenResult:
+    """Wait for a submitted job; cancel it if the client goes away meanwhile."""
     result = asyncio.ensure_future(job.result())
     gone = asyncio.ensure_future(req.peer_gone.wait())
     try:
@@ -406,27 +402,21 @@ async def run_job(req: Request, engine: Engine, job: GenJob) -> GenResult:
     return result.result()
 
 
-async def stream_pin(req: Request, resp: ResponseWriter, engine: Engine, job: GenJob) -> None:
+async def stream_pin(req: Request, resp: ResponseWriter, job: JobHandle) -> None:
     """PIN dialect: ``OK, meta 0, payload 0`` then ``[u32 len][piece]`` frames, then close.
 
     Tokens that arrived together (one engine step) go out in one write: every frame is
     whole inside it, and small models do not pay a syscall per token.
     """
-    engine.submit(job)
     await resp.start_eof_stream(Status.OK, None, client_wait=job.set_client_blocked)
     try:
         while True:
-            ev = await job.events.get()
+            ev = await job.next_event()
             if ev is None:
                 break
-            frames = [P.encode_piece(ev.piece)]
-            done = False
-            while not job.events.empty():
-                more = job.events.get_nowait()
-                if more is None:
-                    done = True
-                    break
-                frames.append(P.encode_piece(more.piece))
+            events = [ev, *job.ready_events()]
+            done = events[-1] is None
+            frames = [P.encode_piece(e.piece) for e in events if e is not None]
             resp.tokens_streamed += len(frames)
             await resp.write(b"".join(frames))
             if done:

@@ -15,7 +15,7 @@ from codec.payloads import encode_meta
 
 BIG_RESPONSE = 4 << 20  # responses from this size get a larger write buffer (fewer drain round trips)
 # Kernel send buffer of a token stream: a client that stops reading is noticed (and its job
-# paused, see ``GenJob.set_client_blocked``) after about this much, not after the megabytes an
+# paused, see ``JobHandle.set_client_blocked``) after about this much, not after the megabytes an
 # autotuned loopback/LAN send buffer takes on. Token streams need no more.
 STREAM_SNDBUF = 64 << 10
 

@@ -7,7 +7,7 @@ Two kinds of series:
   HTTP generations (by finish reason). The Hydra server calls :meth:`Metrics.observe_request`
   once per request; the HTTP side calls :meth:`observe_http` / :meth:`observe_generation`.
 * **llama-server's** ``llamacpp:*`` families (``metrics_llama.py``), appended to the text.
-* **state series**, read from the app at scrape time by :class:`_AppCollector`: tokens
+* **state series**, read from the shared services at scrape time by :class:`_StateCollector`: tokens
   generated (the engine's own counter, so RPC and HTTP work both count), slots busy/queued,
   reload state and timings, open connections, ggml-RPC passthrough bytes. Reading at scrape
   time means nothing has to remember to update a gauge, and a scrape never enters the
@@ -60,7 +60,7 @@ class Metrics:
         self.generations = Counter("hydra_http_generations",
                                    "HTTP completions finished, by endpoint and finish reason (cancelled: the "
                                    "client went away)", ["endpoint", "reason"], registry=r)
-        self._collector: _AppCollector | None = None
+        self._collector: _StateCollector | None = None
         self.llama = LlamaMetrics()  # llama-server's llamacpp:* families, appended as it renders them
         # (op, status) → that request's series: ``labels()`` takes a lock and builds a key on
         # every call, a noticeable share of a STATE_META's server CPU; the op set is bounded
@@ -93,38 +93,36 @@ class Metrics:
         self.generations.labels(endpoint, reason).inc()
 
     # ---------------------------------------------------------------- state at scrape time
-    def bind(self, app: Any, http_connections: Callable[[], int] | None = None) -> None:
-        """Read engine/server state from ``app`` at every scrape (idempotent)."""
+    def bind(self, services: Any, http_connections: Callable[[], int] | None = None) -> None:
+        """Read engine/server state from ``services`` (hydra_rpc.services) at every scrape (idempotent)."""
         if self._collector is None:
-            self._collector = _AppCollector(app, http_connections)
+            self._collector = _StateCollector(services, http_connections)
             self.registry.register(self._collector)
         else:
-            self._collector.app, self._collector.http_connections = app, http_connections
+            self._collector.services, self._collector.http_connections = services, http_connections
 
     def render(self) -> bytes:
-        engine = getattr(self._collector.app, "engine", None) if self._collector is not None else None
+        engine = self._collector.services.engine if self._collector is not None else None
         return generate_latest(self.registry) + self.llama.render(engine).encode()
 
 
-class _AppCollector:
-    """Gauges and engine-owned counters computed from the app when scraped.
+class _StateCollector:
+    """Gauges and engine-owned counters computed from the shared services when scraped.
 
-    Every attribute may still be missing (HTTP can come up before the engine finishes
-    loading or before the Hydra server listens), so each read is guarded.
+    HTTP comes up before the engine finishes loading and before the Hydra server listens:
+    the engine's reads answer for an engine that has no model yet, the server may be None.
     """
 
-    def __init__(self, app: Any, http_connections: Callable[[], int] | None):
-        self.app = app
+    def __init__(self, services: Any, http_connections: Callable[[], int] | None):
+        self.services = services
         self.http_connections = http_connections
 
     def describe(self) -> list[Metric]:
         return []  # no collect() at registration time: the app may not be running yet
 
     def collect(self) -> Iterable[Metric]:
-        engine = getattr(self.app, "engine", None)
-        server = getattr(self.app, "server", None)
-        if engine is not None:
-            yield from self._engine(engine)
+        server = self.services.hydra
+        yield from self._engine(self.services.engine)
         conns = GaugeMetricFamily("hydra_connections_open", "Open client connections, by port", labels=["port"])
         if server is not None:
             conns.add_metric(["engine"], len(server.connections))
@@ -147,11 +145,9 @@ class _AppCollector:
             for kind, n in server.stats.items():
                 acc.add_metric([kind], n)
             yield acc
-        results = getattr(self.app, "extras", {}).get("decode_results")
-        if results is not None:
-            g = GaugeMetricFamily("hydra_decode_results_stored", "Merged DECODE results kept for GET /v1/decode/{id}")
-            g.add_metric([], len(results))
-            yield g
+        g = GaugeMetricFamily("hydra_decode_results_stored", "Merged DECODE results kept for GET /v1/decode/{id}")
+        g.add_metric([], len(self.services.decode_results))
+        yield g
 
     @staticmethod
     def _engine(engine: Any) -> Iterable[Metric]:
@@ -193,7 +189,7 @@ class _AppCollector:
         up = GaugeMetricFamily("hydra_model_loaded", "1 when a model is loaded and serving")
         up.add_metric([], 1.0 if engine.startup_stage == "ready" else 0.0)
         yield up
-        yield from _prompt_cache(engine.cache.info())
+        yield from _prompt_cache(engine.prompt_cache_info())
 
 
 def _prompt_cache(pc: Any) -> Iterable[Metric]:

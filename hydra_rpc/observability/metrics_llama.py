@@ -4,7 +4,7 @@ Same names, types, help text and meaning as ``server_task_result_metrics::to_met
 pinned llama.cpp (tools/server/server-task.cpp), rendered as that function renders them — by
 hand, because prometheus-client would append ``_total`` to every counter, and llama-server's
 ``llamacpp:n_tokens_max`` is a counter without it. Values come from the engine's own counters
-(``Engine.stats``, filled by the scheduler and the stepper) and its published snapshots, so a
+(``EngineApi.stats``, filled by the scheduler and the stepper) and its published snapshots, so a
 scrape never enters the engine's mailbox.
 
 Two families older llama-server builds exported are added, because dashboards still read them:
@@ -86,7 +86,7 @@ class LlamaMetrics:
             "requests_processing": sum(1 for s in snaps if s.is_processing),
             # jobs waiting for a slot, and erases waiting for a busy one (engine/erase.py)
             "requests_deferred": (sum(s.queued for s in snaps) + engine.queued_unassigned
-                                  + sum(len(s.erase_waiters) for s in engine.slots)),
+                                  + engine.erases_waiting),
             "n_busy_slots_per_decode": st["n_busy_slots"] / max(st["n_decode"], 1),
             "kv_cache_usage_ratio": used / n_ctx if n_ctx else 0.0,
             "kv_cache_tokens": used,

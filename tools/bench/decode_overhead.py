@@ -120,7 +120,6 @@ async def run(ctx: BenchContext) -> Result:
     variants = ["bare", "pin"] + (["v3"] if ctx.http else [])
     if not ctx.http:
         res.notes.append("DECODE v3 + HTTP not measured: this build has no HTTP side (hydra_rpc.http.app).")
-    runs: list[dict[str, Any]] = []
     with HydraServer(["--model", ctx.models.main, "--slots", str(SLOTS), "--ctx", str(slot_ctx),
                       "--threads", str(ctx.threads), "--fixed-threads"], http=ctx.http) as srv:
         await pin_decode(srv.host, srv.port, 0, 32, msgs)  # warm-up
@@ -134,30 +133,44 @@ async def run(ctx: BenchContext) -> Result:
                       "calibration_tok_s": cal.decode_rate(), "cap_seconds": cap_s, "slot_ctx": slot_ctx,
                       "slots": SLOTS, "threads": ctx.threads, "reps": ctx.reps, "variants": variants,
                       "bare_loop_nice": INFERENCE_NICE}
-        http = None
-        if ctx.http:
-            import aiohttp
+        runs = await _interleaved_runs(ctx, srv, variants, bare_params, n, msgs, cap_s)
+    _summarize(res, runs, variants, tiny, bool(ctx.http))
+    return res
 
-            http = aiohttp.ClientSession()
-        try:
-            for rep, v in interleaved(ctx.reps, variants):
-                if v == "bare":
-                    out = await run_worker("bare-decode", bare_params)
-                    runs.append({"variant": v, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
-                                 "e2e_rate": out["e2e_rate"],
-                                 "cpu_us_per_token": {"compute": out["compute_cpu_s"] / out["tokens"] * 1e6}})
-                elif v == "pin":
-                    server_cpu, own_cpu = srv.thread_cpu(), time.process_time()
-                    r = (await pin_decode(srv.host, srv.port, 0, n, msgs, until=now() + cap_s)).check(n)
-                    runs.append({"variant": v, "rep": rep, "tokens": r.tokens, "decode_rate": r.decode_rate(),
-                                 "e2e_rate": r.e2e_rate(),
-                                 "cpu_us_per_token": server_cpu_per_token(srv, server_cpu, own_cpu, r.tokens)})
-                else:
-                    out = await v3_decode(srv, 0, n, msgs, http, cap_s)
-                    runs.append({"variant": v, "rep": rep, **out})
-        finally:
-            if http is not None:
-                await http.close()
+
+async def _interleaved_runs(ctx: BenchContext, srv: HydraServer, variants: list[str], bare_params: dict[str, Any],
+                            n: int, msgs: list, cap_s: float) -> list[dict[str, Any]]:
+    """``ctx.reps`` runs of every variant (bare loop, PIN stream, DECODE v3), interleaved."""
+    runs: list[dict[str, Any]] = []
+    http = None
+    if ctx.http:
+        import aiohttp
+
+        http = aiohttp.ClientSession()
+    try:
+        for rep, v in interleaved(ctx.reps, variants):
+            if v == "bare":
+                out = await run_worker("bare-decode", bare_params)
+                runs.append({"variant": v, "rep": rep, "tokens": out["tokens"], "decode_rate": out["decode_rate"],
+                             "e2e_rate": out["e2e_rate"],
+                             "cpu_us_per_token": {"compute": out["compute_cpu_s"] / out["tokens"] * 1e6}})
+            elif v == "pin":
+                server_cpu, own_cpu = srv.thread_cpu(), time.process_time()
+                r = (await pin_decode(srv.host, srv.port, 0, n, msgs, until=now() + cap_s)).check(n)
+                runs.append({"variant": v, "rep": rep, "tokens": r.tokens, "decode_rate": r.decode_rate(),
+                             "e2e_rate": r.e2e_rate(),
+                             "cpu_us_per_token": server_cpu_per_token(srv, server_cpu, own_cpu, r.tokens)})
+            else:
+                out = await v3_decode(srv, 0, n, msgs, http, cap_s)
+                runs.append({"variant": v, "rep": rep, **out})
+    finally:
+        if http is not None:
+            await http.close()
+    return runs
+
+
+def _summarize(res: Result, runs: list[dict[str, Any]], variants: list[str], tiny: bool, http: bool) -> None:
+    """The runs' spreads into ``res.summary`` and its rows: PIN and v3 tok/s against the bare loop, CPU per token."""
 
     def med(variant: str, key: str) -> float | None:
         return spread(r.get(key) for r in runs if r["variant"] == variant)["median"]
@@ -189,12 +202,11 @@ async def run(ctx: BenchContext) -> Result:
                         note=f"besides them, the server's event loop {_us(cpu['pin_loop'])} µs "
                              f"and the client {_us(cpu['pin_client'])} µs per token, on the same cores",
                         ).with_spread(cpu["pin_compute"]))
-    if ctx.http:
+    if http:
         v3, bare_e2e = med("v3", "e2e_rate"), med("bare", "e2e_rate")
         res.rows.append(Row("DECODE v3 + HTTP result tok/s (end to end)", v3, "tok/s", bare_e2e,
                             "bare loop, end to end", f"≥ {v3_goal:.0%} of bare ({which})",
                             limit=v3_goal if bare_e2e else None, on="ratio").with_spread(res.summary["v3"]["e2e_rate"]))
-    return res
 
 
 def _us(sp: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import dataclass, field
 
 from codec import ggml as G
 from engine.ggml_rpc_lib import hello, open_session
@@ -141,6 +142,14 @@ async def sample_run(res: Result, way: str, rep: int, endpoint: tuple[str, int],
                  "cpu_ms_per_k_tokens": cpu_ms_per_k_tokens(before, procs, out["tokens"])}
 
 
+@dataclass
+class _Samples:
+    decodes: list[dict] = field(default_factory=list)
+    bulks: list[dict] = field(default_factory=list)
+    setups: list[dict] = field(default_factory=list)
+    trips: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "proxy": [], "embedded": []})
+
+
 async def run(ctx: BenchContext) -> Result:
     res = Result(NAME)
     tiny = ctx.models.tiny
@@ -148,48 +157,72 @@ async def run(ctx: BenchContext) -> Result:
     bulk = ctx.pick(256, 32) * MiB
     res.config = {"model": ctx.models.main, "n_predict": n_predict, "bulk_bytes": bulk, "reps": ctx.reps,
                   "upstream_threads": UPSTREAM_THREADS}
-    decodes, bulks, setups = [], [], []
-    trips: dict[str, list[float]] = {"direct": [], "proxy": [], "embedded": []}
-    n_trips = ctx.pick(2000, 300)
-    worker_s = ctx.pick(300.0, 60.0)  # a --quick client takes a few seconds; a stuck one shows its stacks
-    data = memoryview(bytes(bulk))
+    sm = _Samples()
+    params = {"model": ctx.models.main, "n_ctx": n_predict + 512, "n_threads": ctx.threads,
+              "messages": messages_for(0), "n_predict": n_predict, "warmup": 16,
+              "max_seconds": ctx.pick(5.0, 1.5)}
     # one compute thread, rpc-server's default: with two OpenMP threads on a 2-core host that
     # also runs the client and our server, barrier spin-waits make every run a lottery
     upstream = GgmlRpcServer(UPSTREAM_THREADS)
     try:
-        with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024",
-                          "--ggml-rpc-upstream", f"{upstream.host}:{upstream.port}"]) as srv:
-            ends = {"direct": (upstream.host, upstream.port), "proxy": (srv.host, srv.port)}
-            params = {"model": ctx.models.main, "n_ctx": n_predict + 512, "n_threads": ctx.threads,
-                      "messages": messages_for(0), "n_predict": n_predict, "warmup": 16,
-                      "max_seconds": ctx.pick(5.0, 1.5)}
-            procs = {"server": srv, "rpc-server": upstream}
-            for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
-                out, sample = await sample_run(res, way, rep, ends[way], params, worker_s, procs)
-                if not str(out.get("device", "")).startswith("RPC"):
-                    raise BenchError(f"the ggml client did not offload to RPC: {out}")
-                decodes.append(sample)
-            for way in ("direct", "proxy", "direct", "proxy"):
-                trips[way] += await asyncio.to_thread(round_trips_us, *ends[way], n_trips)
-            await asyncio.to_thread(bulk_set_tensor, *ends["direct"], data[:MiB])  # warm-up
-            for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
-                sec = await asyncio.to_thread(bulk_set_tensor, *ends[way], data)
-                bulks.append({"way": way, "rep": rep, "seconds": sec, "mb_s": bulk / sec / 1e6})
-        with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024", "--ggml-rpc-embedded"]) as srv:
-            ends["embedded"] = (srv.host, srv.port)
-            procs = {"server": srv}
-            for rep, way in interleaved(ctx.reps, ["direct", "embedded"]):
-                decodes.append((await sample_run(res, way, rep, ends[way], params, worker_s, procs))[1])
-            for _ in range(2):
-                await asyncio.sleep(0.3)  # the pool's spare child ready
-                trips["embedded"] += await asyncio.to_thread(round_trips_us, *ends["embedded"], n_trips)
-            for rep, way in interleaved(ctx.pick(10, 3), ["direct", "embedded"]):
-                await asyncio.sleep(0.3)  # a session arriving after the pool has its spare ready
-                setups.append({"way": way, "rep": rep, "ms": await asyncio.to_thread(session_setup_ms, *ends[way])})
+        ends = {"direct": (upstream.host, upstream.port)}
+        await _relay_runs(ctx, res, sm, upstream, ends, params, memoryview(bytes(bulk)))
+        await _embedded_runs(ctx, res, sm, ends, params)
     finally:
         upstream.stop()
-    res.samples.update({"decodes": decodes, "bulk": bulks, "session_setup": setups,
-                        "round_trip_us": {w: [round(x, 1) for x in v] for w, v in trips.items()}})
+    res.samples.update({"decodes": sm.decodes, "bulk": sm.bulks, "session_setup": sm.setups,
+                        "round_trip_us": {w: [round(x, 1) for x in v] for w, v in sm.trips.items()}})
+    _report(res, sm, bulk)
+    return res
+
+
+def _worker_seconds(ctx: BenchContext) -> float:
+    return ctx.pick(300.0, 60.0)  # a --quick client takes a few seconds; a stuck one shows its stacks
+
+
+async def _relay_runs(ctx: BenchContext, res: Result, sm: _Samples, upstream: GgmlRpcServer,
+                      ends: dict[str, tuple[str, int]], params: dict, data: memoryview) -> None:
+    """Our server with --ggml-rpc-upstream: client runs, round trips and bulk uploads, each
+    direct to the upstream and through our port."""
+    worker_s, n_trips, bulk = _worker_seconds(ctx), ctx.pick(2000, 300), len(data)
+    with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024",
+                      "--ggml-rpc-upstream", f"{upstream.host}:{upstream.port}"]) as srv:
+        ends["proxy"] = (srv.host, srv.port)
+        procs = {"server": srv, "rpc-server": upstream}
+        for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
+            out, sample = await sample_run(res, way, rep, ends[way], params, worker_s, procs)
+            if not str(out.get("device", "")).startswith("RPC"):
+                raise BenchError(f"the ggml client did not offload to RPC: {out}")
+            sm.decodes.append(sample)
+        for way in ("direct", "proxy", "direct", "proxy"):
+            sm.trips[way] += await asyncio.to_thread(round_trips_us, *ends[way], n_trips)
+        await asyncio.to_thread(bulk_set_tensor, *ends["direct"], data[:MiB])  # warm-up
+        for rep, way in interleaved(ctx.reps, ["direct", "proxy"]):
+            sec = await asyncio.to_thread(bulk_set_tensor, *ends[way], data)
+            sm.bulks.append({"way": way, "rep": rep, "seconds": sec, "mb_s": bulk / sec / 1e6})
+
+
+async def _embedded_runs(ctx: BenchContext, res: Result, sm: _Samples, ends: dict[str, tuple[str, int]],
+                         params: dict) -> None:
+    """Our server with --ggml-rpc-embedded: client runs, round trips and session setups, against
+    the standalone upstream."""
+    worker_s, n_trips = _worker_seconds(ctx), ctx.pick(2000, 300)
+    with HydraServer(["--model", ctx.models.main, "--slots", "1", "--ctx", "1024", "--ggml-rpc-embedded"]) as srv:
+        ends["embedded"] = (srv.host, srv.port)
+        procs = {"server": srv}
+        for rep, way in interleaved(ctx.reps, ["direct", "embedded"]):
+            sm.decodes.append((await sample_run(res, way, rep, ends[way], params, worker_s, procs))[1])
+        for _ in range(2):
+            await asyncio.sleep(0.3)  # the pool's spare child ready
+            sm.trips["embedded"] += await asyncio.to_thread(round_trips_us, *ends["embedded"], n_trips)
+        for rep, way in interleaved(ctx.pick(10, 3), ["direct", "embedded"]):
+            await asyncio.sleep(0.3)  # a session arriving after the pool has its spare ready
+            sm.setups.append({"way": way, "rep": rep, "ms": await asyncio.to_thread(session_setup_ms, *ends[way])})
+
+
+def _report(res: Result, sm: _Samples, bulk: int) -> None:
+    """The samples' spreads into ``res.summary`` and its rows."""
+    decodes, bulks, setups, trips = sm.decodes, sm.bulks, sm.setups, sm.trips
     tok = {w: spread(d["decode_rate"] for d in decodes if d["way"] == w) for w in ("direct", "proxy", "embedded")}
     mbs = {w: spread(b["mb_s"] for b in bulks if b["way"] == w) for w in ("direct", "proxy")}
     load = {w: spread(d["load_ms"] for d in decodes if d["way"] == w) for w in ("direct", "proxy", "embedded")}
@@ -220,4 +253,3 @@ async def run(ctx: BenchContext) -> Result:
     res.rows.append(Row("ggml session setup (connect → HELLO answered), --ggml-rpc-embedded",
                         setup["embedded"]["median"], "ms", setup["direct"]["median"], "a standalone ggml server",
                         note=f"max {setup['embedded']['max']} ms"))
-    return res

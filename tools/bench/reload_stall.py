@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from dataclasses import dataclass, field
 
 from codec import payloads as P
 from codec.enums import Op, Status
@@ -31,7 +32,8 @@ from hydra_rpc.client import HydraClient
 from . import reload_defaults
 from .common import BenchContext, BenchError, Result, Row, interleaved, now, rounded, spread, summarize
 from .procs import HydraServer
-from .traffic import Poller, latencies, messages_for, pin_decode, poll_columns, rate_timeline, request_ok, tokens_between
+from .traffic import (PinRun, Poller, latencies, messages_for, pin_decode, poll_columns, rate_timeline, request_ok,
+                      tokens_between)
 
 NAME = "reload-stall"
 POLL_INTERVAL = 0.003
@@ -93,56 +95,91 @@ def _server_args(ctx: BenchContext, variant: str) -> tuple[list[str], str]:
     return args, "hydra_rpc.cli serve"
 
 
+@dataclass
+class _Reload:
+    """What one run saw while the model reloaded: harness-clock times and the clients' records."""
+
+    t0: float  # the clients start
+    t_cfg: float = 0.0  # CONFIGURE sent
+    t_ready: float = 0.0  # the new model is built
+    t_cancel: float = 0.0  # the decode's client closes it
+    t_swap: float = 0.0  # the new generation serves
+    target: int = 0  # its config_generation
+    run: PinRun | None = None  # the decode's pieces
+    polls: list = field(default_factory=list)
+    requests: list = field(default_factory=list)
+
+
 async def one_run(ctx: BenchContext, variant: str, before_s: float) -> dict:
     args, module = _server_args(ctx, variant)
     with HydraServer(args, module=module, label=f"server ({variant})") as srv:
-        await pin_decode(srv.host, srv.port, 0, 32, messages_for(0))  # warm-up
-        info = await request_ok(srv.host, srv.port, Op.INFO)
-        gen0 = info["config_generation"]
-        # A decode's rate falls as its context grows (attention). Starting it from a long
-        # prefilled context keeps that drift to a few % across the window compared, so a
-        # drop during the load is the load's doing.
-        n_prefill = ctx.pick(PREFILL_TOKENS, PREFILL_TOKENS // 2) if ctx.models.tiny else PREFILL_TOKENS_REAL
-        rnd = random.Random(11)
-        prompt = [rnd.randrange(3, info.get("n_vocab") or 256) for _ in range(n_prefill)]
-        await request_ok(srv.host, srv.port, Op.PREFILL, "0", P.encode_e1_tokens(prompt), timeout=600)
-        stop_all, stop_decode = asyncio.Event(), asyncio.Event()
-        t0 = now()
-        poller = Poller(srv.host, srv.port, [(Op.INFO, ""), (Op.STATE_META, "0")], POLL_INTERVAL, timeout=30)
-        polling = asyncio.create_task(poller.run(stop_all))
-        requesting = asyncio.create_task(_requester(srv.host, srv.port, stop_all, t0))
-        n_decode = CTX - n_prefill - 64
-        decoding = asyncio.create_task(pin_decode(srv.host, srv.port, 0, n_decode, None, stop=stop_decode))
-        try:
-            await asyncio.sleep(before_s)
-            t_cfg = now()
-            meta = await request_ok(srv.host, srv.port, Op.CONFIGURE, "", P.dumps_compact(
-                {"model_path": ctx.models.reload_target}))
-            target = meta.get("config_generation", gen0 + 1)
-            # "ready": the new model is built (draining) or already live; a poll answered
-            # before the CONFIGURE was processed still says "idle" and does not count
-            t_ready = await _watch(poller, t_cfg, lambda p: p.op == "INFO" and p.status == Status.OK and (
-                p.reload_state in ("draining", "swapped") or (p.generation or 0) >= target), 120)
-            await asyncio.sleep(max(0.0, t_ready + HOLD - now()))
-            t_cancel = now()
-            stop_decode.set()
-            run = (await decoding).check(n_decode)
-            t_swap = await _watch(poller, t_cfg, lambda p: p.status == Status.OK and p.op == "INFO"
-                                  and (p.generation or 0) >= target, 120)
-            await asyncio.sleep(POST)
-        finally:
-            stop_all.set()
-            stop_decode.set()
-            polls = await polling
-            requests = await requesting
-            if not decoding.done():
-                decoding.cancel()
-                with contextlib.suppress(BaseException):
-                    await decoding
+        gen0, n_prefill = await _prefill_long_context(ctx, srv)
+        rl = await _reload_under_load(ctx, srv, n_prefill, before_s, gen0)
         info = await request_ok(srv.host, srv.port, Op.INFO)
     reload = info.get("reload") or {}
-    if reload.get("state") != "swapped" or info.get("config_generation", 0) < target:
+    if reload.get("state") != "swapped" or info.get("config_generation", 0) < rl.target:
         raise BenchError(f"{variant}: reload did not complete: {reload}")
+    return _run_figures(variant, gen0, rl, reload)
+
+
+async def _prefill_long_context(ctx: BenchContext, srv: HydraServer) -> tuple[int, int]:
+    """Warm up, then prefill slot 0 with a long random context: (config_generation, tokens prefilled)."""
+    await pin_decode(srv.host, srv.port, 0, 32, messages_for(0))  # warm-up
+    info = await request_ok(srv.host, srv.port, Op.INFO)
+    gen0 = info["config_generation"]
+    # A decode's rate falls as its context grows (attention). Starting it from a long
+    # prefilled context keeps that drift to a few % across the window compared, so a
+    # drop during the load is the load's doing.
+    n_prefill = ctx.pick(PREFILL_TOKENS, PREFILL_TOKENS // 2) if ctx.models.tiny else PREFILL_TOKENS_REAL
+    rnd = random.Random(11)
+    prompt = [rnd.randrange(3, info.get("n_vocab") or 256) for _ in range(n_prefill)]
+    await request_ok(srv.host, srv.port, Op.PREFILL, "0", P.encode_e1_tokens(prompt), timeout=600)
+    return gen0, n_prefill
+
+
+async def _reload_under_load(ctx: BenchContext, srv: HydraServer, n_prefill: int, before_s: float,
+                             gen0: int) -> _Reload:
+    """Decode, poll and request; after ``before_s`` the CONFIGURE; the decode is closed once the
+    new model is ready (plus HOLD), and the others go on until POST after the swap."""
+    stop_all, stop_decode = asyncio.Event(), asyncio.Event()
+    rl = _Reload(t0=now())
+    poller = Poller(srv.host, srv.port, [(Op.INFO, ""), (Op.STATE_META, "0")], POLL_INTERVAL, timeout=30)
+    polling = asyncio.create_task(poller.run(stop_all))
+    requesting = asyncio.create_task(_requester(srv.host, srv.port, stop_all, rl.t0))
+    n_decode = CTX - n_prefill - 64
+    decoding = asyncio.create_task(pin_decode(srv.host, srv.port, 0, n_decode, None, stop=stop_decode))
+    try:
+        await asyncio.sleep(before_s)
+        rl.t_cfg = t_cfg = now()
+        meta = await request_ok(srv.host, srv.port, Op.CONFIGURE, "", P.dumps_compact(
+            {"model_path": ctx.models.reload_target}))
+        rl.target = target = meta.get("config_generation", gen0 + 1)
+        # "ready": the new model is built (draining) or already live; a poll answered
+        # before the CONFIGURE was processed still says "idle" and does not count
+        rl.t_ready = await _watch(poller, t_cfg, lambda p: p.op == "INFO" and p.status == Status.OK and (
+            p.reload_state in ("draining", "swapped") or (p.generation or 0) >= target), 120)
+        await asyncio.sleep(max(0.0, rl.t_ready + HOLD - now()))
+        rl.t_cancel = now()
+        stop_decode.set()
+        rl.run = (await decoding).check(n_decode)
+        rl.t_swap = await _watch(poller, t_cfg, lambda p: p.status == Status.OK and p.op == "INFO"
+                                 and (p.generation or 0) >= target, 120)
+        await asyncio.sleep(POST)
+    finally:
+        stop_all.set()
+        stop_decode.set()
+        rl.polls = await polling
+        rl.requests = await requesting
+        if not decoding.done():
+            decoding.cancel()
+            with contextlib.suppress(BaseException):
+                await decoding
+    return rl
+
+
+def _run_figures(variant: str, gen0: int, rl: _Reload, reload: dict) -> dict:
+    """One run's sample: rates and poll latencies before and during the load, and its timelines."""
+    t0, t_cfg, t_swap, run, polls = rl.t0, rl.t_cfg, rl.t_swap, rl.run, rl.polls
     load_s = (reload.get("load_ms") or 0) / 1000
     # the load overlaps the decode only in the shadow variants; it starts at the CONFIGURE.
     # "before" is the half second just before it
@@ -154,14 +191,14 @@ async def one_run(ctx: BenchContext, variant: str, before_s: float) -> dict:
     lat_during = latencies(polls, t_cfg, t_swap)
     failed_during = sum(1 for p in polls if t_cfg <= p.t < t_swap and p.status != Status.OK)
     return {
-        "variant": variant, "generation_before": gen0, "generation_after": target, "reload": reload,
-        "marks": {"configure": 0.0, "ready": round(t_ready - t_cfg, 5), "decode_closed": round(t_cancel - t_cfg, 5),
-                  "swapped": round(t_swap - t_cfg, 5)},
+        "variant": variant, "generation_before": gen0, "generation_after": rl.target, "reload": reload,
+        "marks": {"configure": 0.0, "ready": round(rl.t_ready - t_cfg, 5),
+                  "decode_closed": round(rl.t_cancel - t_cfg, 5), "swapped": round(t_swap - t_cfg, 5)},
         "time_to_swap_s": t_swap - t_cfg, "load_ms": reload.get("load_ms"), "swap_ms": reload.get("swap_ms"),
         "poll_before_ms": summarize(lat_before), "poll_during_ms": summarize(lat_during),
         "polls_failed_during": failed_during, "tok_s_before": before_rate, "tok_s_during_load": during_rate,
         "requests": {"columns": ["t", "ms", "status", "generation"],
-                     "rows": [[round(r[0] - (t_cfg - t0), 5), *r[1:]] for r in requests]},
+                     "rows": [[round(r[0] - (t_cfg - t0), 5), *r[1:]] for r in rl.requests]},
         "polls": poll_columns(polls, t_cfg),
         "piece_times": rounded([t - t_cfg for t in run.times], 5),
         "tokens_per_s": rate_timeline(run.times, t_cfg),

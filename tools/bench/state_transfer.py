@@ -147,6 +147,15 @@ async def run(ctx: BenchContext) -> Result:
     steps = ctx.pick(ms.state_tokens, ms.state_tokens_quick)
     res.config = {"model": ms.state, "cache_type": ms.state_cache_type or "f16 (default)", "n_past_steps": steps,
                   "reps": ctx.reps, "threads": ctx.threads, "server_env": SERVER_ENV}
+    sizes = await _measure_sizes(ctx, steps)
+    res.samples = {"sizes": sizes}
+    _report(res, sizes)
+    return res
+
+
+async def _measure_sizes(ctx: BenchContext, steps: tuple[int, ...]) -> list[dict]:
+    """For each context length of ``steps`` (ascending): prefill slot 0 to it and time the transfers."""
+    ms = ctx.models
     sizes = []
     with HydraServer(["--model", ms.state, "--slots", "1", "--ctx", str(max(steps) + 256),
                       "--threads", str(ctx.threads)], env=SERVER_ENV) as srv:
@@ -168,7 +177,11 @@ async def run(ctx: BenchContext) -> Result:
                 step = await _size_step(srv, c, ctx.reps, n)
                 step["prefill_s"] = round(prefill_s, 3)
                 sizes.append(step)
-    res.samples = {"sizes": sizes}
+    return sizes
+
+
+def _report(res: Result, sizes: list[dict]) -> None:
+    """Each size's spreads; the rows, for the largest state."""
     for s in sizes:
         s["summary"] = {op: {"mb_s": spread(x["mb_s"] for x in s["samples"] if x["op"] == op),
                              "rss_growth_x": spread(x["server_rss_growth_bytes"] / s["state_bytes"]
@@ -203,4 +216,3 @@ async def run(ctx: BenchContext) -> Result:
         res.rows.append(Row(f"{name} peak server RSS growth, {size_mib:.3g} MiB state", g, "× state", None, "",
                             "≤ 1.2 × state size", None if g is None else g <= 1.2
                             ).with_spread(big["summary"][op]["rss_growth_x"]))
-    return res

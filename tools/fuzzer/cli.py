@@ -27,7 +27,8 @@ from hydra_rpc.cli.usage import UsageError
 
 from .execute import RunConfig
 from .progress import Progress, summary_table
-from .runner import Options, Runner, replay
+from .case_files import replay
+from .runner import Options, Runner
 from .target import Target, TargetError, is_loopback, parse_hostport
 
 
@@ -128,7 +129,12 @@ async def _main(args: argparse.Namespace) -> int:
                    slow_deadline=args.slow_deadline)
     target = None if protocol == "codec" else _target(args)
     progress = _progress(args, args.cases or (len(args.index) if args.index else None), seconds)
-    runner = Runner(opts, target, progress)
+    results = await _run_interruptible(Runner(opts, target, progress), target, protocol)
+    return _write_results(args, results)
+
+
+async def _run_interruptible(runner: Runner, target: Target | None, protocol: str) -> dict:
+    """The runner's results; a SIGINT stops it with what was run so far (``runner.interrupted()``)."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
 
@@ -162,6 +168,11 @@ async def _main(args: argparse.Namespace) -> int:
             pass
         if target is not None:
             await target.close()
+    return results
+
+
+def _write_results(args: argparse.Namespace, results: dict) -> int:
+    """OUT/results.json, the summary (and --json the results) printed; the exit status."""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = summary_table(results)
@@ -175,7 +186,6 @@ async def _main(args: argparse.Namespace) -> int:
     if results["coverage"]["stopped_by"] == "interrupted":
         return 130
     return 1 if results["findings"] else 0
-
 
 
 def _list(args: argparse.Namespace, seed: int, protocol: str) -> int:

@@ -175,6 +175,20 @@ def _ggml_events(make, data: bytes, pieces: list[bytes]) -> None:
 
 
 def _check(name: str, data: bytes) -> None:
+    """Run decoder ``name``'s oracles on ``data``: CodecFinding on a finding, KeyError for an unknown name."""
+    area = name.partition(".")[0]
+    if area in ("framing", "decoder"):
+        _check_frames(name, data)
+    elif area in ("kvblob", "payloads", "decode_v3", "store"):
+        _check_payloads(name, data)
+    elif area == "ggml":
+        _check_ggml(name, data)
+    else:
+        raise KeyError(name)
+
+
+def _check_frames(name: str, data: bytes) -> None:
+    """Frame headers and the incremental frame decoders."""
     if name == "framing.request_header":
         _diff(name, _call(decode_request_header, data), _call(_req_header_construct, data))
     elif name == "framing.response_header":
@@ -187,7 +201,13 @@ def _check(name: str, data: bytes) -> None:
         a, b = _events(ResponseDecoder(SMALL_LIMITS), [data]), _events(ResponseDecoder(SMALL_LIMITS), _splits(data))
         if a != b:
             raise CodecFinding("codec-diff", f"ResponseDecoder: whole {_short(a)} vs split {_short(b)}")
-    elif name == "kvblob.header":
+    else:
+        raise KeyError(name)
+
+
+def _check_payloads(name: str, data: bytes) -> None:
+    """Payload parsers: KV blobs, the dialects' bodies, DECODE v3 and the Store's."""
+    if name == "kvblob.header":
         _diff(name, _call(KV.parse_kv_blob_header, data), _call(KV.parse_kv_blob_header_construct, data))
     elif name == "kvblob.parse":
         _call(KV.parse_kv_blob, data)
@@ -228,7 +248,13 @@ def _check(name: str, data: bytes) -> None:
             _diff(f"{name}.{'indexed' if indexed else 'sized'}",
                   _call(lambda d: [(c.index, bytes(c.body)) for c in it(d)], data),
                   _call(S.parse_chunks_construct, data, indexed=indexed))
-    elif name == "ggml.tensor":
+    else:
+        raise KeyError(name)
+
+
+def _check_ggml(name: str, data: bytes) -> None:
+    """ggml-RPC: tensors, GRAPH_COMPUTE and SET_TENSOR payloads, the request stream."""
+    if name == "ggml.tensor":
         _diff(name, _call(G.parse_rpc_tensor, data), _call(G.parse_rpc_tensor_construct, data), _floats_as_bits)
     elif name == "ggml.graph_compute":
         for v in (None, (3, 6, 1)):

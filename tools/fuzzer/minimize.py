@@ -17,8 +17,7 @@ from __future__ import annotations
 import time
 from typing import Awaitable, Callable
 
-from codec.errors import BadMagic
-from codec.framing import REQUEST_HEADER_SIZE, decode_request_header
+from codec.frames import split_frames
 
 from .cases import Case, Message
 from .mutators import frame
@@ -125,25 +124,9 @@ class Minimizer:
                 msgs = cand.messages
         return msgs
 
-    @staticmethod
-    def _split(data: bytes) -> tuple[list[bytes], bytes]:
-        """Whole requests at the start of ``data`` and the rest (partial or garbage)."""
-        out, pos = [], 0
-        while len(data) - pos >= REQUEST_HEADER_SIZE:
-            try:
-                h = decode_request_header(data[pos:pos + REQUEST_HEADER_SIZE])
-            except BadMagic:
-                break
-            end = pos + REQUEST_HEADER_SIZE + h.body_len
-            if end > len(data):
-                break
-            out.append(data[pos:end])
-            pos = end
-        return out, data[pos:]
-
     async def _frames(self, case: Case, msgs: list[Message], i: int) -> list[Message]:
-        frames, rest = self._split(msgs[i].data)
-        units = frames + ([rest] if rest else [])
+        split = split_frames(msgs[i].data)
+        units = [f.raw for f in split.frames] + ([split.rest] if split.rest else [])
         if len(units) < 2:
             return msgs
         kept = await self._ddmin(units, lambda us: self._with(case, msgs, i, b"".join(us)) if us else None)
@@ -151,13 +134,11 @@ class Minimizer:
 
     async def _well_formed(self, case: Case, msgs: list[Message], i: int) -> list[Message]:
         """Shrink key, trace and payload of whole requests, keeping the length fields honest."""
-        frames, rest = self._split(msgs[i].data)
-        for j in range(len(frames)):
-            f = frames[j]
-            h = decode_request_header(f[:REQUEST_HEADER_SIZE])
-            k0, flags = REQUEST_HEADER_SIZE, f[3]
-            parts = {"key": f[k0:k0 + h.key_len], "trace": f[k0 + h.key_len:k0 + h.key_len + h.trace_len],
-                     "payload": f[k0 + h.key_len + h.trace_len:]}
+        split = split_frames(msgs[i].data)
+        frames, rest = [f.raw for f in split.frames], split.rest
+        for j, sent in enumerate(split.frames):
+            h, flags = sent.header, sent.header.flags
+            parts = {"key": sent.key, "trace": sent.trace, "payload": sent.payload}
 
             async def attempt(**change: bytes) -> bool:
                 new = {**parts, **change}

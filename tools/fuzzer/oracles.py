@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 from codec.dialects import Dialect, decode_dialect
 from codec.enums import Op, Status, status_name
-from codec.errors import BadMagic
-from codec.framing import REQUEST_HEADER_SIZE, decode_request_header, encode_request
+from codec.frames import split_frames
+from codec.framing import encode_request
 
 from .cases import Outcome
 from .explain import exception_type, requested_growth, tracebacks
@@ -73,25 +73,8 @@ class Plan:
 
 def plan_frames(data: bytes) -> Plan:
     """Split what we sent into the requests a correct server sees (no limits assumed)."""
-    plan = Plan()
-    pos = 0
-    while pos < len(data):
-        if len(data) - pos < REQUEST_HEADER_SIZE:
-            plan.tail, plan.tail_bytes = "partial", len(data) - pos
-            return plan
-        try:
-            h = decode_request_header(data[pos:pos + REQUEST_HEADER_SIZE])
-        except BadMagic:
-            plan.tail, plan.tail_bytes = "garbage", len(data) - pos
-            return plan
-        end = pos + REQUEST_HEADER_SIZE + h.body_len
-        if end > len(data):
-            plan.tail, plan.tail_bytes = "partial", len(data) - pos
-            return plan
-        k0 = pos + REQUEST_HEADER_SIZE
-        plan.frames.append(SentFrame(h.op, data[k0:k0 + h.key_len], data[k0 + h.key_len + h.trace_len:end]))
-        pos = end
-    return plan
+    split = split_frames(data)
+    return Plan([SentFrame(f.header.op, f.key, f.payload) for f in split.frames], split.tail, len(split.rest))
 
 
 @dataclass

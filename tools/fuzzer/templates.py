@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from codec import decode_v3 as V3
 from codec import payloads as P
@@ -66,6 +66,17 @@ def build_templates(slots: int = 2) -> list[Template]:
     def add(name: str, op: int, key: bytes, payload: bytes = b"", kind: str = "raw", **kw: Any) -> None:
         t.append(Template(name, op, key, payload, b"fuzz", kind, **kw))
 
+    _control_templates(add, s0, s1)
+    _generation_templates(add, s0, s1)
+    _state_and_store_templates(add, s0, s1)
+    return t
+
+
+_Add = Callable[..., None]  # build_templates' add(name, op, key, payload=b"", kind="raw", **Template fields)
+
+
+def _control_templates(add: _Add, s0: bytes, s1: bytes) -> None:
+    """Snapshot reads and configuration."""
     # -- snapshot reads
     add("INFO.empty_key", Op.INFO, b"", kind="none")
     add("INFO.slot_key", Op.INFO, s0, kind="none")
@@ -83,6 +94,10 @@ def build_templates(slots: int = 2) -> list[Template]:
     add("SWAP_QUANT", Op.SWAP_QUANT, b"", P.encode_swap_quant("q4_k_m", ".*"), "swap_quant")
     body = {"peer": "127.0.0.1:1", "ot_split": ""}
     add("PIPELINE_ATTACH", Op.PIPELINE_ATTACH, s0, _json(body), "json", parts={"obj": body})
+
+
+def _generation_templates(add: _Add, s0: bytes, s1: bytes) -> None:
+    """PREFILL and DECODE in every dialect."""
     # -- prefill: NEW JSON chat body, plain prompt, unknown model alias, E1 raw tokens
     for name, body in (("json", {"messages": USER_MSG}), ("prompt", {"prompt": "hello"}),
                        ("model_alias", {"model": "no-such-alias", "messages": USER_MSG, "stream": False,
@@ -103,6 +118,10 @@ def build_templates(slots: int = 2) -> list[Template]:
     payload, hdr = v3_payload(prompt, kv)
     add("DECODE.v3_kv", Op.DECODE, s1, payload, "v3", parts={"hdr": hdr, "prompt": prompt, "kv": kv},
         generation=True)
+
+
+def _state_and_store_templates(add: _Add, s0: bytes, s1: bytes) -> None:
+    """STATE_PUT blobs, the Store ops and the retired agent ops."""
     # -- state transfer: v3, v2 (with checkpoint), legacy v1 blobs
     for version, ck in ((3, None), (2, KvCheckpoint(0, 2, 3, b"t" * 4, b"d" * 2)), (1, None)):
         # v1 with n_past 4: a legacy n_past whose low byte is 2 or 3 reads as a v2/v3 blob
@@ -128,7 +147,6 @@ def build_templates(slots: int = 2) -> list[Template]:
     # -- retired agent ops (spec only; every engine answers them with an error)
     for op in (o for o in Op if 0x20 <= o <= 0x27):
         add(f"AGENT.{op.name}", op, s0, b"x")
-    return t
 
 
 def by_name(templates: list[Template]) -> dict[str, Template]:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from codec import ggml as G
 from codec.errors import CodecError
 
+from .stream_dissector import StreamDissector
 from .layout import construct_fields
 from .model import ERROR, NOTE, WARN, Field, Message
 from .pdu import DirectionReader, Pdu
@@ -74,7 +75,7 @@ class _Pending:
     request: Message | None = None
 
 
-class GgmlStream:
+class GgmlStream(StreamDissector):
     proto = "ggml"
 
     def __init__(self, stream: int, emit: Callable[[Message], None], *, keep: int, hex_keep: int,
@@ -95,14 +96,8 @@ class GgmlStream:
         self._hello_pending = False
         self._held: list[Pdu] = []
 
-    def data(self, direction: str, data: bytes, ts: float | None, frame: int | None) -> None:
-        (self.req if direction == "c2s" else self.resp).feed(data, ts, frame)
-
-    def gap(self, direction: str, length: int, ts: float | None, frame: int | None) -> None:
-        (self.req if direction == "c2s" else self.resp).gap(length, ts, frame)
-
     def end(self, direction: str, ts: float | None, frame: int | None) -> None:
-        (self.req if direction == "c2s" else self.resp).end(ts, frame)
+        super().end(direction, ts, frame)
         if direction == "s2c" or self.resp.ended:
             self._release_held()
 
@@ -148,19 +143,9 @@ class GgmlStream:
         return "v0 (pre-HELLO)" if self.version is None else ".".join(map(str, self.version))
 
     # ---- messages ------------------------------------------------------------------------
-    def _base(self, pdu: Pdu, direction: str) -> Message:
-        src, dst = (self.client, self.server) if direction == "request" else (self.server, self.client)
-        return Message("ggml", direction, self.stream, pdu.start, length=pdu.seen, declared_length=pdu.declared,
-                       ts_first=pdu.ts_first, ts_last=pdu.ts_last, frame_first=pdu.frame_first,
-                       frame_last=pdu.frame_last, src=src, dst=dst, data=bytes(pdu.kept[: self.hex_keep]),
-                       complete=not (pdu.ended_early or pdu.missing or pdu.junk))
-
     def _junk(self, msg: Message, pdu: Pdu) -> None:
-        msg.proto = "raw"
-        msg.add("raw.data", bytes(pdu.kept[:64]), 0, pdu.seen, show=f"{human(pdu.seen)}: {bytes(pdu.kept[:16]).hex(' ')}")
-        msg.note(f"{pdu.info.get('reason') or 'undecodable'}; the rest of this direction is shown raw", ERROR)
-        msg.summary = f"undecodable {human(pdu.seen)}"
-        msg.complete = False
+        self._show_raw(msg, pdu, f"{pdu.info.get('reason') or 'undecodable'}; the rest of this direction is shown raw",
+                       f"undecodable {human(pdu.seen)}")
 
     def _request_done(self, pdu: Pdu) -> None:
         if self._hello_pending and not pdu.junk and pdu.info["cmd"] != G.Cmd.HELLO and len(self._held) < 64:
@@ -172,10 +157,7 @@ class GgmlStream:
         else:
             p: _Pending = pdu.info["pending"]
             p.request = msg
-            try:
-                self._dissect_request(msg, pdu)
-            except Exception as e:  # never let one PDU stop the capture
-                msg.note(f"dissector error: {type(e).__name__}: {e}", ERROR)
+            self._dissect_guarded(msg, self._dissect_request, pdu)
             if not self.answered(p.cmd):
                 msg.attrs["answered"] = False  # SET_TENSOR since 2.0.0, GRAPH_COMPUTE since 3.5.0, …
         self._emit(msg)
@@ -187,10 +169,7 @@ class GgmlStream:
             self._emit(msg)
             return
         p: _Pending = pdu.info["pending"]
-        try:
-            self._dissect_response(msg, pdu, p.cmd)
-        except Exception as e:
-            msg.note(f"dissector error: {type(e).__name__}: {e}", ERROR)
+        self._dissect_guarded(msg, self._dissect_response, pdu, p.cmd)
         if p.request is not None:
             p.request.peer, msg.peer = msg, p.request
         self._emit(msg)

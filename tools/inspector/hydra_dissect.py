@@ -27,6 +27,7 @@ from . import hydra_payloads as HP
 from .layout import construct_fields
 from .model import ERROR, NOTE, WARN, Message
 from .pdu import UNTIL_EOF, DirectionReader, Pdu
+from .stream_dissector import StreamDissector
 from .util import Named, compact, human, text
 
 KNOWN_OPS = frozenset(int(o) for o in Op)
@@ -127,7 +128,7 @@ class _Exchange:
     dialect: Dialect | None = None  # of a PREFILL or DECODE request
 
 
-class HydraStream:
+class HydraStream(StreamDissector):
     """Both directions of one Hydra connection. ``emit(message)`` gets every finished message."""
 
     proto = "hydra"
@@ -140,16 +141,6 @@ class HydraStream:
         self.exchanges: deque[_Exchange] = deque()
         self.req = RequestReader(self._request_done, keep, self._request_header)
         self.resp = ResponseReader(self._response_done, keep, self._response_header)
-
-    # ---- session interface ---------------------------------------------------------------
-    def data(self, direction: str, data: bytes, ts: float | None, frame: int | None) -> None:
-        (self.req if direction == "c2s" else self.resp).feed(data, ts, frame)
-
-    def gap(self, direction: str, length: int, ts: float | None, frame: int | None) -> None:
-        (self.req if direction == "c2s" else self.resp).gap(length, ts, frame)
-
-    def end(self, direction: str, ts: float | None, frame: int | None) -> None:
-        (self.req if direction == "c2s" else self.resp).end(ts, frame)
 
     # ---- pairing -------------------------------------------------------------------------
     def _request_header(self, pdu: Pdu) -> None:
@@ -173,27 +164,16 @@ class HydraStream:
             self.exchanges.popleft()
 
     # ---- messages ------------------------------------------------------------------------
-    def _base(self, pdu: Pdu, direction: str) -> Message:
-        src, dst = (self.client, self.server) if direction == "request" else (self.server, self.client)
-        return Message("hydra", direction, self.stream, pdu.start, length=pdu.seen,
-                       declared_length=None if pdu.declared in (None, UNTIL_EOF) else pdu.declared,
-                       ts_first=pdu.ts_first, ts_last=pdu.ts_last, frame_first=pdu.frame_first,
-                       frame_last=pdu.frame_last, src=src, dst=dst, data=bytes(pdu.kept[: self.hex_keep]),
-                       complete=not (pdu.ended_early or pdu.missing or pdu.junk))
-
     def _request_done(self, pdu: Pdu) -> None:
         msg = self._base(pdu, "request")
         if pdu.junk:
-            _junk(msg, pdu, "request")
+            self._junk(msg, pdu, "request")
             lost = pdu.info.get("exchange")
             if lost is not None and not lost.responded and lost in self.exchanges:
                 self.exchanges.remove(lost)  # its request never completed: do not pair with it
             self._emit(msg)
             return
-        try:
-            self._dissect_request(msg, pdu)
-        except Exception as e:  # a dissector bug must not stop the capture (scapy's Raw fallback)
-            msg.note(f"dissector error: {type(e).__name__}: {e}", ERROR)
+        self._dissect_guarded(msg, self._dissect_request, pdu)
         ex: _Exchange | None = pdu.info.get("exchange")
         if ex is not None:
             ex.request = msg
@@ -203,14 +183,11 @@ class HydraStream:
     def _response_done(self, pdu: Pdu) -> None:
         msg = self._base(pdu, "response")
         if pdu.junk:
-            _junk(msg, pdu, "response")
+            self._junk(msg, pdu, "response")
             self._emit(msg)
             return
         ex: _Exchange | None = pdu.info.get("exchange")
-        try:
-            self._dissect_response(msg, pdu, ex)
-        except Exception as e:
-            msg.note(f"dissector error: {type(e).__name__}: {e}", ERROR)
+        self._dissect_guarded(msg, self._dissect_response, pdu, ex)
         if ex is not None:
             ex.response = msg
             self._link(ex)
@@ -288,6 +265,13 @@ class HydraStream:
         msg.summary = f"{status_name(status)}" + (f" {op_name(op)}" if op is not None else "") + m + (
             f" {detail}" if detail else "")
 
+    def _junk(self, msg: Message, pdu: Pdu, direction: str) -> None:
+        reason = pdu.info.get("reason") or "bytes do not parse as a Hydra " + direction
+        self._show_raw(msg, pdu, f"{reason}; {human(pdu.seen)} shown raw" + (
+            f", next {direction} header found at stream offset {pdu.info['resync_at']}" if "resync_at" in pdu.info
+            else ""),
+            f"undecodable {human(pdu.seen)}: {bytes(pdu.kept[:12]).hex(' ')}")
+
     def _truncation_note(self, msg: Message, pdu: Pdu, payload_len: int, base: int) -> None:
         if pdu.ended_early:
             got = max(0, pdu.seen - base)
@@ -299,15 +283,3 @@ class HydraStream:
                      f"(at {', '.join(str(o) for o, _ in pdu.missing[:5])})", WARN)
         if pdu.seen > len(pdu.kept) and pdu.kept_contiguous and not pdu.ended_early:
             msg.note(f"only the first {human(len(pdu.kept))} kept for decoding (--max-keep)", NOTE)
-
-
-def _junk(msg: Message, pdu: Pdu, direction: str) -> None:
-    msg.proto = "raw"
-    reason = pdu.info.get("reason") or "bytes do not parse as a Hydra " + direction
-    msg.add("raw.data", bytes(pdu.kept[:64]), 0, pdu.seen, show=f"{human(pdu.seen)}: {bytes(pdu.kept[:16]).hex(' ')}")
-    msg.note(f"{reason}; {human(pdu.seen)} shown raw" + (
-        f", next {direction} header found at stream offset {pdu.info['resync_at']}" if "resync_at" in pdu.info
-        else ""), ERROR)
-    msg.summary = f"undecodable {human(pdu.seen)}: {bytes(pdu.kept[:12]).hex(' ')}"
-    msg.complete = False
-

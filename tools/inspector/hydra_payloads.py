@@ -22,45 +22,10 @@ from codec.kvblob import (FLAG_CHECKPOINT, FLAG_RECURRENT_ONLY, KV_CHECKPOINT, K
 
 from .layout import construct_fields
 from .model import ERROR, NOTE, WARN, Field, Message
+from .payload_base import Payload, fail, json_field  # also the dissector's (HP.Payload, HP.json_field)
 from .util import capped, compact, human, text
 
 MAX_CHILDREN = 2000  # pieces, frames, chunk records listed one by one
-
-
-class Payload:
-    """The captured part of one payload and where it sits in its message."""
-
-    def __init__(self, msg: Message, buf: bytes, base: int, total: int):
-        self.msg, self.buf, self.base, self.total = msg, buf, base, total
-
-    @property
-    def whole(self) -> bool:
-        return len(self.buf) == self.total
-
-    def need_whole(self, what: str) -> bool:
-        if not self.whole:
-            self.msg.note(f"{what}: only {human(len(self.buf))} of {human(self.total)} captured; not decoded", NOTE)
-        return self.whole
-
-    def raw(self, parent: Field | Message, name: str = "hydra.payload.raw") -> Field:
-        return parent.add(name, self.buf[:64], self.base, self.total,
-                          show=f"{human(self.total)}: {self.buf[:32].hex(' ')}{' …' if self.total > 32 else ''}")
-
-
-def fail(msg: Message, what: str, e: Exception, severity: str = ERROR) -> None:
-    rule = getattr(e, "rule", None)
-    msg.note(f"{what}: {e}" + (f" [rule {rule}]" if rule else ""), severity)
-
-
-def json_field(pl: Payload, parent: Field | Message, name: str, data: bytes, offset: int,
-               length: int | None = None) -> Field:
-    length = len(data) if length is None else length
-    try:
-        obj = P.loads_json(data, "inspect.json")
-    except CodecError as e:
-        fail(pl.msg, f"{name} is not valid JSON", e, WARN)
-        return parent.add(name, text(data[:200]), offset, length, show=f"(invalid JSON) {text(data[:80])!r}")
-    return parent.add(name, obj, offset, length, show=compact(obj))
 
 
 # ---- KV blobs (docs/protocol.md §7) ----------------------------------------------------------
@@ -214,52 +179,71 @@ def request(pl: Payload, op: int) -> tuple[str, Dialect | str | None]:
     if op == Op.DECODE:
         return _decode(pl)
     if op == Op.SET_EXPERT_MODE:
-        try:
-            m = P.parse_expert_mode(buf)
-        except CodecError as e:
-            fail(msg, "SET_EXPERT_MODE", e, WARN)
-            pl.raw(msg)
-            return human(total), None
-        msg.add("hydra.expert_mode", m.mode, base, total, show=f"{m.mode}{' (JSON form)' if m.json_form else ''}")
-        if m.peer is not None:
-            msg.add("hydra.expert_peer", m.peer, base, total)
-        return m.mode, "json" if m.json_form else "raw"
+        return _expert_mode(pl)
     if op == Op.SWAP_QUANT:
-        try:
-            sq = P.parse_swap_quant(buf)
-        except CodecError as e:
-            fail(msg, "SWAP_QUANT", e, WARN)
-            pl.raw(msg)
-            return human(total), None
-        qk_len, head = len(sq.qk.encode()), P.SWAP_QUANT.qk_len.sizeof()
-        msg.add("hydra.swap_quant.qk_len", qk_len, base, head)
-        msg.add("hydra.swap_quant.qk", sq.qk, base + head, qk_len)
-        msg.add("hydra.swap_quant.pattern", sq.pattern, base + head + qk_len, total - head - qk_len)
-        return f"qk={sq.qk!r} pattern={sq.pattern!r}", None
+        return _swap_quant(pl), None
     if op in (Op.GET_CHUNKED, Op.SYNC_MISSING):
-        if pl.need_whole("hash list"):
-            try:
-                hashes = S.parse_hash_list(buf)
-            except CodecError as e:
-                fail(msg, "hash list", e, WARN)
-            else:
-                msg.add("hydra.store.hashes", hashes, base, total, show=f"{len(hashes)} hashes")
-                return f"{len(hashes)} known hashes", None
-        return human(total), None
+        return _hash_list(pl), None
     if op == Op.PUSH_CHUNKS:
         return _chunks(pl, indexed=False), None
     if op == Op.PUT_MANIFEST:
-        if pl.need_whole("manifest"):
-            f = json_field(pl, msg, "hydra.store.manifest", buf, base)
-            try:
-                m = S.parse_manifest(buf)
-                return f"manifest: {len(m.chunks)} chunks, n_past {m.n_past}", None
-            except CodecError as e:
-                fail(msg, "manifest", e, WARN)
-                return compact(f.value, 80), None
-        return human(total), None
+        return _manifest(pl), None
     pl.raw(msg)
     return human(total), None
+
+
+def _expert_mode(pl: Payload) -> tuple[str, str | None]:
+    msg, buf, base, total = pl.msg, pl.buf, pl.base, pl.total
+    try:
+        m = P.parse_expert_mode(buf)
+    except CodecError as e:
+        fail(msg, "SET_EXPERT_MODE", e, WARN)
+        pl.raw(msg)
+        return human(total), None
+    msg.add("hydra.expert_mode", m.mode, base, total, show=f"{m.mode}{' (JSON form)' if m.json_form else ''}")
+    if m.peer is not None:
+        msg.add("hydra.expert_peer", m.peer, base, total)
+    return m.mode, "json" if m.json_form else "raw"
+
+
+def _swap_quant(pl: Payload) -> str:
+    msg, buf, base, total = pl.msg, pl.buf, pl.base, pl.total
+    try:
+        sq = P.parse_swap_quant(buf)
+    except CodecError as e:
+        fail(msg, "SWAP_QUANT", e, WARN)
+        pl.raw(msg)
+        return human(total)
+    qk_len, head = len(sq.qk.encode()), P.SWAP_QUANT.qk_len.sizeof()
+    msg.add("hydra.swap_quant.qk_len", qk_len, base, head)
+    msg.add("hydra.swap_quant.qk", sq.qk, base + head, qk_len)
+    msg.add("hydra.swap_quant.pattern", sq.pattern, base + head + qk_len, total - head - qk_len)
+    return f"qk={sq.qk!r} pattern={sq.pattern!r}"
+
+
+def _hash_list(pl: Payload) -> str:
+    """GET_CHUNKED / SYNC_MISSING: the hashes the client has."""
+    if pl.need_whole("hash list"):
+        try:
+            hashes = S.parse_hash_list(pl.buf)
+        except CodecError as e:
+            fail(pl.msg, "hash list", e, WARN)
+        else:
+            pl.msg.add("hydra.store.hashes", hashes, pl.base, pl.total, show=f"{len(hashes)} hashes")
+            return f"{len(hashes)} known hashes"
+    return human(pl.total)
+
+
+def _manifest(pl: Payload) -> str:
+    if pl.need_whole("manifest"):
+        f = json_field(pl, pl.msg, "hydra.store.manifest", pl.buf, pl.base)
+        try:
+            m = S.parse_manifest(pl.buf)
+            return f"manifest: {len(m.chunks)} chunks, n_past {m.n_past}"
+        except CodecError as e:
+            fail(pl.msg, "manifest", e, WARN)
+            return compact(f.value, 80)
+    return human(pl.total)
 
 
 def _prefill(pl: Payload) -> tuple[str, Dialect]:

@@ -1,0 +1,155 @@
+"""Text and tokens, and chat prompts: the vocabulary side of :class:`LoadedModel`.
+
+A mixin, so that ``LoadedModel`` keeps one flat API (``engine.backend.ModelBackend``) while this
+part lives apart from the context, its sequences and the decode. It needs of the host only what
+``LoadedModel.__init__`` sets before it calls :meth:`ModelText._init_text`: ``_vocab``,
+``_n_vocab`` and ``_closed``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+import llama_cpp.llama_cpp as L
+
+from ..chat.formats import ChatFormat, detect_format
+from ..utf8 import utf8_masks
+from . import vocab
+from .chat_template import ChatTemplate
+from .identity import chat_template_source
+from .legacy_chat import is_jinja_source, render_builtin
+from .runtime import LlamaBackendError
+
+
+class ModelText:
+    _vocab: Any
+    _n_vocab: int
+    _closed: bool
+
+    def _init_text(self, model: Any, chat_template: str | None, jinja: bool, chat_kwargs: dict[str, Any] | None,
+                   architecture: str) -> None:
+        """The chat template: ``chat_template`` when one is given, else the one in ``model``'s file."""
+        template = chat_template if chat_template is not None else chat_template_source(model)
+        # llama.cpp's own formats: --no-jinja, or a template that names one ("chatml")
+        self._builtin_template = template if template and (not jinja or not is_jinja_source(template)) else None
+        self.chat = ChatTemplate(None if self._builtin_template else template, architecture)
+        self.chat_kwargs = dict(chat_kwargs or {})
+        if chat_template is not None:  # one given by the operator or a CONFIGURE (llama-server
+            self._check_chat_template()  # refuses an unsupported --chat-template at start too)
+        self._chat_syntax: ChatFormat | None = None
+        self._utf8_masks: np.ndarray | None = None
+        self._pieces: list[bytes] | None = None
+
+    def _check_chat_template(self) -> None:
+        """A template that cannot work fails the build, not the first chat: a jinja source is
+        compiled; a built-in name (``chatml``; --no-jinja) is tried on one message, as
+        llama.cpp then looks the name up."""
+        try:
+            if self._builtin_template:
+                render_builtin(self._builtin_template, [{"role": "user", "content": "hi"}], True)
+            else:
+                self.chat.compile()
+        except LlamaBackendError as e:
+            raise LlamaBackendError(f"chat template: {e}") from None
+        except Exception as e:  # jinja2's TemplateError and what its compiler raises
+            raise LlamaBackendError(f"chat template does not compile: {type(e).__name__}: {e}") from None
+
+    def _voc(self) -> Any:
+        if self._closed:
+            raise LlamaBackendError("model is closed")
+        return self._vocab
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def bos(self) -> int:
+        return int(L.llama_vocab_bos(self._voc()))
+
+    @property
+    def eos(self) -> int:
+        return int(L.llama_vocab_eos(self._voc()))
+
+    # ---- tokenization ------------------------------------------------------------------
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text -> tokens. ``add_special`` adds BOS (if the model wants it); ``parse_special``
+        turns special-token text like ``<s>`` / ``<start_of_turn>`` into those tokens."""
+        return vocab.tokenize(self._voc(), text, add_special, parse_special)
+
+    def token_to_piece(self, tok: int, special: bool = False) -> bytes:
+        """Raw bytes of one token (may be a partial UTF-8 sequence). Control tokens give
+        b"" unless ``special``."""
+        return vocab.token_to_piece(self._voc(), tok, special)
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        """Tokens -> raw bytes. Control tokens are dropped unless ``special``."""
+        return vocab.detokenize(self._voc(), tokens, special)
+
+    def is_eog(self, tok: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self._voc(), int(tok)))
+
+    # ---- chat template -----------------------------------------------------------------
+    @property
+    def chat_format(self) -> str:
+        return "builtin" if self._builtin_template else self.chat.format
+
+    def _piece_text(self, tok: int) -> str:
+        return self.token_to_piece(tok, special=True).decode("utf-8", "replace") if tok >= 0 else ""
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render ``messages`` to prompt text (see :class:`ChatTemplate`).
+
+        Tokenize the result with ``parse_special=True``; :meth:`chat_tokens` does that and
+        avoids a doubled BOS when the template itself emits one.
+        """
+        if self._builtin_template:
+            return render_builtin(self._builtin_template, messages, add_generation_prompt)
+        return self.chat.render(messages, add_generation_prompt, bos_token=self._piece_text(self.bos),
+                                eos_token=self._piece_text(self.eos), **{**self.chat_kwargs, **extra})
+
+    @property
+    def chat_syntax(self) -> ChatFormat:
+        """The template's tool-call and reasoning format (``engine.chat.formats``)."""
+        if self._chat_syntax is None:
+            self._chat_syntax = detect_format(self._builtin_template or self.chat.source)
+        return self._chat_syntax
+
+    def utf8_masks(self) -> np.ndarray:
+        """bool[4, n_vocab]: row k says which tokens keep the text valid UTF-8 when it ends
+        with k continuation bytes still owed. llama.cpp's grammar decodes a character from its
+        lead byte alone, so without this a grammar lets a model write invalid text (and a JSON
+        string longer than its maxLength once decoded). Computed on first use."""
+        if self._utf8_masks is None:
+            self._utf8_masks = utf8_masks(self.token_pieces())
+        return self._utf8_masks
+
+    def token_pieces(self) -> list[bytes]:
+        """Every token's bytes (special tokens' text included), by id; computed on first use
+        (a grammar reads them for every candidate it refines)."""
+        if self._pieces is None:
+            self._pieces = [self.token_to_piece(t, special=True) for t in range(self.n_vocab)]
+        return self._pieces
+
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        """The prompt text for ``messages`` with the generation prompt; ``extra`` are template
+        variables (``tools``, the request's ``chat_template_kwargs``)."""
+        return self.apply_chat_template(messages, True, **extra)
+
+    def chat_tokens(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """:meth:`apply_chat_template` + :meth:`chat_text_tokens`."""
+        return self.chat_text_tokens(self.apply_chat_template(messages, add_generation_prompt, **extra))
+
+    def chat_text_tokens(self, text: str) -> list[int]:
+        """Rendered chat text → tokens (parse_special) with exactly one leading BOS when the
+        model adds BOS (a template may emit one itself)."""
+        toks = self.tokenize(text, add_special=True, parse_special=True)
+        bos = self.bos
+        if bos >= 0 and len(toks) >= 2 and toks[0] == bos and toks[1] == bos:
+            toks = toks[1:]
+        return toks

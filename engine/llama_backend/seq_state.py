@@ -1,0 +1,79 @@
+"""A sequence's state in and out of a llama.cpp context: the bytes STATE_GET / STATE_PUT, slot
+files, the prompt cache and context checkpoints move (``LoadedModel.state_seq_*``,
+``checkpoint_*``; the format is in codec/seqstate.py).
+
+States run to hundreds of MiB, so every byte is written once, into the buffer that is handed
+on, and read in place: the ctypes calls here never make a second copy.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import llama_cpp.llama_cpp as L
+
+from .runtime import StateError, clear_llama_errors, last_llama_errors
+
+_PARTIAL = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+
+def size(ctx: Any, seq: int) -> int:
+    return int(L.llama_state_seq_get_size(ctx, seq))
+
+
+def get(ctx: Any, seq: int) -> memoryview:
+    """A read-only view of the one buffer llama.cpp wrote ``seq``'s state into."""
+    n_max = int(L.llama_state_seq_get_size(ctx, seq))
+    buf = (ctypes.c_uint8 * max(n_max, 1))()
+    n = int(L.llama_state_seq_get_data(ctx, buf, n_max, seq))
+    return memoryview(buf).cast("B")[:n].toreadonly()
+
+
+def get_into(ctx: Any, seq: int, buf: bytearray | memoryview) -> int:
+    mv = memoryview(buf).cast("B")
+    dst = (ctypes.c_uint8 * len(mv)).from_buffer(mv)
+    return int(L.llama_state_seq_get_data(ctx, dst, len(mv), seq))
+
+
+def get_partial(ctx: Any, seq: int) -> bytes:
+    """``seq``'s ``PARTIAL_ONLY`` state (what a context checkpoint keeps)."""
+    n_max = int(L.llama_state_seq_get_size_ext(ctx, seq, _PARTIAL))
+    buf = (ctypes.c_uint8 * max(n_max, 1))()
+    n = int(L.llama_state_seq_get_data_ext(ctx, buf, n_max, seq, _PARTIAL))
+    return bytes(memoryview(buf).cast("B")[:n])
+
+
+def set_partial(ctx: Any, seq: int, data: bytes) -> bool:
+    src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
+    clear_llama_errors()
+    return int(L.llama_state_seq_set_data_ext(ctx, src, len(data), seq, _PARTIAL)) > 0
+
+
+def restore(ctx: Any, mem: Any, seq: int, data: bytes | bytearray | memoryview) -> int:
+    """Clear ``seq`` and load ``data`` into it, read in place; returns the bytes read. Raises
+    :class:`StateError` (``seq`` left empty) when llama.cpp rejects it."""
+    L.llama_memory_seq_rm(mem, seq, -1, -1)
+    n_bytes = len(data) if not isinstance(data, memoryview) else data.nbytes
+    if not n_bytes:
+        return 0
+    # No ctypes.cast of a ctypes object: it links the object and its cast in a reference cycle
+    # (each keeps the other in ``_objects``), and the cycle would keep the caller's buffer
+    # — hundreds of MiB — alive until the cyclic GC runs. A bytes object is cast by address
+    # (kept alive by ``data`` during the call); a c_uint8 array passes as the pointer itself.
+    if isinstance(data, bytes):
+        src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
+    else:
+        mv = memoryview(data).cast("B")
+        if mv.readonly:
+            mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
+        src = (ctypes.c_uint8 * n_bytes).from_buffer(mv)
+    clear_llama_errors()
+    n = int(L.llama_state_seq_set_data(ctx, src, n_bytes, seq))
+    if n == 0:
+        L.llama_memory_seq_rm(mem, seq, -1, -1)
+        logs = "; ".join(last_llama_errors(3))
+        raise StateError(
+            f"llama_state_seq_set_data rejected {n_bytes} bytes for seq {seq}"
+            + (f": {logs}" if logs else "")
+        )
+    return n
