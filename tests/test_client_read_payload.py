@@ -11,20 +11,10 @@ import pytest
 from codec.enums import Op, Status
 from codec.framing import encode_response
 from hydra_rpc.client import HydraClient, ReplyCut
+from tests.test_client import canned
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 30
-
-
-async def canned(reply: bytes):
-    """A loopback server that answers the first request's bytes with ``reply``, then closes."""
-    async def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await r.read(1)
-        w.write(reply)
-        await w.drain()
-        w.close()
-
-    return await asyncio.start_server(on_connect, "127.0.0.1", 0)
 
 
 @pytest.mark.asyncio
