@@ -67,7 +67,7 @@ class Generations:
 
 @dataclass(eq=False)
 class ReloadTicket:
-    """One reload attempt; ``Engine.wait_reload(ticket)`` waits for it to go live or fail."""
+    """One reload attempt; ``EngineApi.wait_reload(ticket)`` waits for it to go live or fail."""
 
     params: ModelParams
     generation: int  # reserved; the live generation once swapped
