@@ -1,0 +1,115 @@
+"""Context checkpoints (engine/checkpoints.py) on their own, against a model that records what
+it is asked: where they are taken, which one a diverging prompt gets back, and which go first."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.checkpoints import END_OFFSET, Checkpoints
+
+
+@dataclass
+class Recording:
+    recurrent: bool = True
+    n_swa: int = 0
+    kv_shareable: bool = True
+    refuse_set: bool = False
+    refuse_rm: bool = False
+    taken: list[int] = field(default_factory=list)  # seq of each checkpoint_get
+    state_of: dict[int, bytes] = field(default_factory=dict)  # what checkpoint_get returns per seq
+    calls: list[tuple] = field(default_factory=list)
+
+    def checkpoint_get(self, seq: int) -> bytes:
+        self.taken.append(seq)
+        return self.state_of.get(seq, b"state-%d" % len(self.taken))
+
+    def checkpoint_set(self, seq: int, data: bytes) -> bool:
+        self.calls.append(("set", seq, data))
+        return not self.refuse_set
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        self.calls.append(("rm", seq, p0, p1))
+        return not self.refuse_rm
+
+
+def test_only_memories_that_cannot_be_cut_back_want_them():
+    ck = Checkpoints()
+    assert ck.wanted(Recording(recurrent=True))
+    assert ck.wanted(Recording(recurrent=False, n_swa=128, kv_shareable=False))
+    assert not ck.wanted(Recording(recurrent=False, n_swa=128, kv_shareable=True))  # --swa-full keeps every cell
+    assert not ck.wanted(Recording(recurrent=False))
+    assert not Checkpoints(max_per_slot=0).wanted(Recording())
+
+
+def test_positions_as_llama_server_takes_them_and_chunks_end_there():
+    assert Checkpoints.points(100, 32) == (100 - END_OFFSET - 32, 100 - END_OFFSET)
+    assert Checkpoints.points(20, 32) == (20 - END_OFFSET,)  # the earlier one would be before 0
+    ck = Checkpoints()
+    # a chunk from 0 of up to 80 tokens stops at the first point (64), the next at 96
+    assert ck.chunk_len(0, 80, 100, 32) == 64
+    assert ck.chunk_len(64, 80, 100, 32) == 32
+    assert ck.chunk_len(96, 80, 100, 32) == 80  # no point ahead: the whole chunk
+
+
+def test_taken_at_a_point_once_and_not_for_unknown_tokens():
+    ck, model = Checkpoints(), Recording()
+    ck.before_chunk(model, 0, list(range(63)), end=100, n_batch=32)  # not a point
+    assert model.taken == []
+    ck.before_chunk(model, 0, list(range(64)), end=100, n_batch=32)
+    ck.before_chunk(model, 0, list(range(64)), end=100, n_batch=32)  # the same state: kept once
+    assert model.taken == [0] and ck.created == 1
+    ck.before_chunk(model, 1, [-1] * 64, end=100, n_batch=32)  # a restored state's unknown tokens
+    assert model.taken == [0] and ck.of_slot(0) == [{"n_tokens": 64, "size": len(b"state-1")}]
+    assert ck.of_slot(1) == []
+
+
+def fill(ck: Checkpoints, model: Recording, lengths: list[int], seq: int = 0) -> None:
+    for n in lengths:  # each n a point of a prompt ending END_OFFSET later
+        ck.before_chunk(model, seq, list(range(n)), end=n + END_OFFSET, n_batch=1 << 20)
+
+
+def test_when_full_one_close_to_its_predecessor_goes_first_else_the_oldest():
+    ck, model = Checkpoints(max_per_slot=3, min_step=10), Recording()
+    fill(ck, model, [10, 50, 55])
+    fill(ck, model, [100])  # 55 is within 10 of 50: it goes
+    assert [c["n_tokens"] for c in ck.of_slot(0)] == [10, 50, 100]
+    fill(ck, model, [200])  # none close: the oldest goes
+    assert [c["n_tokens"] for c in ck.of_slot(0)] == [50, 100, 200]
+    assert ck.count() == 3 and ck.n_bytes() == sum(c["size"] for c in ck.of_slot(0))
+
+
+def test_a_diverging_prompt_gets_the_newest_shared_prefix_back():
+    ck, model = Checkpoints(), Recording()
+    fill(ck, model, [10, 20, 30])
+    held = list(range(40))
+    target = list(range(25)) + [999] * 10  # diverges at 25: 30 is not a prefix of it
+    best = ck.best(0, held, target, limit=len(target) - 1)
+    assert best is not None and best.n == 20
+    assert ck.best(0, held, target, limit=15).n == 10  # limited (the last token must be decoded again)
+    assert ck.best(0, [7] * 40, target, limit=40) is None  # the slot no longer holds that prefix
+    assert ck.restore(model, 0, best)
+    assert model.calls == [("set", 0, best.state), ("rm", 0, 20, -1)] and ck.restored == 1
+
+
+def test_a_refused_restore_is_reported_and_not_counted():
+    ck = Checkpoints()
+    fill(ck, Recording(), [10])
+    (c,) = ck.per_slot[0]
+    assert not ck.restore(Recording(refuse_set=True), 0, c)
+    refuse_rm = Recording(refuse_rm=True)
+    assert not ck.restore(refuse_rm, 0, c) and refuse_rm.calls[0][0] == "set"
+    assert ck.restored == 0
+
+
+def test_pruned_to_what_the_slot_holds_and_forgotten_with_its_state():
+    ck, model = Checkpoints(), Recording()
+    fill(ck, model, [10, 20, 30])
+    fill(ck, model, [10], seq=1)
+    ck.prune(0, list(range(25)))  # 30 is past what the slot holds now
+    assert [c["n_tokens"] for c in ck.of_slot(0)] == [10, 20]
+    ck.prune(0, [5] + list(range(1, 25)))  # token 0 changed: no prefix is shared any more
+    assert ck.of_slot(0) == []
+    ck.forget(1)
+    assert ck.of_slot(1) == [] and ck.count() == 0
+    fill(ck, model, [10], seq=2)
+    ck.forget()  # a new model: every slot's go
+    assert ck.count() == 0
