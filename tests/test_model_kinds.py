@@ -280,3 +280,26 @@ async def test_moe_options_are_applied_and_reported_in_info():
     assert [o["n_tensors"] for o in ot] == [1, 3, 3] and all(o["buffer_type"] == "CPU" for o in ot)
     assert ot[1]["tensors"] == ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"]
     assert info["params"]["n_cpu_moe"] == 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_t2_reload_of_each_kind(kind):
+    """A context size change (T2: a new context, same weights) on every kind: the reload goes
+    live, the slots start empty, and a state taken before it restores into the new context and
+    continues exactly as the model does."""
+    with serving("--model", kind, "--no-http", "--parallel", "2", "--ctx-size", "2048", "--log-level", "WARNING") as sp:
+        async with connected(sp) as c:
+            assert (await c.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).ok
+            old_state = (await c.request(Op.STATE_GET, "0")).payload
+            before = (await c.request(Op.INFO)).meta
+            r = await c.request(Op.CONFIGURE, "", json.dumps({"n_ctx": 3072}).encode())
+            assert r.ok and r.meta["tier"] == "T2", r
+            info = await poll_until(lambda: c.request(Op.INFO), lambda i: i.meta["reload"]["state"] == "swapped")
+            assert info.meta["config_generation"] > before["config_generation"]
+            assert info.meta["n_ctx_slot"] == 1536 and before["n_ctx_slot"] == 1024
+            assert (await c.request(Op.STATE_META, "0")).meta["n_past"] == 0  # a new context holds no sequence
+            assert (await c.request(Op.STATE_PUT, "1", old_state)).ok
+            tokens, meta = await greedy_decode(c, "1")
+    assert tokens == greedy_reference(kind, chat_tokens(kind, MSG))
+    assert meta["config_generation"] == info.meta["config_generation"]
