@@ -386,7 +386,7 @@ class EngineActor(SlotStateOps):
             self._state_buf.clear()
             self.scheduler.shareable = self.cache.install(model, params)
             for slot in self.slots:  # a new context holds no sequences
-                slot.tokens, slot.tail, slot.state_size = [], [], 0
+                slot.tokens, slot.tail, slot.state_size, slot.last_logits = [], [], 0, None
         self._publish()
         return old
 

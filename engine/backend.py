@@ -75,6 +75,9 @@ class ModelBackend(Protocol):
 
     def decode(self, items: Sequence[BatchItem]) -> None: ...
     def logits(self, seq: int) -> "np.ndarray": ...
+    def set_logits(self, seq: int, row: "np.ndarray") -> None:
+        """``seq``'s last token has these logits (they came with its state): the next ``logits``
+        and ``sample`` of ``seq`` read them, until the next ``decode``."""
     def make_sampler(self, params: SamplerParams | None = None) -> Any:
         """A sampler handle for ``sample``; the engine calls its ``free()`` when the job ends."""
     def sample(self, seq: int, sampler: Any, want_logprob: bool = False) -> Any:

@@ -8,6 +8,9 @@ before anything changes (docs/architecture.md, "State transfer").
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import numpy as np
 
 from codec.errors import CodecError
 
@@ -16,6 +19,15 @@ from .jobs import EngineBusy
 from .kv_cache import BadDeclaration, KvStateMismatch, restore_state
 from .messages import Erase, StateGet, StatePut
 from .slots import Slot
+
+
+def logits_tail(state: Any, consumed: int, model: Any) -> np.ndarray | None:
+    """The C++ STATE_PUT rule (codec.kvblob.split_logits_tail): when exactly ``n_vocab`` float32
+    follow the bytes the state loader consumed, they are the logits of the state's last token."""
+    rest = len(state) - consumed
+    if rest <= 0 or rest != 4 * model.n_vocab:
+        return None
+    return np.frombuffer(state, dtype=np.float32, offset=consumed).copy()
 
 
 class SlotStateOps:
@@ -58,16 +70,16 @@ class SlotStateOps:
         self._publish()
         model = self.model
 
-        def load() -> tuple[int, int, int]:
+        def load() -> tuple[int, int, int, np.ndarray | None]:
             n = restore_state(model, slot.id, msg.state, msg.declared)  # every claim is checked first
-            return n, model.seq_pos_max(slot.id), model.state_seq_size(slot.id)
+            return n, model.seq_pos_max(slot.id), model.state_seq_size(slot.id), logits_tail(msg.state, n, model)
 
         try:
-            n, pos_max, size = await asyncio.get_running_loop().run_in_executor(self._infer, load)
+            n, pos_max, size, logits = await asyncio.get_running_loop().run_in_executor(self._infer, load)
         except (CodecError, KvStateMismatch, BadDeclaration):
             raise  # refused before anything changed: the slot keeps what it held
         except Exception:
-            slot.tokens, slot.tail = [], []
+            slot.tokens, slot.tail, slot.last_logits = [], [], None
             raise
         finally:
             slot.transferring = False
@@ -77,6 +89,8 @@ class SlotStateOps:
         # reuse stops there, and a continuation cannot re-feed an unknown token.
         slot.tokens = (list(msg.tokens[:n_kv]) + [-1] * max(0, n_kv - len(msg.tokens)))
         slot.tail = []
+        # the logits belong to the state's last token only when the tokens say which that is
+        slot.last_logits = logits if n_kv == len(msg.tokens) > 0 else None
         self.cache.checkpoints.forget(slot.id)  # they belong to the state just replaced
         slot.state_size = size
         slot.generation = self.generation
@@ -93,7 +107,7 @@ class SlotStateOps:
     async def _erase_now(self, slot: Slot) -> int:
         n = slot.n_past
         await asyncio.get_running_loop().run_in_executor(self._infer, self.model.seq_clear, slot.id)
-        slot.tokens, slot.tail, slot.state_size = [], [], 0
+        slot.tokens, slot.tail, slot.state_size, slot.last_logits = [], [], 0, None
         self.cache.checkpoints.forget(slot.id)
         self._publish()
         return n

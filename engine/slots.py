@@ -104,6 +104,11 @@ class Slot:
     # sampled tokens not yet decoded into the KV (the last token of a finished generation);
     # a continuation feeds them first
     tail: list[int] = field(default_factory=list)
+    # the logits of the last token of a state put here with its logits tail (STATE_PUT, a DECODE
+    # v3 kv segment): a continuation samples from them instead of decoding that token again —
+    # which a recurrent memory could only do by computing the whole prompt. Dropped when
+    # anything else changes the slot.
+    last_logits: Any = None
     state_size: int = 0
     state_size_at: float = 0.0  # monotonic time state_size was last measured (the stepper's)
     operation: str = "idle"

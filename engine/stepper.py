@@ -48,6 +48,7 @@ class Running:
     state: bytes | None = None
     logits: bytes | None = None
     admitted: bool = False
+    logits_given: bool = False  # the slot's last token came with its logits: sample without a decode
     budget: BudgetTracker | None = None  # the job's reasoning budget, while it has one
 
     @property
@@ -107,9 +108,14 @@ def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) 
         target = [model.bos]
     if len(target) + (1 if job.request.n_predict > 0 else 0) > n_ctx_slot:
         raise BadInput(f"prompt of {len(target)} tokens does not fit the slot context of {n_ctx_slot}")
-    # the last token must be decoded (again) to get its logits
-    max_keep = len(target) - 1 if need_logits else len(target)
+    # the last token must be decoded (again) to get its logits — unless they came with the state
+    given, slot.last_logits = slot.last_logits, None
+    given = given if need_logits and not slot.tail and target == slot.tokens else None
+    max_keep = len(target) - 1 if need_logits and given is None else len(target)
     keep = cache.line_up(model, slot, target, max_keep, continuation=new is None or job.request.append)
+    if given is not None and keep == len(target):
+        model.set_logits(slot.id, given)
+        r.logits_given = True
     slot.tail = []
     r.pending = target[keep:]
     r.cached_tokens = keep
@@ -206,7 +212,7 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
     ``counters`` (the engine's stats) gets ``n_decode`` and ``n_busy_slots`` per decode: what
     llama-server's ``llamacpp:n_decode_total`` / ``n_busy_slots_per_decode`` count."""
     t0 = time.perf_counter()
-    _admit_new(model, running, n_ctx_slot, cache)
+    _admit_new(model, running, n_ctx_slot, cache, shift_keep)
     iters = 0
     ckpts = cache.checkpoints if cache.checkpoints.wanted(model) else None
     while True:
@@ -229,14 +235,18 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
     _refresh_state_sizes(model, running)
 
 
-def _admit_new(model: ModelBackend, running: list[Running], n_ctx_slot: int, cache: PromptCache) -> None:
+def _admit_new(model: ModelBackend, running: list[Running], n_ctx_slot: int, cache: PromptCache,
+               shift_keep: int | None) -> None:
     """Admit every job not admitted yet; a job whose whole input was cached and that generates
-    nothing ends here (pure prefill hit). An admission error is the job's error."""
+    nothing ends here (pure prefill hit), one whose last token's logits came with the slot's
+    state samples from them at once. An admission error is the job's error."""
     for r in running:
         if not r.admitted and not r.finished:
             try:
                 admit(model, r, n_ctx_slot, cache)
-                if not r.pending and r.last is None:
+                if r.logits_given:
+                    _after_logits(model, r, n_ctx_slot, shift_keep)
+                elif not r.pending and r.last is None:
                     # Everything was cached and nothing to generate (pure prefill hit).
                     r.t_prefill_done = time.perf_counter()
                     if r.job.request.capture_state:

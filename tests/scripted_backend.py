@@ -143,6 +143,7 @@ class ScriptedBackend:
         self.samplers: list[ScriptedSampler] = []
         self.closed = False
         self._with_logits: set[int] = set()
+        self.given_logits: list[int] = []  # seqs set_logits was called for, in order
 
     # ---- identity and vocabulary
     @property
@@ -216,6 +217,12 @@ class ScriptedBackend:
             if it.logits_last:
                 self._with_logits.add(it.seq)
         self.batches.append([(it.seq, len(it.tokens)) for it in items])
+
+    def set_logits(self, seq: int, row: np.ndarray) -> None:
+        """The script decides every token, so the row only makes ``seq``'s logits available."""
+        self._check_open()
+        self.given_logits.append(seq)
+        self._with_logits.add(seq)
 
     def logits(self, seq: int) -> np.ndarray:
         self._require_logits(seq)
@@ -299,10 +306,14 @@ class ScriptedBackend:
         return len(data)
 
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        """Like llama.cpp: reads the state its header describes, returns the bytes it read (what
+        follows — a logits tail — is the caller's)."""
         raw = bytes(data)
+        n = struct.unpack_from("<I", raw, len(STATE_MAGIC) + 4)[0] if len(raw) >= _STATE_HEAD else 0
+        used = raw[:_STATE_HEAD + 4 * n]
         self.kv[seq] = []
-        _, self.kv[seq] = parse_state(raw)
-        return len(raw)
+        _, self.kv[seq] = parse_state(used)
+        return len(used)
 
     def checkpoint_get(self, seq: int) -> bytes:
         return self.state_seq_get(seq)  # scripted states are small: the whole of it

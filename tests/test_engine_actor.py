@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 import pytest
 
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest
 from engine.sampling import GREEDY, SamplerParams, merge_sampling
 from tests.engine_env import run, scripted_engine
-from tests.scripted_backend import EOS, FIRST_BYTE
+from tests.scripted_backend import EOS, FIRST_BYTE, N_VOCAB
 
 
 def letter(c: str) -> int:
@@ -143,6 +145,37 @@ async def test_busy_slot_queues_in_order_then_answers_busy():
         assert [r.tokens[:2] for r in results] == [[1, letter(p)] for p in "abc"]  # FIFO
         with pytest.raises(BadInput, match="invalid slot"):
             eng.submit(GenRequest(7))
+
+
+@pytest.mark.asyncio
+async def test_a_state_put_with_its_logits_continues_without_decoding_its_last_token():
+    """The C++ STATE_PUT rule: n_vocab float32 after the state are its last token's logits. A
+    continuation samples its first token from them; without them that token is decoded again."""
+    async with scripted_engine() as env:
+        eng = env.engine
+        await run(eng, GenRequest(0, prompt="hello", n_predict=0))
+        out = await eng.state_get(0)
+        try:
+            tokens, state = out.tokens, bytes(out.state)
+        finally:
+            out.release()
+        for tail, fed_for_three in ((np.zeros(N_VOCAB, np.float32).tobytes(), [1, 1]), (b"", [1, 1, 1])):
+            assert await eng.state_put(1, tokens, state + tail) == len(state)
+            seen = len(env.model.batches)
+            b = await run(eng, GenRequest(1, n_predict=3))
+            assert b.cached_tokens == len(tokens) - (0 if tail else 1)
+            fed = [n for batch in env.model.batches[seen:] for seq, n in batch if seq == 1]
+            assert fed == fed_for_three  # with logits: only the two sampled tokens after the first
+            a = await run(eng, GenRequest(0, n_predict=3))
+            assert a.text == b.text
+            await eng.erase(0)
+            await run(eng, GenRequest(0, prompt="hello", n_predict=0))
+        assert env.model.given_logits == [1]
+        # an erase drops the logits with the state they belonged to
+        assert await eng.state_put(1, tokens, state + np.zeros(N_VOCAB, np.float32).tobytes()) == len(state)
+        await eng.erase(1)
+        assert (await run(eng, GenRequest(1, prompt="hello", n_predict=1))).cached_tokens == 0
+        assert env.model.given_logits == [1]
 
 
 @pytest.mark.asyncio

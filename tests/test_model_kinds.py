@@ -149,6 +149,15 @@ async def _transfer(kind: str, ca: HydraClient, cb: HydraClient, prompt: list[in
             # prompt is computed again from the blob's tokens, and the reply and INFO say so
             assert meta["cache_tokens"] == 0
             assert (await prompt_cache(c))["cut_refused"] == before["cut_refused"] + 1
+    # a PREFILL's blob carries the last token's logits (a P/D split's prefill node sends it):
+    # the decode node samples from them — nothing is computed again, not even on a recurrent model
+    blob = (await ca.request(Op.PREFILL, "0", json.dumps({"messages": MSG}).encode())).payload
+    p = await cb.request(Op.STATE_PUT, "1", blob)
+    assert p.ok and p.meta["logits_tail"], p
+    before = await prompt_cache(cb)
+    got, meta = await greedy_decode(cb, "1")
+    assert got == want and meta["cache_tokens"] == len(prompt)
+    assert (await prompt_cache(cb))["cut_refused"] == before["cut_refused"]
     # a state of another kind is refused cleanly, and the server goes on serving
     r = await cb.request(Op.STATE_PUT, "1", foreign)
     assert r.status in (Status.BAD_REQUEST, Status.ERROR) and "error" in r.meta, r

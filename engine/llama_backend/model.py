@@ -107,7 +107,8 @@ class LoadedModel(ModelText):
         self._threads_now = n_threads
         # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
         self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
-        self._logit_idx: dict[int, int] = {}
+        self._logit_idx: dict[int, int] = {}  # seq -> output row of the last decode; < 0: a set_logits row
+        self._given_rows: dict[int, np.ndarray] = {}  # set_logits rows, until the next decode
 
     # ---- lifecycle -------------------------------------------------------------------
     def close(self) -> None:
@@ -290,6 +291,7 @@ class LoadedModel(ModelText):
         :class:`DecodeError` if llama.cpp rejects the batch or the context is full.
         """
         self._logit_idx = {}
+        self._given_rows.clear()
         if not items:
             return
         ctx = self._ctx_handle()
@@ -325,26 +327,39 @@ class LoadedModel(ModelText):
             raise LlamaBackendError(f"llama_get_logits_ith({idx}) returned NULL")
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
 
-    def _row_logsumexp(self, idx: int) -> float:
-        row = self._row(idx)
+    @staticmethod
+    def _logsumexp(row: np.ndarray) -> float:
         m = float(row.max())
         return m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
 
+    def _seq_row(self, seq: int) -> np.ndarray:
+        idx = self._logits_index(seq)
+        return self._given_rows[seq] if idx < 0 else self._row(idx)
+
     def has_logits(self, seq: int) -> bool:
         return seq in self._logit_idx
+
+    def set_logits(self, seq: int, row: np.ndarray) -> None:
+        """``seq``'s last token has these logits (a restored state's, sent with it): the next
+        :meth:`logits` / :meth:`sample` of ``seq`` read them, until the next :meth:`decode`."""
+        seq = self._check_seq(seq)
+        if row.shape != (self._n_vocab,):
+            raise LlamaBackendError(f"logits of {row.shape} for a vocabulary of {self._n_vocab}")
+        self._given_rows[seq] = np.asarray(row, dtype=np.float32)
+        self._logit_idx[seq] = -1
 
     def logits(self, seq: int, copy: bool = False) -> np.ndarray:
         """float32[n_vocab] logits of ``seq``'s last token of the last :meth:`decode`.
 
         Without ``copy`` this is a view of llama.cpp's buffer, valid until the next decode.
         """
-        row = self._row(self._logits_index(seq))
+        row = self._seq_row(seq)
         return row.copy() if copy else row
 
     def token_logprob(self, seq: int, tok: int) -> float:
         """log softmax(raw logits of ``seq``)[tok]."""
-        idx = self._logits_index(seq)
-        return float(self._row(idx)[int(tok)]) - self._row_logsumexp(idx)
+        row = self._seq_row(seq)
+        return float(row[int(tok)]) - self._logsumexp(row)
 
     @overload
     def sample(self, seq: int, sampler: Sampler, want_logprob: Literal[False] = False) -> int: ...
@@ -360,13 +375,14 @@ class LoadedModel(ModelText):
         softmax of the *raw* logits (before temperature/penalties) at the chosen token.
         """
         idx = self._logits_index(seq)
-        lse = self._row_logsumexp(idx) if want_logprob else 0.0
-        if sampler.plain:
+        row = self._seq_row(seq)
+        lse = self._logsumexp(row) if want_logprob else 0.0
+        if sampler.plain and idx >= 0:
             tok = int(L.llama_sampler_sample(sampler.handle, self._ctx_handle(), idx))
-        else:  # grammar / logit bias: may raise GrammarExhausted, having accepted nothing
-            tok = sample_row(sampler, self._row(idx))
+        else:  # grammar / logit bias / a given row: may raise GrammarExhausted, having accepted nothing
+            tok = sample_row(sampler, row)
         if want_logprob:
-            return tok, float(self._row(idx)[tok]) - lse
+            return tok, float(row[tok]) - lse
         return tok
 
     def accept(self, sampler: Sampler, tok: int) -> None:
@@ -378,7 +394,7 @@ class LoadedModel(ModelText):
     def top_logprobs(self, seq: int, n: int) -> list[tuple[int, float]]:
         """The ``n`` most likely (token, logprob) of ``seq``'s raw logits, most likely first
         (OpenAI ``top_logprobs``). Call before :meth:`sample`; same row, same logprobs."""
-        return top_logprobs(self._row(self._logits_index(seq)), n)
+        return top_logprobs(self._seq_row(seq), n)
 
     def make_sampler(self, params: SamplerParams | None = None) -> Sampler:
         return make_sampler(params, self)
