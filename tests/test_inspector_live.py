@@ -83,7 +83,7 @@ def test_stdin_is_decoded_as_the_capture_arrives_not_at_eof():
         p.stdin.close()
         rest = [lines.next() for _ in range(4)]
         assert "STATE_META" in rest[0] and "NOT_FOUND" in rest[1], rest
-        assert p.wait(20) == 0, p.stderr.read()
+        assert p.wait(60) == 0, p.stderr.read()
 
 
 @contextlib.contextmanager
@@ -168,6 +168,6 @@ def test_live_interface_capture_through_tcpdump():
             assert len(c.recv(RESPONSE_HEADER_SIZE + 64)) >= RESPONSE_HEADER_SIZE
         request, response = lines.next(30), lines.next(30)
         assert re.search(r"\bINFO\b", request) and "OK" in response, (request, response)
-        p.send_signal(signal.SIGINT)
-        assert p.wait(20) == 0
+        p.send_signal(signal.SIGINT)  # the deadline below only turns a hang into a failure: a loaded host is slow to exit
+        assert p.wait(60) == 0
     srv.close()
