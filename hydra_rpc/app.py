@@ -9,9 +9,11 @@ from engine.config import EngineConfig
 
 from hydra_rpc.config import ServerConfig
 from hydra_rpc.conn_budget import ConnectionBudget, open_fds, raise_nofile_limit
+from hydra_rpc.hydra.decode_results import DecodeResults
 from hydra_rpc.hydra.decode_v3 import DecodeV3
 from hydra_rpc.hydra.handlers import Handlers
 from hydra_rpc.hydra.server import HydraServer
+from hydra_rpc.observability.metrics import Metrics
 from hydra_rpc.services import Services
 
 log = logging.getLogger("hydra_rpc.app")
@@ -26,7 +28,10 @@ class App:
         self.http_host, self.http_port = http_host, http_port  # http_port None: no HTTP side
         self.nofile = raise_nofile_limit()  # the open-files limit in force
         budget = ConnectionBudget.for_fd_limit(server_cfg.max_connections, self.nofile, open_fds())
-        self.services = Services(server_cfg, EngineApi(engine_cfg), budget, info_extra=dict(info_extra or {}))
+        results = DecodeResults(server_cfg.decode_result_ttl_s, server_cfg.decode_result_max,
+                                server_cfg.decode_budget_s)
+        self.services = Services(server_cfg, EngineApi(engine_cfg), budget, Metrics(server_cfg.metrics_underscore),
+                                 decode_results=results, info_extra=dict(info_extra or {}))
         self.server: HydraServer | None = None
         self.http: Any = None  # the HTTP side, once started
         self.ggml_rpc: Any = None  # the --ggml-rpc-port server

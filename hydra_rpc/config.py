@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass, field
 
 from codec.limits import Limits
@@ -23,6 +24,18 @@ def hostport_arg(s: str) -> tuple[str, int]:
         return parse_hostport(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _env(name: str, kind: type, default):
+    """An operator's setting from the environment (docs/http.md, docs/protocol.md), read here
+    only, when the configuration is built."""
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else kind(raw)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    return default if raw is None else raw not in ("0", "false", "no", "off")
 
 
 @dataclass
@@ -52,6 +65,14 @@ class ServerConfig:
     http_metrics: bool = True
     http_slots: bool = True
     http_timeout: float = 75.0  # seconds an idle keep-alive connection stays open
+    # HYDRA_HTTP_MAX_BODY: a request body's limit in bytes (None: from the slot context)
+    http_max_body: int | None = field(default_factory=lambda: _env("HYDRA_HTTP_MAX_BODY", int, None))
+    # HYDRA_METRICS_UNDERSCORE: llama-server's families also as llamacpp_* (what dashboards query)
+    metrics_underscore: bool = field(default_factory=lambda: _env_flag("HYDRA_METRICS_UNDERSCORE", True))
+    # Merged DECODE v3 results (docs/protocol.md): kept this long, this many, each job given this long
+    decode_result_ttl_s: float = field(default_factory=lambda: _env("HYDRA_DECODE_RESULT_TTL_S", float, 300.0))
+    decode_result_max: int = field(default_factory=lambda: _env("HYDRA_DECODE_RESULT_MAX", int, 1024))
+    decode_budget_s: float = field(default_factory=lambda: _env("HYDRA_DECODE_BUDGET_S", float, 120.0))
     # Logging
     log_format: str = "text"  # text | json
     log_level: str = "INFO"

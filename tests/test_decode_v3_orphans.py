@@ -17,6 +17,7 @@ import pytest
 from codec.decode_v3 import encode_decode_v3
 from codec.enums import Op, Status
 from codec.framing import RESPONSE_HEADER_SIZE, decode_response_header, encode_request
+from hydra_rpc.config import ServerConfig
 from hydra_rpc.hydra.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenRequest
 from hydra_rpc.client import HydraClient
@@ -127,5 +128,8 @@ async def test_a_detached_job_never_queues_and_is_bounded_by_the_result_table():
 
 def test_the_time_budget_is_never_longer_than_the_result_ttl(monkeypatch):
     monkeypatch.setenv("HYDRA_DECODE_BUDGET_S", "999")
-    assert DecodeResults(ttl=30).budget == 30
+    monkeypatch.setenv("HYDRA_DECODE_RESULT_TTL_S", "30")
+    cfg = ServerConfig()  # the environment is read when the settings are built, and only there
+    assert (cfg.decode_budget_s, cfg.decode_result_ttl_s) == (999, 30)
+    assert DecodeResults(cfg.decode_result_ttl_s, cfg.decode_result_max, cfg.decode_budget_s).budget == 30
     assert DecodeResults(ttl=300, budget=5).budget == 5

@@ -101,3 +101,22 @@ async def test_llamacpp_families_match_llama_server_during_a_decode(http):
     assert "hydra_tokens_generated_total" in after
     assert after["llamacpp:requests_processing"][2][0].value == 0
     assert after["llamacpp:n_tokens_max"][2][0].value >= 2
+
+
+def test_the_underscore_twins_follow_the_setting(monkeypatch):
+    from types import SimpleNamespace
+
+    from hydra_rpc.config import ServerConfig
+    from hydra_rpc.observability.metrics_llama import LlamaMetrics
+
+    stats = dict.fromkeys(("prompt_tokens", "prompt_seconds", "tokens_generated", "predicted_seconds",
+                           "prompt_tokens_cached", "n_decode", "n_tokens_max", "n_busy_slots"), 0)
+    engine = SimpleNamespace(ready=True, stats=stats, snapshots=(), kv_cache=None, queued_unassigned=0,
+                             erases_waiting=0)
+    monkeypatch.setenv("HYDRA_METRICS_UNDERSCORE", "0")
+    assert ServerConfig().metrics_underscore is False  # read when the settings are built
+    monkeypatch.delenv("HYDRA_METRICS_UNDERSCORE")
+    assert ServerConfig().metrics_underscore is True
+    both, colons = LlamaMetrics(True).render(engine), LlamaMetrics(False).render(engine)
+    assert "llamacpp_requests_processing 0" in both and "llamacpp:requests_processing 0" in both
+    assert "llamacpp_" not in colons and "llamacpp:requests_processing 0" in colons

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 from typing import Any
@@ -88,7 +87,7 @@ class HttpSide:
 
 async def start_http(services: Services, host: str, port: int) -> HttpSide:
     """Bind the HTTP side (port 0 picks a free port) on the running loop."""
-    max_body = int(os.environ.get("HYDRA_HTTP_MAX_BODY", max_body_for(services.engine.params)))
+    max_body = services.settings.http_max_body or max_body_for(services.engine.params)
     metrics, cfg = services.metrics, services.settings
     webapp = build_web_app(services, metrics, max_body)
     limits = HttpLimits(cfg, services.budget, max_body)  # connections, deadlines, body size

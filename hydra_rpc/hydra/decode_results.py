@@ -9,7 +9,6 @@ so a detached generation cannot hold its slot longer than that whoever asked for
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -39,11 +38,11 @@ class DecodeEntry:
 
 
 class DecodeResults:
-    def __init__(self, ttl: float | None = None, max_entries: int | None = None, budget: float | None = None):
-        self.ttl = ttl if ttl is not None else float(os.environ.get("HYDRA_DECODE_RESULT_TTL_S", 300))
-        self.max_entries = max_entries or int(os.environ.get("HYDRA_DECODE_RESULT_MAX", 1024))
-        budget = budget if budget is not None else float(os.environ.get("HYDRA_DECODE_BUDGET_S", 120))
-        self.budget = min(budget, self.ttl)
+    def __init__(self, ttl: float = 300.0, max_entries: int = 1024, budget: float = 120.0):
+        """``ttl``, ``max_entries``, ``budget``: ServerConfig's ``decode_result_*`` settings."""
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self.budget = min(budget, self.ttl)  # a job may not outlive the result it writes
         self._ids = itertools.count(1)
         self._entries: OrderedDict[int, DecodeEntry] = OrderedDict()
 

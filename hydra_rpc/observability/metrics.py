@@ -42,7 +42,7 @@ MAX_CACHED_SERIES = 512  # (op, status) pairs whose series are kept at hand (eve
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, llama_underscore: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("hydra_requests", "Hydra RPC requests answered, by opcode and status",
@@ -61,7 +61,7 @@ class Metrics:
                                    "HTTP completions finished, by endpoint and finish reason (cancelled: the "
                                    "client went away)", ["endpoint", "reason"], registry=r)
         self._collector: _StateCollector | None = None
-        self.llama = LlamaMetrics()  # llama-server's llamacpp:* families, appended as it renders them
+        self.llama = LlamaMetrics(llama_underscore)  # llama-server's llamacpp:* families, appended as it renders them
         # (op, status) → that request's series: ``labels()`` takes a lock and builds a key on
         # every call, a noticeable share of a STATE_META's server CPU; the op set is bounded
         self._request_series: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}

@@ -20,7 +20,6 @@ pipeline would otherwise see every series twice).
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 # (name, help) in llama-server's order; ``value`` reads them from a sample of the engine
@@ -49,15 +48,12 @@ GAUGES = (
 )
 
 
-def underscore_twins() -> bool:
-    return os.environ.get("HYDRA_METRICS_UNDERSCORE", "1") not in ("0", "false", "no", "off")
-
-
 class LlamaMetrics:
     """Renders the families; remembers the previous scrape for the two throughput gauges,
     which llama-server averages over the "bucket" its own ``/metrics`` call resets."""
 
-    def __init__(self) -> None:
+    def __init__(self, underscore: bool = True) -> None:
+        self.underscore = underscore  # also render llamacpp_* twins (ServerConfig.metrics_underscore)
         self._bucket = (0, 0.0, 0, 0.0)  # prompt tokens, prompt s, predicted tokens, predicted s
 
     def values(self, engine: Any) -> dict[str, float]:
@@ -96,7 +92,7 @@ class LlamaMetrics:
         if engine is None or not engine.ready:
             return ""  # llama-server has no /metrics before its model is loaded either
         v = self.values(engine)
-        prefixes = ("llamacpp:", "llamacpp_") if underscore_twins() else ("llamacpp:",)
+        prefixes = ("llamacpp:", "llamacpp_") if self.underscore else ("llamacpp:",)
         out: list[str] = []
         for prefix in prefixes:
             for kind, items in (("counter", COUNTERS), ("gauge", GAUGES)):
