@@ -9,10 +9,36 @@ def test_cli_help_lists_subcommands():
         assert name in out
 
 
-def test_codec_bench_runs():
+def test_header_codec_bench_runs():
     import json
 
-    out = subprocess.run([sys.executable, "-m", "tools.codec_bench", "--n", "2000", "--reps", "1", "--json"],
+    out = subprocess.run([sys.executable, "-m", "tools.bench.header_codec", "--rounds", "1", "--n", "2000"],
                          capture_output=True, text=True, check=True).stdout
-    res = json.loads(out)
-    assert res["struct_round_trips_per_s"] > 0 and res["construct_round_trips_per_s"] > 0
+    cases = json.loads(out)["cases"]
+    assert set(cases) == {"request decode", "request encode", "response decode", "response encode"}
+    assert all(c["rounds"][0]["struct_us"] > 0 and c["rounds"][0]["construct_us"] > 0 for c in cases.values())
+
+
+def test_sigint_stops_a_command_started_with_sigint_ignored():
+    """A script's background job starts with SIGINT ignored: ``kill -INT`` must still stop it."""
+    import signal
+    import time
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    with subprocess.Popen([sys.executable, "-m", "hydra_rpc.cli", "inspect", "-"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ignore_sigint) as p:
+        try:
+            p.stdin.write(bytes.fromhex("d4c3b2a1"))  # a pcap's magic: it now waits for the rest
+            p.stdin.flush()
+            deadline = time.monotonic() + 60  # only turns a hang into a failure
+            while p.poll() is None and time.monotonic() < deadline:
+                p.send_signal(signal.SIGINT)  # repeated: the first may come before it reads
+                try:
+                    p.wait(0.5)
+                except subprocess.TimeoutExpired:
+                    pass
+            assert p.returncode is not None, "inspect ignored SIGINT"
+        finally:
+            p.kill()

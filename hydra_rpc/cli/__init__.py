@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return llama_engine_cmd.main(argv[1:])
     args = build_parser(argv).parse_args(argv)
+    _stop_on_sigint()
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
@@ -89,3 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, f"internal error: {type(e).__name__}: {e} (run again with --debug for the traceback)",
                      EXIT_INTERNAL)
 
+
+def _stop_on_sigint() -> None:
+    """Every command stops on SIGINT (Ctrl-C, ``kill -INT``) — also when a script started it as
+    a background job: such a job starts with SIGINT ignored (POSIX), Python then leaves it
+    ignored, and ``inspect -i`` or ``fuzz`` would run until killed."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
