@@ -168,6 +168,6 @@ def test_live_interface_capture_through_tcpdump():
             assert len(c.recv(RESPONSE_HEADER_SIZE + 64)) >= RESPONSE_HEADER_SIZE
         request, response = lines.next(30), lines.next(30)
         assert re.search(r"\bINFO\b", request) and "OK" in response, (request, response)
-        p.send_signal(signal.SIGINT)  # the deadline below only turns a hang into a failure: a loaded host is slow to exit
+        p.send_signal(signal.SIGINT)  # the deadline below only turns a hang into a failure
         assert p.wait(60) == 0
     srv.close()
