@@ -173,3 +173,20 @@ def test_random_phase_reaches_every_structured_family(family):
     start = n_smoke + n_sweep
     gens = {schedule.case_at(4, i).generator for i in range(start, start + 400)}
     assert family in gens
+
+
+def test_a_desync_reproduces_whichever_moment_its_extra_reply_is_seen_at():
+    """Replies out of step are "extra" when the unasked-for reply came before the follow-up INFO
+    was sent and "followup" when after: a re-run on a loaded host may see the other."""
+    from tools.fuzzer.cases import Failure, Outcome
+
+    def seen(oracle: str, rule: str) -> Outcome:
+        out = Outcome()
+        out.fail(oracle, "as seen", rule)
+        return out
+
+    assert seen("desync", "followup").same_failure(Failure("desync", "first run", "extra"))
+    assert seen("desync", "extra").same_failure(Failure("desync", "first run", "followup"))
+    assert not seen("desync", "mismatch").same_failure(Failure("desync", "first run", "extra"))
+    assert not seen("desync", "followup-closed").same_failure(Failure("desync", "first run", "followup"))
+    assert seen("liveness", "").same_failure(Failure("hang", "first run", ""))  # as before

@@ -36,6 +36,11 @@ SEVERITY = {c: i for i, c in enumerate(CLASSES)}
 # Classes that are one symptom seen at different moments: an engine busy for seconds is a
 # hang on the fuzzed connection or a liveness failure on the next one, depending on timing.
 SAME_SYMPTOM = {"hang": {"hang", "liveness"}, "liveness": {"hang", "liveness"}}
+# Rules that are one symptom seen at different moments: replies out of step with the requests.
+# Which one a run sees depends on timing — whether the unasked-for reply arrived before the
+# follow-up INFO was sent ("extra") or after it ("followup") — so a re-run on a loaded host may
+# see the other; it still reproduces the desync.
+SAME_RULE = {r: {"extra", "followup"} for r in ("extra", "followup")}
 
 
 @dataclass
@@ -156,7 +161,8 @@ class Outcome:
     def same_failure(self, other: Failure) -> bool:
         """Does this outcome reproduce ``other`` (same class; same rule when it has one)?"""
         classes = SAME_SYMPTOM.get(other.oracle, {other.oracle})
-        return any(f.oracle in classes and (not other.rule or f.rule == other.rule or f.oracle != other.oracle)
+        rules = SAME_RULE.get(other.rule, {other.rule})
+        return any(f.oracle in classes and (not other.rule or f.rule in rules or f.oracle != other.oracle)
                    for f in self.failures)
 
 
