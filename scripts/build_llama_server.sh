@@ -18,11 +18,7 @@
 #   PYTHON          python with pip, used for `pip download` of the sdist
 # Offline-safe once the sdist is present: no curl, no OpenSSL, no web UI download or npm build.
 set -euo pipefail
-LCP_VERSION="${LCP_VERSION:-0.3.36}"
-LCP_CMAKE_ARGS="${LCP_CMAKE_ARGS:--DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF}"
-PY="${PYTHON:-python}"
-KEY=$(printf '%s|%s|%s' "$LCP_VERSION" "$LCP_CMAKE_ARGS" "$(uname -m)" | sha256sum | cut -c1-12)
-CACHE="${LCP_WHEEL_CACHE:-$HOME/.cache/llama-cpp-wheels}"
+. "$(dirname "$0")/llama_cpp_build.sh"
 OUT="$CACHE/$LCP_VERSION-$KEY-llama-server"
 BIN="$OUT/llama-server"
 

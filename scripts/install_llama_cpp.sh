@@ -15,11 +15,8 @@
 # so the key of the installed build is recorded in the environment (.llama-cpp-build) and a
 # different one is replaced by the wheel built for these args (--force-reinstall).
 set -euo pipefail
-LCP_VERSION="${LCP_VERSION:-0.3.36}"
-LCP_CMAKE_ARGS="${LCP_CMAKE_ARGS:--DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF}"
-PY="${PYTHON:-python}"
-KEY=$(printf '%s|%s|%s' "$LCP_VERSION" "$LCP_CMAKE_ARGS" "$(uname -m)" | sha256sum | cut -c1-12)
-WHEEL_DIR="${LCP_WHEEL_CACHE:-$HOME/.cache/llama-cpp-wheels}/$LCP_VERSION-$KEY"
+. "$(dirname "$0")/llama_cpp_build.sh"
+WHEEL_DIR="$CACHE/$LCP_VERSION-$KEY"
 MARKER="$("$PY" -c 'import sys; print(sys.prefix)')/.llama-cpp-build"
 if ! ls "$WHEEL_DIR"/llama_cpp_python-"$LCP_VERSION"-*.whl >/dev/null 2>&1; then
   echo "install_llama_cpp: building llama-cpp-python $LCP_VERSION ($LCP_CMAKE_ARGS) into $WHEEL_DIR (about 5 minutes; a GPU backend takes longer)" >&2
