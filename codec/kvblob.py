@@ -288,6 +288,12 @@ def _size_error(rest: int, want: int, what: str) -> MalformedPayload | Truncated
     return MalformedPayload(f"{rest} bytes after the header != {want} bytes of {what}", rule="kv.trailing")
 
 
+def is_logits_tail(leftover: int, n_vocab: int) -> bool:
+    """The C++ STATE_PUT rule: the bytes left after the consumed state are logits if and only if
+    they are exactly ``n_vocab`` float32."""
+    return n_vocab > 0 and leftover == 4 * n_vocab
+
+
 def split_logits_tail(layout: KvBlobLayout, consumed: int, n_vocab: int) -> KvBlobLayout:
     """The C++ STATE_PUT rule, applied once the state loader reports ``consumed`` bytes.
 
@@ -296,7 +302,7 @@ def split_logits_tail(layout: KvBlobLayout, consumed: int, n_vocab: int) -> KvBl
     """
     if not 0 <= consumed <= layout.state_len:
         raise LocalProtocolError(f"consumed {consumed} outside the state region", rule="kv.consumed")
-    if n_vocab > 0 and layout.state_len - consumed == 4 * n_vocab:
+    if is_logits_tail(layout.state_len - consumed, n_vocab):
         return layout._replace(state_len=consumed, logits_offset=layout.state_offset + consumed)
     return layout
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from codec.errors import CodecError
+from codec.kvblob import is_logits_tail
 
 from .config import StateOut
 from .jobs import EngineBusy
@@ -22,10 +23,8 @@ from .slots import Slot
 
 
 def logits_tail(state: Any, consumed: int, model: Any) -> np.ndarray | None:
-    """The C++ STATE_PUT rule (codec.kvblob.split_logits_tail): when exactly ``n_vocab`` float32
-    follow the bytes the state loader consumed, they are the logits of the state's last token."""
-    rest = len(state) - consumed
-    if rest <= 0 or rest != 4 * model.n_vocab:
+    """The logits of the state's last token, when they follow the bytes the loader consumed."""
+    if not is_logits_tail(len(state) - consumed, model.n_vocab):
         return None
     return np.frombuffer(state, dtype=np.float32, offset=consumed).copy()
 
