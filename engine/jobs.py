@@ -180,11 +180,11 @@ class JobHandle:
         """The next token (waiting for it); None once the job has ended."""
         return await self._job.events.get()
 
-    def ready_events(self, limit: int | None = None) -> list[TokenEvent | None]:
-        """The events already generated, without waiting (at most ``limit``): a writer sends them
-        in one write. A None in the list is the end of the job."""
+    def ready_events(self) -> list[TokenEvent | None]:
+        """The events already generated, without waiting: a writer sends them in one write. A
+        None in the list is the end of the job."""
         q, out = self._job.events, []
-        while not q.empty() and (limit is None or len(out) < limit):
+        while not q.empty():
             out.append(q.get_nowait())
         return out
 

@@ -28,6 +28,7 @@ class Services:
     budget: ConnectionBudget  # open connections of both ports together
     metrics: Metrics = field(default_factory=Metrics)
     # STATE_PUT payloads land here, on either port (resident and reused: one KV state is large)
+    # (looked up when built, so that a test can track the buffers it hands out)
     put_buffer: LeasedBuffer = field(default_factory=lambda: LeasedBuffer())
     decode_results: DecodeResults = field(default_factory=DecodeResults)  # merged DECODE v3 results
     info_extra: Mapping[str, Any] = field(default_factory=dict)  # INFO keys of the process (ignored_args)
