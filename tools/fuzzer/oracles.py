@@ -124,6 +124,11 @@ def judge(resp: Resp, frame: SentFrame | None, baseline: Baseline, out: Outcome)
                      rule="mismatch")
 
 
+# How long a half-closed connection is watched for its close after the follow-up INFO: a server
+# that keeps half-closed connections open costs each clean case this much, one that closes none.
+FOLLOWUP_EOF_WAIT = 0.1
+
+
 async def followup_probe(conn_inbox, writer, baseline: Baseline, deadline: float, out: Outcome) -> None:
     """The fuzzed connection stayed open: the next request on it must be answered normally."""
     try:
@@ -148,6 +153,22 @@ async def followup_probe(conn_inbox, writer, baseline: Baseline, deadline: float
     elif not baseline.matches(r):
         out.fail("desync", f"the follow-up INFO got {status_name(r.status)} (meta {r.meta_raw[:100]!r}), "
                            f"a fresh connection gets {baseline.describe()}", rule="followup")
+    else:
+        await _only_reply(conn_inbox, writer, out)
+
+
+async def _only_reply(conn_inbox, writer, out: Outcome) -> None:
+    """The follow-up's reply must be the last one. An unasked-for reply that came late (after the
+    follow-up was sent) can look like the INFO's, the real one then following it: half-close,
+    and a server that closes in turn shows whether anything else was still on its way."""
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (OSError, RuntimeError):
+        return
+    if await conn_inbox.wait_eof(FOLLOWUP_EOF_WAIT) == "data":
+        out.fail("desync", "another reply followed the follow-up INFO's: the replies are out of step with the "
+                           "requests", rule="extra")
 
 
 async def progressing(target: Target, frame: SentFrame, deadline: float, window: float,
