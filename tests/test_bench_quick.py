@@ -33,7 +33,7 @@ def test_quick_bench_writes_every_result(tmp_path):
         assert data["scenario"] == name and not data["error"], data["error"]
         assert data["rows"] and data["summary"] and data["samples"], name
         assert data["machine"]["cpu_count"] and "loadavg_1m_before" in data["machine"], name
-        if name in DRAW:  # a scenario without a chart (constrained) writes no PNG
+        if name in DRAW and "skipped" not in data["summary"]:  # no chart without data (constrained, a skip)
             assert (out / f"{name}.png").stat().st_size > 1000, name
     summary = (out / "summary.md").read_text()
     assert "| scenario | metric |" in summary and all(name in summary for name in SCENARIOS)
@@ -85,8 +85,11 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
         return {"variant": variant, "round": i, "one_tok_s": 30.0 * scale, "ttft_ms": 50.0 / scale,
                 "four_tok_s": 60.0 * scale * (1 + i), "eight_tok_s": 70.0 * scale, "slots_p99_ms": 5.0 * scale,
                 "rss_mib": 400.0, "peak_rss_mib": 410.0, "startup_s": 1.0, "cpu_four": cpu,
+                "cache_cold_ttft_ms": 900.0, "cache_warm_ttft_ms": 40.0, "chat_one_tok_s": 30.0 * scale,
+                "chat_ttft_ms": 60.0, "chat_four_tok_s": 50.0 * scale,
                 "requests": {"single": {"finish": "length"}, "four": [{"finish": "length"}] * 4,
-                             "eight": [{"finish": "stop"}] * 8}}
+                             "eight": [{"finish": "stop"}] * 8, "chat_one": {"finish": "stop"},
+                             "chat_four": [{"finish": "length"}] * 4}}
 
     res = Result("vs-llama-server")
     rounds = [rnd(v, i, 0.5 if v == "hydra" else 1.0) for i in range(3) for v in ("llama-server", "hydra")]

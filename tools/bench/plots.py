@@ -317,10 +317,49 @@ def prompt_cache(res: Result, plt) -> object:
     return fig
 
 
+def vs_llama_server(res: Result, plt) -> object | None:
+    """Every figure as this server's advantage over llama-server per round (> 1: ours is better;
+    a latency's ratio is inverted so the axis reads one way), and the /slots latency CDFs."""
+    from .vs_llama_server import BUDGETS, FIGURES
+
+    s = res.summary
+    if "skipped" in s:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    labels, med, lo, hi = [], [], [], []
+    for key, label, _unit, budget in FIGURES:
+        ratios = [q for q in s[key]["ratios"] if q]
+        if not ratios:
+            continue
+        adv = sorted(1 / q if BUDGETS[budget][2] == "max" else q for q in ratios)
+        m = adv[len(adv) // 2]
+        labels.append(label)
+        med.append(m)
+        lo.append(m - adv[0])
+        hi.append(adv[-1] - m)
+    y = list(range(len(labels)))
+    a.barh(y, med, xerr=[lo, hi], capsize=3, color=["#3a7" if m >= 1 else "#a73" for m in med])
+    a.axvline(1.0, color="r", ls="--", lw=0.9, label="parity with llama-server")
+    a.set_yticks(y, labels, fontsize=7)
+    a.invert_yaxis()
+    a.set_xlabel("advantage over llama-server, per round (median, min–max); > 1 is better")
+    a.legend(fontsize=8)
+    rounds = res.samples["rounds"]
+    series = [([x for r in rounds if r["variant"] == v for x in r["slots_ms"]], v, f"C{i}")
+              for i, v in enumerate(("llama-server", "hydra"))]
+    for values, label, color in series:
+        _cdf(b, values, label, color)
+    _ms_axis(b, "x", "GET /slots latency while four streams decode (ms)")
+    b.set_ylabel("fraction of requests")
+    b.legend(fontsize=7)
+    return fig
+
+
 DRAW: dict[str, Callable] = {
     "meta-under-decode": meta_under_decode, "decode-overhead": decode_overhead, "slots-scaling": slots_scaling,
     "reload-stall": reload_stall, "state-transfer": state_transfer, "passthrough": passthrough,
     "connections": connections, "prompt-cache": prompt_cache, "busy-host": busy_host,
+    "vs-llama-server": vs_llama_server,
 }
 
 
@@ -334,6 +373,8 @@ def draw_all(results: list[Result], out: Path) -> list[Path]:
             continue
         try:
             fig = draw(res, plt)
+            if fig is None:  # nothing to draw (a skipped scenario)
+                continue
         except Exception as e:  # a chart must never lose the measurements already written
             print(f"hydra-rpc bench: no chart for {res.scenario}: {type(e).__name__}: {e}")
             continue

@@ -19,7 +19,12 @@ prompts ``"Story number N: once upon a time"`` (the same N for both servers in a
 3. **four concurrent streams**: aggregate tok/s in the window where all four produce, while a
    poller reads ``/slots`` every 50 ms (its latency under load); each server's per-thread CPU
    over the phase (``/proc/PID/task/*/stat``: where the time goes) and its RSS after it;
-4. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
+4. **a long prompt, cold then cached**: a document of ~1,200 tokens (by the server's own
+   ``/tokenize``) asked a question, then three other questions on the same document — time
+   to first token cold, and with the document's prefix cached (both cache prompts by default);
+5. **chat completions** through the model's own chat template (``/v1/chat/completions``; the
+   default argv renders it with Jinja on both): one stream, then four concurrent;
+6. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
 
 Every figure is reported as ours / llama-server's: the row's value and baseline are the
 medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
@@ -35,9 +40,10 @@ import socket
 import sys
 from typing import Any
 
-from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread, summarize
+from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
-from .traffic import sse_events, tokens_between
+from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent,
+                              prompt_cache_phase, slots_poller, story, strip)
 
 NAME = "vs-llama-server"
 VARIANTS = ["llama-server", "hydra"]
@@ -45,7 +51,6 @@ LABEL = "llama-server"
 CTX = 8192
 SLOTS = 4
 SLOTS_WIDE = 8
-SLOTS_POLL_S = 0.05
 BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
     "one": ("≥ 1.0× llama-server", 1.0, "min"),
     "ttft": ("≤ 1.0× llama-server", 1.0, "max"),
@@ -54,10 +59,6 @@ BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
     "slots_p99": ("below llama-server's", 1.0, "max"),
     "rss": ("≤ 1.1× llama-server", 1.1, "max"),
 }
-
-
-def story(n: int) -> str:
-    return f"Story number {n}: once upon a time"
 
 
 def free_port() -> int:
@@ -79,55 +80,6 @@ def start(variant: str, binary: str, model: str, slots: int, threads: int) -> Op
         return OpenAIServer([binary, *argv], port, "llama-server")
     return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0"], port,
                         "hydra-llama-engine")
-
-
-async def completion(http: Any, base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: the arrival of each chunk with text, TTFT, the server's counts."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    t0 = now()
-    times: list[float] = []
-    finish, timings, usage = None, {}, {}
-    async for t, ev in sse_events(http, f"{base}/v1/completions", body):
-        if "error" in ev:
-            raise BenchError(f"in-band error: {str(ev['error'])[:300]}")
-        usage = ev.get("usage") or usage
-        timings = ev.get("timings") or timings
-        for ch in ev.get("choices") or []:
-            if ch.get("text"):
-                times.append(t)
-            finish = ch.get("finish_reason") or finish
-    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
-    return {"t_send": t0, "times": times, "chunks": len(times), "decode_tok_s": rate,
-            "ttft_ms": (times[0] - t0) * 1000 if times else None, "finish": finish,
-            "completion_tokens": usage.get("completion_tokens") or timings.get("predicted_n"),
-            "server_tok_s": timings.get("predicted_per_second")}
-
-
-def aggregate(runs: list[dict[str, Any]]) -> float | None:
-    """Chunks of all streams per second in the window where every stream was producing."""
-    if any(len(r["times"]) < 2 for r in runs):
-        return None
-    a = max(r["times"][0] for r in runs)
-    b = min(r["times"][-1] for r in runs)
-    if b <= a:
-        return None
-    return sum(tokens_between(r["times"], a, b) for r in runs) / (b - a)
-
-
-async def slots_poller(http: Any, base: str, stop: asyncio.Event) -> list[float]:
-    out: list[float] = []
-    while not stop.is_set():
-        t0 = now()
-        async with http.get(f"{base}/slots") as r:
-            await r.read()
-            if r.status != 200:
-                raise BenchError(f"{base}/slots answered {r.status}")
-        out.append((now() - t0) * 1000)
-        try:
-            await asyncio.wait_for(stop.wait(), SLOTS_POLL_S)
-        except TimeoutError:
-            pass
-    return out
 
 
 def _cpu_breakdown(srv: OpenAIServer, before: dict[int, float], after: dict[int, float], tokens: int,
@@ -161,20 +113,6 @@ def rss_detail(pid: int) -> dict[str, float]:
     return out
 
 
-def _strip(r: dict[str, Any]) -> dict[str, Any]:
-    """A request's record for the JSON: arrival times relative to its send, rounded."""
-    out = {k: v for k, v in r.items() if k not in ("times", "t_send")}
-    out["chunk_ms"] = [round((t - r["t_send"]) * 1000, 2) for t in r["times"]]
-    for k in ("decode_tok_s", "ttft_ms", "server_tok_s"):
-        if out.get(k) is not None:
-            out[k] = round(out[k], 3)
-    return out
-
-
-async def _concurrent(http: Any, base: str, numbers: list[int], max_tokens: int) -> list[dict[str, Any]]:
-    return list(await asyncio.gather(*(completion(http, base, story(n), max_tokens) for n in numbers)))
-
-
 async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, model: str, rnd: int,
                     max_tokens: int) -> dict[str, Any]:
     base_n = 100 * (rnd + 1)
@@ -190,11 +128,10 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
             shuffle.append(asyncio.ensure_future(completion(http, srv.base, story(n), 24)))
             await asyncio.sleep(0.05)
         shuffle_runs = list(await asyncio.gather(*shuffle))
-        numbers = list(range(base_n + 10, base_n + 10 + SLOTS))
         stop = asyncio.Event()
         poller = asyncio.ensure_future(slots_poller(http, srv.base, stop))
         before, t0 = srv.thread_cpu(), now()
-        four = await _concurrent(http, srv.base, numbers, max_tokens)
+        four = await concurrent(http, srv.base, list(range(base_n + 10, base_n + 10 + SLOTS)), max_tokens)
         after, t1 = srv.thread_cpu(), now()
         stop.set()
         polls = await poller
@@ -202,18 +139,26 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
         out["rss_mib"] = round((srv.rss_kib() or 0) / 1024, 1)
         out["peak_rss_mib"] = round((srv.peak_kib() or 0) / 1024, 1)
         out["rss_detail_mib"] = rss_detail(srv.pid)
+        cache = await prompt_cache_phase(http, srv.base, base_n, ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4))
+        chat_one = await chat(http, srv.base, base_n + 30, max_tokens)
+        chat_four = await concurrent(http, srv.base, list(range(base_n + 31, base_n + 31 + SLOTS)), max_tokens,
+                                     use_chat=True)
     with start(variant, binary, model, SLOTS_WIDE, ctx.threads) as srv:
         await completion(http, srv.base, "Warm up: the weather today is", 8)
-        eight = await _concurrent(http, srv.base, list(range(base_n + 20, base_n + 20 + SLOTS_WIDE)), max_tokens)
+        eight = await concurrent(http, srv.base, list(range(base_n + 20, base_n + 20 + SLOTS_WIDE)), max_tokens)
     out.update(
         one_tok_s=single["decode_tok_s"],
         ttft_ms=spread(r["ttft_ms"] for r in (single, *history))["median"],
         four_tok_s=aggregate(four), eight_tok_s=aggregate(eight),
         four_per_stream_tok_s=[r["decode_tok_s"] for r in four],
         slots_ms=[round(x, 3) for x in polls], slots_p99_ms=summarize(polls).get("p99"),
-        requests={"single": _strip(single), "history": [_strip(r) for r in history],
-                  "shuffle": [_strip(r) for r in shuffle_runs], "four": [_strip(r) for r in four],
-                  "eight": [_strip(r) for r in eight]})
+        cache_prefix_tokens=cache["prefix_tokens"], cache_cold_ttft_ms=cache["cold_ttft_ms"],
+        cache_warm_ttft_ms=cache["cached_ttft_ms"],
+        chat_one_tok_s=chat_one["decode_tok_s"], chat_ttft_ms=chat_one["ttft_ms"], chat_four_tok_s=aggregate(chat_four),
+        requests={"single": strip(single), "history": [strip(r) for r in history],
+                  "shuffle": [strip(r) for r in shuffle_runs], "four": [strip(r) for r in four],
+                  "eight": [strip(r) for r in eight], "cache": [strip(cache["cold"])] + [strip(r) for r in cache["cached"]],
+                  "chat_one": strip(chat_one), "chat_four": [strip(r) for r in chat_four]})
     return out
 
 
@@ -267,6 +212,11 @@ FIGURES = [  # key in a round, row label, unit, budget key
     ("eight_tok_s", f"{SLOTS_WIDE} concurrent streams on -np {SLOTS_WIDE}, aggregate tok/s", "tok/s", "eight"),
     ("slots_p99_ms", f"/slots p99 while {SLOTS} streams decode", "ms", "slots_p99"),
     ("rss_mib", f"RSS after {SLOTS} streams", "MiB", "rss"),
+    ("cache_cold_ttft_ms", "long prompt, cold: time to first token", "ms", "ttft"),
+    ("cache_warm_ttft_ms", "the same document cached: time to first token (median of 3)", "ms", "ttft"),
+    ("chat_one_tok_s", "chat completions, one stream, decode tok/s", "tok/s", "one"),
+    ("chat_ttft_ms", "chat completions, time to first token", "ms", "ttft"),
+    ("chat_four_tok_s", f"chat completions, {SLOTS} concurrent streams, aggregate tok/s", "tok/s", "four"),
 ]
 
 
@@ -309,7 +259,7 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int) -> None:
                         note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
                              f"main thread's share {_pct(h['main_thread_share_four'])} vs "
                              f"{_pct(ls['main_thread_share_four'])}").with_spread(h["cpu_ms_per_token_four"]))
-    short = [r for rnd in rounds for k in ("single", "four", "eight") for r in
+    short = [r for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
              (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])
              if r["finish"] != "length"]
     if short:

@@ -1,0 +1,78 @@
+"""The HTTP workload ``vs-llama-server`` runs (tools/bench/openai_workload.py) against a real
+server of ours: completions, chat completions and the prompt-cache phase are counted the way
+the bench reports them, and the scenario's chart draws from a scripted result."""
+from __future__ import annotations
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from tools.bench import openai_workload as w
+
+SERVER_ARGS = ("--model", "tiny", "--slots", "4", "--threads", "1", "--log-level", "WARNING")
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest_asyncio.fixture
+async def session():
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        yield s
+
+
+def base(server) -> str:
+    return f"http://127.0.0.1:{server.http_port}"
+
+
+def test_a_chunk_is_counted_by_its_text_whichever_endpoint_sent_it():
+    assert w._chunk_text({"text": "a"}) == "a"
+    assert w._chunk_text({"delta": {"content": "b"}}) == "b"
+    assert w._chunk_text({"delta": {"reasoning_content": "c"}}) == "c"
+    assert w._chunk_text({"delta": {"role": "assistant"}}) == "" and w._chunk_text({"text": ""}) == ""
+
+
+@pytest.mark.asyncio
+async def test_completion_and_chat_streams_are_timed_per_chunk(server, session):
+    one = await w.completion(session, base(server), w.story(1), 12)
+    chat = await w.chat(session, base(server), 1, 12)
+    for r in (one, chat):
+        assert 1 <= r["chunks"] <= 12 and len(r["times"]) == r["chunks"], r
+        assert r["ttft_ms"] > 0 and r["times"] == sorted(r["times"]) and r["finish"] in ("length", "stop")
+        assert r["completion_tokens"] >= r["chunks"]
+    four = await w.concurrent(session, base(server), [2, 3, 4, 5], 12, use_chat=True)
+    assert len(four) == 4 and all(r["chunks"] for r in four)
+    stripped = w.strip(one)
+    assert "times" not in stripped and len(stripped["chunk_ms"]) == one["chunks"]
+
+
+@pytest.mark.asyncio
+async def test_the_shared_document_fits_its_token_limit_and_is_asked_cold_then_cached(server, session):
+    doc = await w.shared_document(session, base(server), 7, 150)
+    tokens = await w.count_tokens(session, base(server), doc)
+    assert 100 < tokens <= 151  # the longest prefix of whole lines within the limit (+ the newline)
+    assert doc == await w.shared_document(session, base(server), 7, 150)  # the same text for both servers
+    phase = await w.prompt_cache_phase(session, base(server), 7, 150)
+    assert phase["prefix_tokens"] > tokens and len(phase["cached"]) == w.CACHED_REQUESTS
+    assert phase["cold_ttft_ms"] > 0 and phase["cached_ttft_ms"] > 0
+
+
+def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
+    from tools.bench.common import Result
+    from tools.bench.plots import draw_all
+    from tools.bench.vs_llama_server import FIGURES, _summarize
+
+    def rnd(variant, i):
+        r = {key: 10.0 + i for key, *_ in FIGURES}
+        r.update(variant=variant, round=i, peak_rss_mib=410.0, startup_s=1.0, slots_ms=[1.0, 2.0, 3.0],
+                 cpu_four={"cores_busy": 1.5, "cpu_ms_per_token": 20.0, "main_thread_s": 1.0, "cpu_s": 10.0},
+                 requests={k: {"finish": "length"} for k in ("single", "four", "eight", "chat_one", "chat_four")})
+        return r
+
+    res = Result("vs-llama-server")
+    res.samples = {"rounds": [rnd(v, i) for i in range(2) for v in ("llama-server", "hydra")]}
+    _summarize(res, res.samples["rounds"], 2)
+    skipped = Result("vs-llama-server")
+    skipped.summary = {"skipped": "not built"}
+    assert [p.name for p in draw_all([res], tmp_path)] == ["vs-llama-server.png"]
+    assert (tmp_path / "vs-llama-server.png").stat().st_size > 1000
+    (tmp_path / "vs-llama-server.png").unlink()
+    assert draw_all([skipped], tmp_path) == [] and not (tmp_path / "vs-llama-server.png").exists()

@@ -1,0 +1,143 @@
+"""The HTTP workload vs-llama-server runs against each server: streamed OpenAI requests and
+what one records of them (chunk arrival times, TTFT, the server's own counts).
+
+Both servers send one streamed chunk per generated token for these texts, so a chunk counts as
+a token. Everything here speaks only the public OpenAI/llama-server HTTP API, the same way to
+both servers.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .common import BenchError, now, spread
+from .traffic import sse_events, tokens_between
+
+SLOTS_POLL_S = 0.05
+PREFIX_TOKENS = 1200  # the shared document of the prompt-cache phase, by the server's tokenizer
+CACHED_REQUESTS = 3  # follow-ups on the same document after the cold one
+
+
+def story(n: int) -> str:
+    return f"Story number {n}: once upon a time"
+
+
+def chat_messages(n: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Tell me a long story about the number {n}."}]
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    """The generated text of one streamed choice: ``text`` (completions) or the delta's content
+    or reasoning (chat)."""
+    if choice.get("text"):
+        return choice["text"]
+    delta = choice.get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or ""
+
+
+async def stream(http: Any, base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed request: the arrival of each chunk with text, TTFT, the server's counts."""
+    t0 = now()
+    times: list[float] = []
+    finish, timings, usage = None, {}, {}
+    async for t, ev in sse_events(http, f"{base}{path}", {**body, "temperature": 0, "stream": True}):
+        if "error" in ev:
+            raise BenchError(f"in-band error: {str(ev['error'])[:300]}")
+        usage = ev.get("usage") or usage
+        timings = ev.get("timings") or timings
+        for ch in ev.get("choices") or []:
+            if _chunk_text(ch):
+                times.append(t)
+            finish = ch.get("finish_reason") or finish
+    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
+    return {"t_send": t0, "times": times, "chunks": len(times), "decode_tok_s": rate,
+            "ttft_ms": (times[0] - t0) * 1000 if times else None, "finish": finish,
+            "completion_tokens": usage.get("completion_tokens") or timings.get("predicted_n"),
+            "prompt_tokens": usage.get("prompt_tokens") or timings.get("prompt_n"),
+            "server_tok_s": timings.get("predicted_per_second")}
+
+
+async def completion(http: Any, base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return await stream(http, base, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
+
+
+async def chat(http: Any, base: str, n: int, max_tokens: int) -> dict[str, Any]:
+    return await stream(http, base, "/v1/chat/completions", {"messages": chat_messages(n), "max_tokens": max_tokens})
+
+
+def aggregate(runs: list[dict[str, Any]]) -> float | None:
+    """Chunks of all streams per second in the window where every stream was producing."""
+    if any(len(r["times"]) < 2 for r in runs):
+        return None
+    a = max(r["times"][0] for r in runs)
+    b = min(r["times"][-1] for r in runs)
+    if b <= a:
+        return None
+    return sum(tokens_between(r["times"], a, b) for r in runs) / (b - a)
+
+
+async def slots_poller(http: Any, base: str, stop: asyncio.Event) -> list[float]:
+    """``GET /slots`` every SLOTS_POLL_S until ``stop``: each answer's latency, ms."""
+    out: list[float] = []
+    while not stop.is_set():
+        t0 = now()
+        async with http.get(f"{base}/slots") as r:
+            await r.read()
+            if r.status != 200:
+                raise BenchError(f"{base}/slots answered {r.status}")
+        out.append((now() - t0) * 1000)
+        try:
+            await asyncio.wait_for(stop.wait(), SLOTS_POLL_S)
+        except TimeoutError:
+            pass
+    return out
+
+
+async def count_tokens(http: Any, base: str, text: str) -> int:
+    async with http.post(f"{base}/tokenize", json={"content": text}) as r:
+        if r.status != 200:
+            raise BenchError(f"{base}/tokenize answered {r.status}")
+        return len((await r.json())["tokens"])
+
+
+async def shared_document(http: Any, base: str, n: int, limit: int) -> str:
+    """A document of at most ``limit`` tokens (by this server's tokenizer), the same text for
+    the same ``n`` and model on both servers."""
+    lines = [f"Reference notes, set {n}."]
+    lines += [f"Note {i}: the river passes the town of Ashford-{n}-{i} on its way to the sea, "
+              f"and the ferry there leaves at {i % 12 + 1} o'clock." for i in range(400)]
+    lo, hi = 1, len(lines)  # the longest prefix of lines within the limit: bisect on the count
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if await count_tokens(http, base, "\n".join(lines[:mid])) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "\n".join(lines[:lo]) + "\n"
+
+
+async def prompt_cache_phase(http: Any, base: str, n: int, limit: int) -> dict[str, Any]:
+    """A shared document asked about cold, then CACHED_REQUESTS times more: the follow-ups'
+    prefill should reuse the document's KV (both servers cache prompts by default)."""
+    doc = await shared_document(http, base, n, limit)
+    asks = [f"Question {i}: which town has the ferry at {i + 2} o'clock? Answer:" for i in range(1 + CACHED_REQUESTS)]
+    runs = [await completion(http, base, doc + q, 8) for q in asks]
+    return {"prefix_tokens": runs[0]["prompt_tokens"], "cold": runs[0], "cached": runs[1:],
+            "cold_ttft_ms": runs[0]["ttft_ms"], "cached_ttft_ms": spread(r["ttft_ms"] for r in runs[1:])["median"]}
+
+
+async def concurrent(http: Any, base: str, numbers: list[int], max_tokens: int, *,
+                     use_chat: bool = False) -> list[dict[str, Any]]:
+    if use_chat:
+        return list(await asyncio.gather(*(chat(http, base, n, max_tokens) for n in numbers)))
+    return list(await asyncio.gather(*(completion(http, base, story(n), max_tokens) for n in numbers)))
+
+
+def strip(r: dict[str, Any]) -> dict[str, Any]:
+    """A request's record for the JSON: arrival times relative to its send, rounded."""
+    out = {k: v for k, v in r.items() if k not in ("times", "t_send")}
+    out["chunk_ms"] = [round((t - r["t_send"]) * 1000, 2) for t in r["times"]]
+    for k in ("decode_tok_s", "ttft_ms", "server_tok_s"):
+        if out.get(k) is not None:
+            out[k] = round(out[k], 3)
+    return out
