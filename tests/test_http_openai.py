@@ -84,6 +84,10 @@ async def test_text_completion_plain_and_streaming(openai_client):
     stream = await openai_client.completions.create(model="hydra-tiny-a", prompt="once", max_tokens=6, stream=True)
     chunks = [c async for c in stream]
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # as llama-server: the last text-completion chunk carries the usage, asked for or not
+    usage = chunks[-1].usage
+    assert usage is not None and 0 < usage.completion_tokens <= 6 and usage.prompt_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
 
 
 @pytest.mark.asyncio

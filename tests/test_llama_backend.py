@@ -460,3 +460,19 @@ def test_logits_do_not_depend_on_the_order_items_are_given(m: LoadedModel) -> No
     a, b = last_logits([0, 1, 2]), last_logits([2, 0, 1])
     for s in range(3):
         np.testing.assert_allclose(a[s], b[s], rtol=1e-4, atol=1e-4)
+
+
+def test_the_chat_template_is_compiled_and_rendered_once_at_load(model: LoadedModel):
+    """As llama-server renders its example at start-up: the model's first chat pays no compile."""
+    assert model.chat.format == "jinja" and model.chat._compiled is not None
+
+
+def test_a_template_that_refuses_the_example_conversation_still_loads_and_serves(tiny_model_path: str):
+    strict = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+              "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    m = LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_batch=64, n_threads=1, chat_template=strict)
+    try:
+        assert m.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+    finally:
+        m.close()

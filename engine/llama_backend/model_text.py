@@ -22,6 +22,12 @@ from .legacy_chat import is_jinja_source, render_builtin
 from .runtime import LlamaBackendError
 
 
+#: llama.cpp's ``common_chat_format_example`` conversation
+EXAMPLE_CONVERSATION = [{"role": "system", "content": "You are a helpful assistant"},
+                        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"},
+                        {"role": "user", "content": "How are you?"}]
+
+
 class ModelText:
     _vocab: Any
     _n_vocab: int
@@ -40,6 +46,7 @@ class ModelText:
         self._chat_syntax: ChatFormat | None = None
         self._utf8_masks: np.ndarray | None = None
         self._pieces: list[bytes] | None = None
+        self._render_example()
 
     def _check_chat_template(self) -> None:
         """A template that cannot work fails the build, not the first chat: a jinja source is
@@ -54,6 +61,17 @@ class ModelText:
             raise LlamaBackendError(f"chat template: {e}") from None
         except Exception as e:  # jinja2's TemplateError and what its compiler raises
             raise LlamaBackendError(f"chat template does not compile: {type(e).__name__}: {e}") from None
+
+    def _render_example(self) -> None:
+        """Render an example conversation once, on the loader thread, as llama-server does at
+        start-up (its log's ``example_format``): the file's template is compiled then (4–10 ms;
+        the model's first chat paid it), and jinja's first render sets up what later ones
+        reuse. A template that refuses this conversation (a strict turn order) or does not
+        compile only loses the warm-up: its chats answer as they would have."""
+        try:
+            self.render_chat(EXAMPLE_CONVERSATION)
+        except Exception:
+            pass
 
     def _voc(self) -> Any:
         if self._closed:

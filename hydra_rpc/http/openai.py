@@ -255,6 +255,8 @@ class OpenAIRoutes:
             last = chunk(finish=finish_reason(reason, stops.hit, sink.has_tool_calls))
             if res is not None:  # as llama-server: a client without the usage chunk reads these
                 last.update(id_slot=res.slot, timings=timings_of(res))
+                if creq.kind != "chat":  # llama-server's last text-completion chunk carries usage too
+                    last["usage"] = usage_of(res)
             stream.event(last)
             if creq.include_usage:
                 stream.event({**chunk(), "choices": [], "usage": usage_of(res)})
