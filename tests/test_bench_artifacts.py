@@ -78,9 +78,6 @@ def test_a_large_result_is_thinned_not_cut(tmp_path):
     assert write_docs_json(small, tmp_path / "small-docs.json").read_text() == small.read_text()  # as is
 
 
-@pytest.mark.xfail(not any(DOCS_RUNS.glob("run-*/*.json")), strict=True,
-                   reason="the table's runs predate `--docs` copying raw results: re-measure with "
-                          "`hydra-rpc bench --model tiny --runs 3 --plot --docs` and commit docs/performance/run-*/")
 def test_every_number_in_the_docs_table_is_in_a_committed_json():
     block = table_block(REPO / "docs" / "performance.md")
     assert block
