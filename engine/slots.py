@@ -104,9 +104,10 @@ class Slot:
     # sampled tokens not yet decoded into the KV (the last token of a finished generation);
     # a continuation feeds them first
     tail: list[int] = field(default_factory=list)
-    # the logits of the last token of a state put here with its logits tail (STATE_PUT, a DECODE
-    # v3 kv segment): a continuation samples from them instead of decoding that token again —
-    # which a recurrent memory could only do by computing the whole prompt. Dropped when
+    # the logits of the slot's last token, when they are known: a PREFILL computed them, or a
+    # state was put here with its logits tail (STATE_PUT, a DECODE v3 kv segment). A
+    # continuation samples from them instead of decoding that token again — which a recurrent
+    # memory could only do from a checkpoint or by computing the whole prompt. Dropped when
     # anything else changes the slot.
     last_logits: Any = None
     state_size: int = 0

@@ -134,8 +134,14 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
     if not r.t_prefill_done:
         r.t_prefill_done = time.perf_counter()
         if job.request.capture_state:
-            r.logits = model.logits(slot.id).tobytes()
+            row = model.logits(slot.id).copy()
+            r.logits = row.tobytes()
             r.state = model.state_seq_get(slot.id)
+            if job.request.n_predict == 0:
+                # a PREFILL: the DECODE that continues this slot samples its first token from
+                # them instead of decoding the last prompt token again (which a recurrent
+                # model could do only from a checkpoint before it)
+                slot.last_logits = row
         if job.request.n_predict > 0:
             slot.enter("decode", time.monotonic())
     if r.n_generated >= job.request.n_predict:

@@ -179,6 +179,23 @@ async def test_a_state_put_with_its_logits_continues_without_decoding_its_last_t
 
 
 @pytest.mark.asyncio
+async def test_a_decode_after_a_prefill_samples_from_the_prefills_logits():
+    """A PREFILL (state captured, nothing generated) leaves its last token's logits with the slot:
+    the DECODE that continues it decodes only what it samples, as after a STATE_PUT with logits."""
+    async with scripted_engine() as env:
+        eng = env.engine
+        pre = await run(eng, GenRequest(0, prompt="hello", n_predict=0, capture_state=True))
+        seen = len(env.model.batches)
+        dec = await run(eng, GenRequest(0, n_predict=3))
+        assert dec.cached_tokens == pre.prompt_tokens and env.model.given_logits == [0]
+        assert [n for batch in env.model.batches[seen:] for seq, n in batch if seq == 0] == [1, 1]
+        # the logits belong to that prefill only: the next continuation decodes its tail as usual
+        await run(eng, GenRequest(0, prompt="hello", n_predict=0))
+        assert (await run(eng, GenRequest(0, n_predict=1))).cached_tokens == pre.prompt_tokens - 1
+        assert env.model.given_logits == [0]
+
+
+@pytest.mark.asyncio
 async def test_state_get_put_moves_a_sequence_to_another_slot():
     async with scripted_engine() as env:
         eng = env.engine
