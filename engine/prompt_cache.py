@@ -44,6 +44,7 @@ log = logging.getLogger("engine.prompt_cache")
 # Below this many tokens a copy from another slot or the RAM tier is not worth a lookup, and
 # a slot holding fewer is not worth saving.
 MIN_SHARED_PREFIX = 16
+SAVE_MIN_LOST = 64  # tokens a slot that keeps most of its prefix must lose for a RAM-tier save
 
 
 @dataclass
@@ -218,10 +219,19 @@ class PromptCache:
         return best
 
     def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int) -> None:
-        """The slot is about to lose tokens: keep its state in RAM. Loading a state back costs a
-        copy of a few KiB per token; recomputing even a few tokens costs a forward pass each."""
+        """The slot is about to lose a part worth keeping: its state goes to RAM. Loading a state
+        back costs a copy of a few KiB per token; recomputing a token costs a forward pass. Worth
+        keeping: less than half of the slot stays (llama-server's rule, ``f_keep < 0.5``), or at
+        least SAVE_MIN_LOST tokens go (a conversation that shares a long system prompt with the
+        next one). A slot that keeps nearly all (the next question on the same document, a
+        retried turn) is not copied out for a few tokens on every request: that cost tens of
+        MiB per request on a hybrid model and left the RAM tier one more entry per request to
+        scan at every lookup."""
         held = len(slot.tokens)
-        if self.host is None or not self.params.cache_prompt or held - kept < MIN_SHARED_PREFIX:
+        lost = held - kept
+        if self.host is None or not self.params.cache_prompt or lost < MIN_SHARED_PREFIX:
+            return
+        if 2 * kept >= held and lost < SAVE_MIN_LOST:
             return
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
             return

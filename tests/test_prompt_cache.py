@@ -129,6 +129,21 @@ async def test_a_replaced_conversation_comes_back_from_the_ram_tier():
 
 
 @pytest.mark.asyncio
+async def test_a_slot_that_keeps_most_of_its_tokens_saves_nothing_to_the_ram_tier():
+    """llama-server's rule: the slot's state goes to the RAM tier only when a prompt keeps less
+    than half of it — not for every new question on the same document."""
+    async with one_slot() as env:
+        eng = env.engine
+        doc = SYSTEM * 3 + "The document ends here.\n"
+        for i in range(4):  # each question loses the previous one's ~30 tokens, keeps the document
+            await gen(eng, 0, doc + f"Question {i}: which of the lines above is the longest one?", n=2)
+        host = eng.actor.cache.host
+        assert host.stats.saves == 0 and len(host) == 0
+        await gen(eng, 0, "another conversation entirely, long enough to count", n=2)  # keeps < half
+        assert host.stats.saves == 1 and len(host) == 1
+
+
+@pytest.mark.asyncio
 async def test_ram_tier_entries_never_outlive_their_model():
     async with one_slot() as env:
         eng = env.engine
@@ -160,8 +175,9 @@ async def test_ram_tier_evictions_spill_to_the_disk_tier(tmp_path):
     async with one_slot(slot_save_path=str(tmp_path)) as env:
         eng = env.engine
         host = eng.actor.cache.host
-        host.limit_bytes = 2 * (16 + 8 * 85)  # two conversations (state + tokens) in RAM, and on disk
-        convs = [SYSTEM + f"user {c}: tell me about {c}" for c in "ABC"]
+        host.limit_bytes = 2 * (16 + 8 * 160)  # two conversations (state + tokens) in RAM, and on disk
+        # each loses ~100 tokens to the next (a save), past the system prompt they share
+        convs = [SYSTEM + f"user {c}: " + f"tell me everything you know about {c}, please. " * 2 for c in "ABC"]
         firsts = [await gen(eng, 0, c) for c in convs]
         await gen(eng, 0, "another conversation entirely, long enough to count")
         assert host.stats.spilled >= 1 and len(host.spilled) >= 1
