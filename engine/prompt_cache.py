@@ -224,9 +224,9 @@ class PromptCache:
         keeping: less than half of the slot stays (llama-server's rule, ``f_keep < 0.5``), or at
         least SAVE_MIN_LOST tokens go (a conversation that shares a long system prompt with the
         next one). A slot that keeps nearly all (the next question on the same document, a
-        retried turn) is not copied out for a few tokens on every request: that cost tens of
-        MiB per request on a hybrid model and left the RAM tier one more entry per request to
-        scan at every lookup."""
+        retried turn) is not copied out for a few tokens on every request: each such save
+        copied the whole state (a 35B hybrid's recurrent part alone is tens of MiB) and left
+        the RAM tier one more entry that every later lookup compares with its prompt."""
         held = len(slot.tokens)
         lost = held - kept
         if self.host is None or not self.params.cache_prompt or lost < MIN_SHARED_PREFIX:
