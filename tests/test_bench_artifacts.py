@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 
 from tools.bench import cli
 from tools.bench.common import Result, Row
