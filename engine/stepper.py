@@ -132,18 +132,7 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
     full slot shifts its context when ``shift_keep`` (tokens kept at the start) is given."""
     job, slot = r.job, r.slot
     if not r.t_prefill_done:
-        r.t_prefill_done = time.perf_counter()
-        if job.request.capture_state:
-            row = model.logits(slot.id).copy()
-            r.logits = row.tobytes()
-            r.state = model.state_seq_get(slot.id)
-            if job.request.n_predict == 0:
-                # a PREFILL: the DECODE that continues this slot samples its first token from
-                # them instead of decoding the last prompt token again (which a recurrent
-                # model could do only from a checkpoint before it)
-                slot.last_logits = row
-        if job.request.n_predict > 0:
-            slot.enter("decode", time.monotonic())
+        _prefill_done(model, r)
     if r.n_generated >= job.request.n_predict:
         r.stop_reason = r.stop_reason or ("none" if job.request.n_predict == 0 else "length")
         return
@@ -189,6 +178,23 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
             slot.tail = [tok]
             return
     r.last = tok
+
+
+def _prefill_done(model: ModelBackend, r: Running) -> None:
+    """The prompt is in the KV: capture the state it asked for, enter the decode phase."""
+    job, slot = r.job, r.slot
+    r.t_prefill_done = time.perf_counter()
+    if job.request.capture_state:
+        row = model.logits(slot.id).copy()
+        r.logits = row.tobytes()
+        r.state = model.state_seq_get(slot.id)
+        if job.request.n_predict == 0:
+            # a PREFILL: the DECODE that continues this slot samples its first token from
+            # them instead of decoding the last prompt token again (which a recurrent model
+            # could do only from a checkpoint before it)
+            slot.last_logits = row
+    if job.request.n_predict > 0:
+        slot.enter("decode", time.monotonic())
 
 
 def _shift_context(model: ModelBackend, slot: Slot, n_keep: int) -> bool:
