@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from .backend import BatchItem, ModelBackend
 from .chat.formats import generation_opens_reasoning
 from .checkpoints import Checkpoints
@@ -185,14 +187,13 @@ def _prefill_done(model: ModelBackend, r: Running) -> None:
     job, slot = r.job, r.slot
     r.t_prefill_done = time.perf_counter()
     if job.request.capture_state:
-        row = model.logits(slot.id).copy()
-        r.logits = row.tobytes()
+        r.logits = model.logits(slot.id).tobytes()
         r.state = model.state_seq_get(slot.id)
         if job.request.n_predict == 0:
             # a PREFILL: the DECODE that continues this slot samples its first token from
             # them instead of decoding the last prompt token again (which a recurrent model
-            # could do only from a checkpoint before it)
-            slot.last_logits = row
+            # could do only from a checkpoint before it); a view of the reply's copy
+            slot.last_logits = np.frombuffer(r.logits, dtype=np.float32)
     if job.request.n_predict > 0:
         slot.enter("decode", time.monotonic())
 

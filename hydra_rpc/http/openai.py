@@ -253,13 +253,14 @@ class OpenAIRoutes:
                 return stream.resp, "error"
             reason = "stop" if stops.hit else (res.stop_reason if res else "cancelled")
             last = chunk(finish=finish_reason(reason, stops.hit, sink.has_tool_calls))
+            usage = usage_of(res)
             if res is not None:  # as llama-server: a client without the usage chunk reads these
                 last.update(id_slot=res.slot, timings=timings_of(res))
                 if creq.kind != "chat":  # llama-server's last text-completion chunk carries usage too
-                    last["usage"] = usage_of(res)
+                    last["usage"] = usage
             stream.event(last)
             if creq.include_usage:
-                stream.event({**chunk(), "choices": [], "usage": usage_of(res)})
+                stream.event({**chunk(), "choices": [], "usage": usage})
             stream.out.append(b"data: [DONE]\n\n")
             return await stream.end(), reason
         except ConnectionResetError:  # the client went away mid-stream (aiohttp's ClientConnectionResetError)

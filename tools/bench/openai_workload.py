@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from .common import BenchError, now, spread
-from .traffic import sse_events, tokens_between
+from .traffic import sse_events, steady_rate
 
 SLOTS_POLL_S = 0.05
 PREFIX_TOKENS = 1200  # the shared document of the prompt-cache phase, by the server's tokenizer
@@ -36,9 +36,11 @@ def _chunk_text(choice: dict[str, Any]) -> str:
 
 
 async def stream(http: Any, base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed request: the arrival of each chunk with text, TTFT, the server's counts."""
+    """One streamed request: the arrival of each chunk with text, the text, TTFT, the server's
+    counts and timings."""
     t0 = now()
     times: list[float] = []
+    pieces: list[str] = []
     finish, timings, usage = None, {}, {}
     async for t, ev in sse_events(http, f"{base}{path}", {**body, "temperature": 0, "stream": True}):
         if "error" in ev:
@@ -46,11 +48,14 @@ async def stream(http: Any, base: str, path: str, body: dict[str, Any]) -> dict[
         usage = ev.get("usage") or usage
         timings = ev.get("timings") or timings
         for ch in ev.get("choices") or []:
-            if _chunk_text(ch):
+            piece = _chunk_text(ch)
+            if piece:
                 times.append(t)
+                pieces.append(piece)
             finish = ch.get("finish_reason") or finish
     rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else None
-    return {"t_send": t0, "times": times, "chunks": len(times), "decode_tok_s": rate,
+    return {"t_send": t0, "t_end": now(), "times": times, "text": "".join(pieces), "timings": timings,
+            "chunks": len(times), "decode_tok_s": rate,
             "ttft_ms": (times[0] - t0) * 1000 if times else None, "finish": finish,
             "completion_tokens": usage.get("completion_tokens") or timings.get("predicted_n"),
             "prompt_tokens": usage.get("prompt_tokens") or timings.get("prompt_n"),
@@ -67,13 +72,7 @@ async def chat(http: Any, base: str, n: int, max_tokens: int) -> dict[str, Any]:
 
 def aggregate(runs: list[dict[str, Any]]) -> float | None:
     """Chunks of all streams per second in the window where every stream was producing."""
-    if any(len(r["times"]) < 2 for r in runs):
-        return None
-    a = max(r["times"][0] for r in runs)
-    b = min(r["times"][-1] for r in runs)
-    if b <= a:
-        return None
-    return sum(tokens_between(r["times"], a, b) for r in runs) / (b - a)
+    return steady_rate([r["times"] for r in runs])
 
 
 async def slots_poller(http: Any, base: str, stop: asyncio.Event) -> list[float]:
@@ -134,8 +133,9 @@ async def concurrent(http: Any, base: str, numbers: list[int], max_tokens: int, 
 
 
 def strip(r: dict[str, Any]) -> dict[str, Any]:
-    """A request's record for the JSON: arrival times relative to its send, rounded."""
-    out = {k: v for k, v in r.items() if k not in ("times", "t_send")}
+    """A request's record for the JSON: arrival times relative to its send, rounded (not its
+    text and raw timings: the counts taken from them are there)."""
+    out = {k: v for k, v in r.items() if k not in ("times", "t_send", "t_end", "text", "timings")}
     out["chunk_ms"] = [round((t - r["t_send"]) * 1000, 2) for t in r["times"]]
     for k in ("decode_tok_s", "ttft_ms", "server_tok_s"):
         if out.get(k) is not None:

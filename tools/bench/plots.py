@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .common import Result, percentile
+from .common import Result, percentile, spread
 
 STATUS_OK = 0
 
@@ -331,12 +331,11 @@ def vs_llama_server(res: Result, plt) -> object | None:
         ratios = [q for q in s[key]["ratios"] if q]
         if not ratios:
             continue
-        adv = sorted(1 / q if BUDGETS[budget][2] == "max" else q for q in ratios)
-        m = adv[len(adv) // 2]
+        adv = spread(1 / q if BUDGETS[budget][2] == "max" else q for q in ratios)
         labels.append(label)
-        med.append(m)
-        lo.append(m - adv[0])
-        hi.append(adv[-1] - m)
+        med.append(adv["median"])
+        lo.append(adv["median"] - adv["min"])
+        hi.append(adv["max"] - adv["median"])
     y = list(range(len(labels)))
     a.barh(y, med, xerr=[lo, hi], capsize=3, color=["#3a7" if m >= 1 else "#a73" for m in med])
     a.axvline(1.0, color="r", ls="--", lw=0.9, label="parity with llama-server")

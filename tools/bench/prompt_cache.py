@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import BenchContext, BenchError, Result, Row, interleaved, now, ratio, spread, summarize
+from .common import BenchContext, BenchError, Result, Row, interleaved, ratio, spread, summarize
+from . import openai_workload
 from .procs import HydraServer
-from .traffic import sse_events
 
 NAME = "prompt-cache"
 VARIANTS = ["cache", "no-cache"]
@@ -37,20 +37,13 @@ def user_turn(conv: str, turn: int) -> str:
 
 
 async def completion(http: Any, base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: its text, client-side TTFT and total, and the server's timings."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    t0 = now()
-    ttft = None
-    text, timings = [], {}
-    async for t, ev in sse_events(http, f"{base}/v1/completions", body):
-        for ch in ev.get("choices") or []:
-            if ch.get("text"):
-                ttft = ttft if ttft is not None else t - t0
-                text.append(ch["text"])
-        timings = ev.get("timings") or timings
-    total = now() - t0
-    return {"text": "".join(text), "ttft_ms": round((ttft if ttft is not None else total) * 1000, 3),
-            "total_ms": round(total * 1000, 3), "prompt_ms": timings.get("prompt_ms"),
+    """One streamed completion (:func:`tools.bench.openai_workload.completion`): its text,
+    client-side TTFT (the total when nothing came) and total, and the server's timings."""
+    r = await openai_workload.completion(http, base, prompt, max_tokens)
+    total_ms = (r["t_end"] - r["t_send"]) * 1000
+    timings = r["timings"]
+    return {"text": r["text"], "ttft_ms": round(r["ttft_ms"] if r["ttft_ms"] is not None else total_ms, 3),
+            "total_ms": round(total_ms, 3), "prompt_ms": timings.get("prompt_ms"),
             "cache_n": timings.get("cache_n"), "prompt_n": timings.get("prompt_n")}
 
 

@@ -12,7 +12,7 @@ import asyncio
 
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread
 from .procs import HydraServer, run_worker
-from .traffic import PinRun, messages_for, pin_decode, tokens_between
+from .traffic import PinRun, messages_for, pin_decode, steady_rate
 
 NAME = "slots-scaling"
 COUNTS = [1, 2, 4]
@@ -20,13 +20,7 @@ COUNTS = [1, 2, 4]
 
 def aggregate_rate(runs: list[PinRun]) -> float | None:
     """Tokens of all streams per second, inside the window where all of them were producing."""
-    if any(len(r.times) < 2 for r in runs):
-        return None
-    a = max(r.times[0] for r in runs)
-    b = min(r.times[-1] for r in runs)
-    if b <= a:
-        return None
-    return sum(tokens_between(r.times, a, b) for r in runs) / (b - a)
+    return steady_rate([r.times for r in runs])
 
 
 SLOT_CTX = 4096

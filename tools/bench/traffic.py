@@ -146,6 +146,19 @@ def tokens_between(times: list[float], a: float, b: float) -> int:
     return sum(1 for t in times if a <= t < b)
 
 
+def steady_rate(streams: list[list[float]]) -> float | None:
+    """Tokens of all ``streams`` (each a list of token arrival times) per second, inside the
+    window where every one of them was producing — from the last stream's first token to the
+    first stream's last — so prefills and stragglers do not blur it."""
+    if not streams or any(len(t) < 2 for t in streams):
+        return None
+    a = max(t[0] for t in streams)
+    b = min(t[-1] for t in streams)
+    if b <= a:
+        return None
+    return sum(tokens_between(t, a, b) for t in streams) / (b - a)
+
+
 @dataclass
 class Poll:
     t: float  # send time (``now()``)
