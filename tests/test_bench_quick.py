@@ -106,22 +106,25 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert res.notes and "ended before max_tokens" in res.notes[0]
 
 
-def test_thread_cpu_is_counted_per_thread():
+def _thread_burning(cpu_s: float) -> tuple[int, dict[int, float], dict[int, float]]:
+    """A thread that uses ``cpu_s`` of CPU (a state, not a duration): its id, and every thread's
+    CPU read before it started and while it is still alive (/proc forgets a thread once it ends)."""
     import os
     import threading
     import time
 
-    from tools.spawn import cpu_used, thread_cpu_seconds
+    from tools.spawn import thread_cpu_seconds
 
     burned, read = threading.Event(), threading.Event()
     tids: list[int] = []
 
-    def burn() -> None:  # until this thread has used 0.3 s of CPU: a state, not a duration
-        while time.thread_time() < 0.3:
-            sum(range(1000))
+    def burn() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < cpu_s:
+            sum(range(100))
         tids.append(threading.get_native_id())
         burned.set()
-        read.wait(60)  # alive until read: /proc forgets a thread once it ends
+        read.wait(60)
 
     before = thread_cpu_seconds(os.getpid())
     t = threading.Thread(target=burn)
@@ -132,9 +135,22 @@ def test_thread_cpu_is_counted_per_thread():
     finally:
         read.set()
         t.join(60)
-    tid = tids[0]
+    return tids[0], before, after
+
+
+def test_thread_cpu_is_counted_per_thread():
+    from tools.spawn import cpu_used
+
+    tid, before, after = _thread_burning(0.3)
     assert after[tid] >= 0.25
     assert cpu_used(before, after) - cpu_used(before, after, skip=(tid,)) >= 0.25
+
+
+def test_thread_cpu_counts_less_than_a_clock_tick():
+    # a short --quick run's compute thread can use under a tick (10 ms) of CPU: in ticks it read
+    # as none, and a bench figure "CPU per token" came out 0
+    tid, _, after = _thread_burning(0.002)
+    assert 0.0019 <= after[tid] < 1.0
 
 
 def test_unknown_scenario_is_refused():

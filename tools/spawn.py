@@ -185,18 +185,31 @@ def stat_cpu_seconds(stat: Path) -> float | None:
         return None
 
 
-def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """Each live thread's user + system CPU time so far, by thread id (/proc/PID/task/TID/stat).
+def schedstat_cpu_seconds(schedstat: Path) -> float | None:
+    """Time on a CPU in a /proc ``schedstat`` file, to the nanosecond (the scheduler's own count,
+    which ``stat``'s user + system time rounds down to clock ticks)."""
+    try:
+        return int(schedstat.read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
-    The main thread's id is ``pid``. Clock-tick resolution (10 ms): meaningful over runs of a
-    second or more."""
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """Each live thread's CPU time so far, by thread id (/proc/PID/task/TID/schedstat; ``stat``'s
+    user + system time where a kernel has no schedstat).
+
+    The main thread's id is ``pid``. In nanoseconds, not clock ticks: a thread of a short run
+    that used less than a tick (10 ms) of CPU would read as having used none."""
     out: dict[int, float] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
     for tid in tids:
-        cpu = stat_cpu_seconds(Path(f"/proc/{pid}/task/{tid}/stat"))
+        task = Path(f"/proc/{pid}/task/{tid}")
+        cpu = schedstat_cpu_seconds(task / "schedstat")
+        if cpu is None:
+            cpu = stat_cpu_seconds(task / "stat")
         if cpu is not None:
             out[int(tid)] = cpu
     return out
