@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ import pytest
 from codec import ggml as G
 from codec.enums import Op, Status
 from codec.framing import encode_request as hydra_request
-from engine.ggml_rpc_lib import hello
+from engine.ggml_rpc_lib import find_free_port, hello, open_session
+from hydra_rpc.ggml.child import start_listening
 from hydra_rpc.ggml.children import ChildStartError, GgmlChildPool
 from tests.ggml_helpers import recv_exact
 from tests.helpers import start_server, wait_until
@@ -233,11 +235,31 @@ def test_a_foreign_connection_to_a_child_is_detected():
         proc.stdout.close()
 
 
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again():
+    """A port found free can be bound by someone else before the server binds it (once a child
+    exited silently then, and its session waited for the next one): the next free port is tried."""
+    taken = socket.socket()  # bound, not listening, as an outgoing connection's port is
+    taken.bind(("127.0.0.1", 0))
+    taken_port = taken.getsockname()[1]
+    picks = iter([taken_port])
+    ended = threading.Event()
+    with taken:
+        port, listener = start_listening("127.0.0.1", 0, 1, on_end=ended.set,
+                                         pick=lambda host: next(picks, 0) or find_free_port(host))
+    with listener:
+        assert port != taken_port and next(picks, None) is None
+        sock, reply = open_session("127.0.0.1", port, 10)
+        sock.close()
+        assert reply.version[0] == V[0]
+        listener.shutdown(socket.SHUT_RDWR)  # as the sealing does: the server's next accept fails
+        assert ended.wait(20), "the server that listened did not end"
+
+
 @pytest.mark.asyncio
 async def test_a_child_that_cannot_start_fails_the_pool_loudly():
     pool = GgmlChildPool(threads=1, max_sessions=2, command=[sys.executable, "-c", "raise SystemExit(3)"])
     try:
-        with pytest.raises(ChildStartError, match="expected READY"):
+        with pytest.raises(ChildStartError, match=r"expected READY.*; it ended: exit 3"):
             await pool.start()
         assert pool.stats["failed_starts"] == 1
     finally:

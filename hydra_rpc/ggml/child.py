@@ -35,6 +35,7 @@ READY_PREFIX = "HYDRA_GGML_RPC_READY"  # standalone: printed (and flushed) once 
 
 ACCEPTED_LINE = b"Accepted client connection"  # printed (and flushed) by the server before each session
 PR_SET_PDEATHSIG = 1
+PORT_TRIES = 8
 
 
 def _listening_socket(port: int, server: threading.Thread, timeout: float = 10.0) -> socket.socket:
@@ -63,10 +64,40 @@ def _listening_socket(port: int, server: threading.Thread, timeout: float = 10.0
         time.sleep(0.005)
 
 
-def _serve(host: str, port: int, threads: int) -> None:
+def _serve(host: str, port: int, threads: int, listening: threading.Event, on_end) -> None:
     start_server_blocking(host, port, threads)  # returns when its accept fails (sealed: the session ended)
+    if listening.is_set():  # not a port it could not bind: that thread just ends, and the next port is tried
+        on_end()
+
+
+def _end_process() -> None:
     sys.stderr.flush()
     os._exit(0)
+
+
+def start_listening(host: str, port: int, threads: int, on_end=_end_process,
+                    pick=find_free_port, tries: int = PORT_TRIES) -> tuple[int, socket.socket]:
+    """Start the server on ``port`` (0: a free one) and return the port and its listening socket.
+
+    A port found free can be taken before the server binds it (another process's bind, or an
+    outgoing connection's ephemeral port): a picked port is then picked again, up to ``tries``
+    times. ``on_end`` runs on the server's thread once a server that listened returns."""
+    for attempt in range(1 if port else tries):
+        listening = threading.Event()
+        chosen = port or pick(host)
+        server = threading.Thread(target=_serve, args=(host, chosen, threads, listening, on_end), daemon=True)
+        server.start()
+        try:
+            listener = _listening_socket(chosen, server)
+        except TimeoutError:  # alive but not listening: a second server beside it would not help
+            raise
+        except OSError:  # its thread ended: it could not bind that port
+            if port or attempt == tries - 1:
+                raise
+            continue
+        listening.set()
+        return chosen, listener
+    raise AssertionError("unreachable")
 
 
 def _count_accepted(fd: int) -> int:
@@ -103,11 +134,8 @@ def run_sealed(threads: int) -> int:
     printed, w = os.pipe()  # the server printf()s to fd 1: keep it off the control channel
     os.dup2(w, 1)
     os.close(w)
-    port = find_free_port("127.0.0.1")
-    server = threading.Thread(target=_serve, args=("127.0.0.1", port, threads), daemon=True)
-    server.start()
     try:
-        listener = _listening_socket(port, server)
+        port, listener = start_listening("127.0.0.1", 0, threads)
     except (OSError, TimeoutError) as e:
         print(f"ggml child: {e}", file=sys.stderr)
         return 3
@@ -125,19 +153,17 @@ def run_sealed(threads: int) -> int:
 
 
 def run_standalone(host: str, port: int, threads: int) -> int:
-    port = port or find_free_port(host)
-    server = threading.Thread(target=_serve, args=(host, port, threads), daemon=True)
-    server.start()
     try:
-        _listening_socket(port, server).close()
+        port, listener = start_listening(host, port, threads)
     except (OSError, TimeoutError) as e:
-        print(f"cannot start the ggml RPC server on {host}:{port}: {e}", file=sys.stderr)
+        print(f"cannot start the ggml RPC server on {host}:{port or 'a free port'}: {e}", file=sys.stderr)
         return 3
+    listener.close()
     sys.stdout.flush()
     # one write(2), on a line of its own: llama.cpp's server printf()s to the same fd 1
     os.write(sys.stdout.fileno(), f"\n{READY_PREFIX} {host}:{port}\n".encode())
     try:
-        server.join()
+        threading.Event().wait()  # the server's thread ends the process
     except KeyboardInterrupt:
         pass
     return 0

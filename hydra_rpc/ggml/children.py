@@ -218,7 +218,8 @@ class GgmlChildPool:
             if not isinstance(e, (OSError, TimeoutError, ValueError, ChildStartError)):
                 raise
             self.stats["failed_starts"] += 1
-            raise ChildStartError(str(e) or type(e).__name__) from None
+            how = "" if proc.returncode is None else f"; it ended: {_describe(proc.returncode)}"
+            raise ChildStartError((str(e) or type(e).__name__) + how) from None
         self.stats["started"] += 1
         self.start_ms = [*self.start_ms[-99:], (loop.time() - t0) * 1e3]
         child = GgmlChild(proc, sock, reply, [stderr])
