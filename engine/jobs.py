@@ -135,18 +135,12 @@ class GenJob:
 class JobHandle:
     """What the submitter of a request holds: its tokens as they come, its result, a cancel."""
 
-    __slots__ = ("_job",)
+    __slots__ = ("_job", "id", "request")
 
     def __init__(self, job: GenJob):
         self._job = job
-
-    @property
-    def id(self) -> int:
-        return self._job.id
-
-    @property
-    def request(self) -> GenRequest:
-        return self._job.request
+        self.id: int = job.id  # neither changes over a job's life
+        self.request: GenRequest = job.request
 
     @property
     def slot(self) -> int | None:
