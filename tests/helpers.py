@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from codec.errors import CodecError
 from tools.spawn import HydraServerProcess
@@ -87,3 +93,22 @@ async def long_chat(http, slot: int, body: dict | None = None):
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await poll_until(lambda: slot_meta_http(http, slot), lambda m: not m["is_processing"])
+
+
+def run_fuzz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``hydra-rpc fuzz --progress none ARGS``. One that runs past ``timeout`` fails the test with
+    where each of its tasks waits (its SIGUSR1 dump) rather than with a bare timeout."""
+    cmd = [sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", *args]
+    with subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)
+            try:
+                out, err = p.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            pytest.fail(f"hydra-rpc fuzz ran past {timeout:g} s; its tasks:\n{err[-8000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tools.fuzzer import schedule
+from tests.helpers import run_fuzz
 
-ROOT = Path(__file__).resolve().parents[1]
 BROKEN = f"{shlex.quote(sys.executable)} tests/broken_server.py --port {{port}}"
 
 
-def fuzz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+fuzz = run_fuzz
 
 
 @pytest.fixture(scope="module")

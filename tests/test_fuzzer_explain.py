@@ -4,9 +4,9 @@ the target logs is a finding of its own; memory a CONFIGURE asked for is expecte
 a clean run says so."""
 from __future__ import annotations
 
+import functools
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +15,8 @@ import pytest
 from tools.fuzzer import schedule
 from tools.fuzzer.explain import describe_input, input_line, requested_growth, tracebacks
 from tools.fuzzer.progress import summary_table
+from tests.helpers import run_fuzz
 
-ROOT = Path(__file__).resolve().parents[1]
 BROKEN = f"{shlex.quote(sys.executable)} tests/broken_server.py --port {{port}}"
 N_SMOKE, _ = schedule.phase_sizes()
 # Seed 1's sweep: op 0x00 (desync), the v3 header hash (crash), a CONFIGURE body that is a
@@ -24,9 +24,7 @@ N_SMOKE, _ = schedule.phase_sizes()
 OP_SWEEP, V3_HASH, JSON_ARRAY = N_SMOKE, N_SMOKE + 2, N_SMOKE + 9
 
 
-def fuzz(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+fuzz = functools.partial(run_fuzz, timeout=60)
 
 
 def test_the_planted_cases_are_the_ones_expected():

@@ -7,21 +7,16 @@ import struct
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from codec import ggml as G
 from tools.fuzzer.ggml_cases import SWEEP
-from tests.helpers import start_server
+from tests.helpers import run_fuzz, start_server
 from tools.spawn import GgmlRpcServerProcess
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def fuzz(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+fuzz = run_fuzz
 
 
 @pytest.fixture(scope="module")

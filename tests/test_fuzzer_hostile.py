@@ -7,7 +7,6 @@ import json
 import shlex
 import shutil
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,15 +21,12 @@ from tools.fuzzer.oracles import take_baseline
 from tools.fuzzer.schedule import case_at
 from tools.fuzzer.stateful import mutate_state_field, run_program
 from tools.fuzzer.target import Target
-from tests.helpers import serving
+from tests.helpers import run_fuzz, serving
 
-ROOT = Path(__file__).resolve().parents[1]
 BROKEN = f"{shlex.quote(sys.executable)} tests/broken_server.py --port {{port}}"
 
 
-def fuzz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+fuzz = run_fuzz
 
 
 def test_every_configure_key_meets_its_worst_values_first():

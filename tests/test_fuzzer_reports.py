@@ -3,6 +3,8 @@ a warning when a phase was cut short, the real elapsed time and exit 130 when in
 a warning before fuzzing a live server, and one line when --spawn cannot start."""
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import pytest
 
 from tests.helpers import start_server, wait_until
 from tools.fuzzer import schedule
+from tools.fuzzer.cli import dump_tasks
 from tools.fuzzer.progress import summary_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,3 +97,27 @@ def test_spawn_that_cannot_start_is_one_line(tmp_path):
                        timeout=60)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
     assert p.stderr.startswith("hydra-rpc fuzz: could not start the --spawn command: /nonexistent/server:")
+
+
+@pytest.mark.asyncio
+async def test_sigusr1_says_where_each_task_waits():
+    """A run that seems stuck is asked with SIGUSR1 (tests/helpers.py run_fuzz does on a timeout):
+    every task's whole await chain, down to the innermost wait."""
+    gate = asyncio.Event()
+
+    async def innermost_wait() -> None:
+        await gate.wait()
+
+    async def outer() -> None:
+        await innermost_wait()
+
+    task = asyncio.create_task(outer(), name="stuck-one")
+    await asyncio.sleep(0)
+    out = io.StringIO()
+    dump_tasks(out)
+    gate.set()
+    await task
+    text = out.getvalue()
+    assert "task stuck-one:" in text
+    chain = text.split("task stuck-one:")[1]
+    assert chain.index(" in outer") < chain.index(" in innermost_wait") < chain.index(" in wait")

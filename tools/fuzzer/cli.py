@@ -133,6 +133,21 @@ async def _main(args: argparse.Namespace) -> int:
     return _write_results(args, results)
 
 
+def dump_tasks(file=None) -> None:
+    """SIGUSR1: where every task of the run waits, innermost await last, on stderr — what a run
+    that seems stuck is waiting for (a suspended task's own stack shows only its outer frame)."""
+    file = file or sys.stderr
+    for task in asyncio.all_tasks():
+        print(f"task {task.get_name()}:", file=file)
+        coro = task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=file)
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    file.flush()
+
+
 async def _run_interruptible(runner: Runner, target: Target | None, protocol: str) -> dict:
     """The runner's results; a SIGINT stops it with what was run so far (``runner.interrupted()``)."""
     loop = asyncio.get_running_loop()
@@ -144,6 +159,7 @@ async def _run_interruptible(runner: Runner, target: Target | None, protocol: st
 
     try:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
+        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     except (NotImplementedError, RuntimeError):
         pass
     # A SIGINT before our handler went to asyncio.run's, which only cancels this task.
@@ -164,6 +180,7 @@ async def _run_interruptible(runner: Runner, target: Target | None, protocol: st
     finally:
         try:
             loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGUSR1)
         except (NotImplementedError, RuntimeError):
             pass
         if target is not None:
