@@ -95,10 +95,14 @@ async def long_chat(http, slot: int, body: dict | None = None):
         await poll_until(lambda: slot_meta_http(http, slot), lambda m: not m["is_processing"])
 
 
+def fuzz_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", *args]
+
+
 def run_fuzz(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``hydra-rpc fuzz --progress none ARGS``. One that runs past ``timeout`` fails the test with
     where each of its tasks waits (its SIGUSR1 dump) rather than with a bare timeout."""
-    cmd = [sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", *args]
+    cmd = fuzz_cmd(*args)
     with subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as p:
         try:

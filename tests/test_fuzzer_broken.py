@@ -10,12 +10,9 @@ from pathlib import Path
 import pytest
 
 from tools.fuzzer import schedule
-from tests.helpers import run_fuzz
+from tests.helpers import run_fuzz as fuzz
 
 BROKEN = f"{shlex.quote(sys.executable)} tests/broken_server.py --port {{port}}"
-
-
-fuzz = run_fuzz
 
 
 @pytest.fixture(scope="module")

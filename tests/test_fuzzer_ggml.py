@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import subprocess
 import sys
 import threading
 
@@ -12,11 +11,8 @@ import pytest
 
 from codec import ggml as G
 from tools.fuzzer.ggml_cases import SWEEP
-from tests.helpers import run_fuzz, start_server
+from tests.helpers import run_fuzz as fuzz, start_server
 from tools.spawn import GgmlRpcServerProcess
-
-
-fuzz = run_fuzz
 
 
 @pytest.fixture(scope="module")

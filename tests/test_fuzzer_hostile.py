@@ -21,12 +21,9 @@ from tools.fuzzer.oracles import take_baseline
 from tools.fuzzer.schedule import case_at
 from tools.fuzzer.stateful import mutate_state_field, run_program
 from tools.fuzzer.target import Target
-from tests.helpers import run_fuzz, serving
+from tests.helpers import run_fuzz as fuzz, serving
 
 BROKEN = f"{shlex.quote(sys.executable)} tests/broken_server.py --port {{port}}"
-
-
-fuzz = run_fuzz
 
 
 def test_every_configure_key_meets_its_worst_values_first():

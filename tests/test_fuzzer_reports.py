@@ -8,13 +8,12 @@ import io
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import start_server, wait_until
+from tests.helpers import fuzz_cmd as base_fuzz_cmd, start_server, wait_until
 from tools.fuzzer import schedule
 from tools.fuzzer.cli import dump_tasks
 from tools.fuzzer.progress import summary_table
@@ -30,7 +29,7 @@ def server(tiny_model_path):
 
 
 def fuzz_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hydra_rpc.cli", "fuzz", "--progress", "none", "--deadline", "5", *args]
+    return base_fuzz_cmd("--deadline", "5", *args)
 
 
 def test_results_json_without_findings_counts_phases_and_warns(server, tmp_path):

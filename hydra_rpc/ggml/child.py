@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import signal
 import socket
@@ -82,22 +83,20 @@ def start_listening(host: str, port: int, threads: int, on_end=_end_process,
     A port found free can be taken before the server binds it (another process's bind, or an
     outgoing connection's ephemeral port): a picked port is then picked again, up to ``tries``
     times. ``on_end`` runs on the server's thread once a server that listened returns."""
-    for attempt in range(1 if port else tries):
+    for attempt in itertools.count(1):
         listening = threading.Event()
         chosen = port or pick(host)
         server = threading.Thread(target=_serve, args=(host, chosen, threads, listening, on_end), daemon=True)
         server.start()
         try:
             listener = _listening_socket(chosen, server)
-        except TimeoutError:  # alive but not listening: a second server beside it would not help
-            raise
-        except OSError:  # its thread ended: it could not bind that port
-            if port or attempt == tries - 1:
+        except OSError as e:  # its thread ended: it could not bind that port
+            # a server alive but not listening (TimeoutError) would not be helped by a second one
+            if isinstance(e, TimeoutError) or port or attempt >= tries:
                 raise
             continue
         listening.set()
         return chosen, listener
-    raise AssertionError("unreachable")
 
 
 def _count_accepted(fd: int) -> int:
