@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
 from tools.bench import cli
-from tools.bench.common import Result, Row
+from tools.bench.common import Result, Row, home_as_tilde
 from tools.bench.report import (
     TABLE_END, TABLE_START, combined_table, load_results, numbers_without_artifact, table_block, write_docs_json,
 )
@@ -81,3 +82,19 @@ def test_every_number_in_the_docs_table_is_in_a_committed_json():
     block = table_block(REPO / "docs" / "performance.md")
     assert block
     assert numbers_without_artifact(block, _committed_runs(DOCS_RUNS)) == []
+
+
+def test_a_result_names_files_under_home_from_the_tilde(tmp_path):
+    model = Path.home() / ".cache" / "hydra-rpc" / "models" / "m.gguf"
+    res = Result("paths", config={"model": model, "server": str(Path.home() / "bin" / "llama-server"),
+                                  "other": "/opt" + str(Path.home())})
+    data = json.loads(res.write(tmp_path).read_text())
+    assert data["config"] == {"model": "~/.cache/hydra-rpc/models/m.gguf", "server": "~/bin/llama-server",
+                              "other": "/opt" + str(Path.home())}  # only a path that starts there
+    assert home_as_tilde('{"a": "/home/u/x", "b": "/home/user/y"}', "/home/u") == '{"a": "~/x", "b": "/home/user/y"}'
+    assert home_as_tilde('{"a": "/x"}', "/") == '{"a": "/x"}'
+
+
+def test_no_committed_result_names_a_home_directory():
+    for path in DOCS_RUNS.rglob("*.json"):
+        assert not re.search(r'"/(root|home/[^/"]+|Users/[^/"]+)/', path.read_text()), path

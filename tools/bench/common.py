@@ -173,8 +173,18 @@ class Result:
 
     def write(self, out: Path) -> Path:
         path = out / f"{self.scenario}.json"
-        path.write_text(json.dumps(self.as_dict(), indent=1, default=_json_default) + "\n")
+        path.write_text(home_as_tilde(json.dumps(self.as_dict(), indent=1, default=_json_default)) + "\n")
         return path
+
+
+def home_as_tilde(text: str, home: str | None = None) -> str:
+    """JSON ``text`` with every string that starts in the home directory starting at ``~``
+    instead: results are committed next to the docs, and a machine's paths do not belong there
+    (``~/.cache/hydra-rpc/models/…`` still says which model and which build ran)."""
+    home = (home or str(Path.home())).rstrip("/")
+    if len(home) <= 1:
+        return text
+    return text.replace(json.dumps(home + "/")[:-1], '"~/')
 
 
 def _json_default(o: Any) -> Any:
