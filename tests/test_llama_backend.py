@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import llama_cpp.llama_cpp as L
 import pytest
 
 from engine.llama_backend import (
@@ -15,6 +16,7 @@ from engine.llama_backend import (
     DecodeError,
     LlamaBackendError,
     LoadedModel,
+    Sampler,
     SamplerParams,
     StateError,
     check_rpc_support,
@@ -153,6 +155,24 @@ def test_greedy_deterministic(m: LoadedModel) -> None:
     assert m.seq_pos_max(0) == len(prompt) + 24 - 1
     c = generate(m, 2, prompt, 24)  # another slot, same result
     assert c == a
+
+
+def test_greedy_reads_the_argmax_and_picks_what_the_llama_chain_picks(m: LoadedModel, monkeypatch) -> None:
+    """Plain greedy sampling skips llama.cpp's candidate copy of the whole vocabulary; the
+    tokens are the chain's, step for step, and anything that changes a logit keeps the chain."""
+    assert make_sampler(GREEDY, m).argmax_only
+    for other in (SamplerParams(temperature=0.0, penalty_repeat=1.3), SamplerParams(temperature=0.7),
+                  SamplerParams(temperature=0.0, logit_bias=((5, 2.0),))):
+        assert not make_sampler(other, m).argmax_only
+    prompt = m.tokenize(PROMPT)
+    calls: list[int] = []
+    chain_sample = L.llama_sampler_sample
+    monkeypatch.setattr(L, "llama_sampler_sample", lambda *a: calls.append(1) or chain_sample(*a))
+    fast = generate(m, 0, prompt, 48)
+    assert calls == []
+    monkeypatch.setattr(Sampler, "argmax_only", property(lambda self: False))
+    m.seq_clear(0)
+    assert generate(m, 0, prompt, 48) == fast and len(calls) == 48
 
 
 def test_batched_equals_single(m: LoadedModel) -> None:

@@ -377,7 +377,9 @@ class LoadedModel(ModelText):
         idx = self._logits_index(seq)
         row = self._seq_row(seq)
         lse = self._logsumexp(row) if want_logprob else 0.0
-        if sampler.plain and idx >= 0:
+        if sampler.argmax_only:
+            tok = int(np.argmax(row))
+        elif sampler.plain and idx >= 0:
             tok = int(L.llama_sampler_sample(sampler.handle, self._ctx_handle(), idx))
         else:  # grammar / logit bias / a given row: may raise GrammarExhausted, having accepted nothing
             tok = sample_row(sampler, row)

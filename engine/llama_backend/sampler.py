@@ -49,6 +49,15 @@ class Sampler:
         """No grammar, no bias: ``llama_sampler_sample`` alone."""
         return self.grammar is None and self.bias_ids is None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that changes a logit or keeps a history (no penalties, grammar or
+        bias): the token is the raw row's argmax, and the chain has nothing to accept.
+        ``llama_sampler_sample`` would first copy the whole vocabulary into candidates (262,144
+        on Gemma: ~0.3 ms a token, on the inference thread while the compute threads wait);
+        numpy's argmax reads the row in ~0.04 ms and breaks ties alike (the first maximum)."""
+        return self.plain and self.params.greedy and not self.params.penalties_enabled
+
     def candidates(self, n_vocab: int) -> np.ndarray:
         """The reusable candidate buffer (``llama_token_data[n_vocab]``)."""
         if self._cur is None or len(self._cur) != n_vocab:
