@@ -23,7 +23,7 @@ $(PY):
 # rewritten only when the args differ from the last install's, so the stamp below is out of date
 # exactly then
 $(LCP_ARGS_FILE): FORCE | $(PY)
-	@printf '%s\n' '$(LCP_CMAKE_ARGS)' | cmp -s - $@ || printf '%s\n' '$(LCP_CMAKE_ARGS)' > $@
+	@[ -f $@ ] && printf '%s\n' '$(LCP_CMAKE_ARGS)' | cmp -s - $@ || printf '%s\n' '$(LCP_CMAKE_ARGS)' > $@
 
 $(STAMP): $(PY) pyproject.toml scripts/install_llama_cpp.sh scripts/llama_cpp_build.sh $(LCP_ARGS_FILE)
 	PYTHON=$(PY) LCP_CMAKE_ARGS='$(LCP_CMAKE_ARGS)' bash scripts/install_llama_cpp.sh
