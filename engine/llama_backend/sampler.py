@@ -56,7 +56,7 @@ class Sampler:
         ``llama_sampler_sample`` would first copy the whole vocabulary into candidates (262,144
         on Gemma: ~0.3 ms a token, on the inference thread while the compute threads wait);
         numpy's argmax reads the row in ~0.04 ms and breaks ties alike (the first maximum)."""
-        return self.plain and self.params.greedy and not self.params.penalties_enabled
+        return self.plain and _plain_greedy(self)
 
     def candidates(self, n_vocab: int) -> np.ndarray:
         """The reusable candidate buffer (``llama_token_data[n_vocab]``)."""
