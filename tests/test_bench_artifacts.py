@@ -98,3 +98,22 @@ def test_a_result_names_files_under_home_from_the_tilde(tmp_path):
 def test_no_committed_result_names_a_home_directory():
     for path in DOCS_RUNS.rglob("*.json"):
         assert not re.search(r'"/(root|home/[^/"]+|Users/[^/"]+)/', path.read_text()), path
+
+
+def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path):
+    """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M":
+    the table built from them is combined.md's, and each of its rows is in the page."""
+    folder = DOCS_RUNS / "vs-llama-server"
+    runs = []
+    for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+        run_dir = tmp_path / path.stem
+        run_dir.mkdir()
+        (run_dir / "vs-llama-server.json").write_text(path.read_text())
+        runs.append(load_results(run_dir))
+    assert len(runs) == 3
+    rows = [line for line in combined_table(runs).splitlines() if line.startswith("| vs-llama-server |")]
+    assert len(rows) == 13
+    combined = (folder / "combined.md").read_text().splitlines()
+    page = (REPO / "docs" / "performance.md").read_text().splitlines()
+    assert [line for line in rows if line not in combined] == []
+    assert [line for line in rows if line not in page] == []
