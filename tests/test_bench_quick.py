@@ -55,6 +55,9 @@ def test_quick_bench_writes_every_result(tmp_path):
     else:
         assert {r["variant"] for r in vs["samples"]["rounds"]} == {"llama-server", "hydra"}
         assert vs["summary"]["four_tok_s"]["ratios"] and vs["summary"]["one_tok_s"]["ratios"]
+        (pair,) = vs["samples"]["pairs"]  # both servers served the alternating phase's request
+        assert pair["hydra"] > 0 and pair["llama-server"] > 0
+        assert vs["summary"]["one_paired_tok_s"]["ratios"] == [round(pair["hydra"] / pair["llama-server"], 4)]
 
 
 VS_SKIPPED = "skipped: no llama-server (not built: run scripts/build_llama_server.sh to build it)"
@@ -78,7 +81,7 @@ def test_vs_llama_server_without_a_build_says_how_to_build_it(tmp_path):
 
 def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     from tools.bench.common import Result
-    from tools.bench.vs_llama_server import FIGURES, _summarize
+    from tools.bench.vs_llama_server import FIGURES, PAIRED, _summarize
 
     def rnd(variant, i, scale):
         cpu = {"cores_busy": 1.5, "cpu_ms_per_token": 20.0 * scale, "main_thread_s": 1.0, "cpu_s": 10.0}
@@ -93,9 +96,15 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
 
     res = Result("vs-llama-server")
     rounds = [rnd(v, i, 0.5 if v == "hydra" else 1.0) for i in range(3) for v in ("llama-server", "hydra")]
-    _summarize(res, rounds, 3)
+    pairs = [{"pair": i, "llama-server": 40.0, "hydra": 40.0 + i, "llama-server_finish": "length",
+              "hydra_finish": "length"} for i in range(4)]
+    _summarize(res, rounds, 3, pairs)
     rows = {r.metric: r for r in res.rows}
     assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
+    paired = res.rows[len(FIGURES)]
+    assert paired.metric == PAIRED[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
+    assert res.summary[PAIRED[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
+    assert "1.04 (1.00–1.07) over 4 pairs" in paired.note
     four = rows[FIGURES[2][1]]
     assert four.ratio == pytest.approx(0.5) and four.ok is False and four.budget
     assert res.summary["four_tok_s"]["ratios"] == [0.5, 0.5, 0.5]

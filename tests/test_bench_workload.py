@@ -68,8 +68,10 @@ def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
         return r
 
     res = Result("vs-llama-server")
-    res.samples = {"rounds": [rnd(v, i) for i in range(2) for v in ("llama-server", "hydra")]}
-    _summarize(res, res.samples["rounds"], 2)
+    res.samples = {"rounds": [rnd(v, i) for i in range(2) for v in ("llama-server", "hydra")],
+                   "pairs": [{"pair": 0, "llama-server": 40.0, "hydra": 41.0, "llama-server_finish": "length",
+                              "hydra_finish": "length"}]}
+    _summarize(res, res.samples["rounds"], 2, res.samples["pairs"])
     skipped = Result("vs-llama-server")
     skipped.summary = {"skipped": "not built"}
     assert [p.name for p in draw_all([res], tmp_path)] == ["vs-llama-server.png"]

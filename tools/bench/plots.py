@@ -320,15 +320,15 @@ def prompt_cache(res: Result, plt) -> object:
 def vs_llama_server(res: Result, plt) -> object | None:
     """Every figure as this server's advantage over llama-server per round (> 1: ours is better;
     a latency's ratio is inverted so the axis reads one way), and the /slots latency CDFs."""
-    from .vs_llama_server import BUDGETS, FIGURES
+    from .vs_llama_server import BUDGETS, FIGURES, PAIRED
 
     s = res.summary
     if "skipped" in s:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]})
     labels, med, lo, hi = [], [], [], []
-    for key, label, _unit, budget in FIGURES:
-        ratios = [q for q in s[key]["ratios"] if q]
+    for key, label, _unit, budget in [*FIGURES, PAIRED]:
+        ratios = [q for q in s.get(key, {}).get("ratios", []) if q]
         if not ratios:
             continue
         adv = spread(1 / q if BUDGETS[budget][2] == "max" else q for q in ratios)
@@ -341,7 +341,7 @@ def vs_llama_server(res: Result, plt) -> object | None:
     a.axvline(1.0, color="r", ls="--", lw=0.9, label="parity with llama-server")
     a.set_yticks(y, labels, fontsize=7)
     a.invert_yaxis()
-    a.set_xlabel("advantage over llama-server, per round (median, min–max); > 1 is better")
+    a.set_xlabel("advantage over llama-server, per round or pair (median, min–max); > 1 is better")
     a.legend(fontsize=8)
     rounds = res.samples["rounds"]
     series = [([x for r in rounds if r["variant"] == v for x in r["slots_ms"]], v, f"C{i}")

@@ -27,6 +27,12 @@ prompts ``"Story number N: once upon a time"`` (the same N for both servers in a
    with two short chats after it), then four concurrent;
 6. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
 
+After the rounds, **one stream, request by request**: both servers up at once (``-np 4``, each
+idle while the other serves), ``PAIRS`` one-stream requests on each, alternating (the order
+rotating every pair, the same prompt for both in a pair). A round lasts minutes and a
+200-token request a few seconds; a host whose speed drifts between phases gives the rounds'
+one-stream figure whichever phase each round met, the pairs meet it together.
+
 Every figure is reported as ours / llama-server's: the row's value and baseline are the
 medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
 stream is counted as one token (both servers send one per token for this text).
@@ -52,6 +58,7 @@ LABEL = "llama-server"
 CTX = 8192
 SLOTS = 4
 SLOTS_WIDE = 8
+PAIRS = 4  # one-stream requests per server in the alternating phase (1 with --quick)
 BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
     "one": ("≥ 1.0× llama-server", 1.0, "min"),
     "ttft": ("≤ 1.0× llama-server", 1.0, "max"),
@@ -112,6 +119,22 @@ def rss_detail(pid: int) -> dict[str, float]:
     if "Rss" in out and "Anonymous" in out:
         out["file"] = round(out["Rss"] - out["Anonymous"], 1)
     return out
+
+
+async def paired_one_stream(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int
+                            ) -> list[dict[str, Any]]:
+    """Both servers up, one request at a time, alternating: each pair's decode tok/s and finish."""
+    with start("llama-server", binary, model, SLOTS, ctx.threads) as theirs, \
+            start("hydra", binary, model, SLOTS, ctx.threads) as ours:
+        servers = {"llama-server": theirs, "hydra": ours}
+        for srv in servers.values():
+            await completion(http, srv.base, "Warm up: the weather today is", 8)
+        pairs: list[dict[str, Any]] = [{"pair": i} for i in range(ctx.pick(PAIRS, 1))]
+        for i, variant in interleaved(len(pairs), VARIANTS):
+            r = await completion(http, servers[variant].base, story(900 + i), max_tokens)
+            pairs[i][variant] = r["decode_tok_s"]
+            pairs[i][f"{variant}_finish"] = r["finish"]
+    return pairs
 
 
 async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, model: str, rnd: int,
@@ -205,8 +228,10 @@ async def run(ctx: BenchContext) -> Result:
         for rnd, variant in interleaved(ctx.reps, VARIANTS):
             print(f"hydra-rpc bench: {NAME}: round {rnd + 1}/{ctx.reps}, {variant}", file=sys.stderr, flush=True)
             rounds.append(await one_round(ctx, http, variant, str(binary), model, rnd, max_tokens))
-    res.samples = {"rounds": rounds}
-    _summarize(res, rounds, ctx.reps)
+        print(f"hydra-rpc bench: {NAME}: one stream, the two servers alternating", file=sys.stderr, flush=True)
+        pairs = await paired_one_stream(ctx, http, str(binary), model, max_tokens)
+    res.samples = {"rounds": rounds, "pairs": pairs}
+    _summarize(res, rounds, ctx.reps, pairs)
     return res
 
 
@@ -223,29 +248,39 @@ FIGURES = [  # key in a round, row label, unit, budget key
     ("chat_ttft_ms", "chat completions, time to first token (median of 3 requests)", "ms", "ttft"),
     ("chat_four_tok_s", f"chat completions, {SLOTS} concurrent streams, aggregate tok/s", "tok/s", "four"),
 ]
+PAIRED = ("one_paired_tok_s", "one stream, the two servers alternating request by request, decode tok/s", "tok/s",
+          "one")
 
 
-def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int) -> None:
+def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], ours: list, theirs: list,
+            per: str = "round") -> None:
+    """One figure: both sides' spread, the ratio of each round (or pair), its row and verdict."""
+    key, label, unit, budget_key = figure
+    per_round = [ratio(a, b) for a, b in zip(ours, theirs)]
+    s[key] = {"hydra": spread(ours), "llama-server": spread(theirs), "ratio_per_round": spread(per_round),
+              "ratios": [None if q is None else round(q, 4) for q in per_round]}
+    text, limit, kind = BUDGETS[budget_key]
+    v, b = s[key]["hydra"]["median"], s[key]["llama-server"]["median"]
+    q = ratio(v, b)
+    # "below" is strict (/slots p99); the other maxima are "≤"
+    ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
+                                 else q <= limit)
+    rr = s[key]["ratio_per_round"]
+    note = (f"per-{per} ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} {per}s"
+            if rr["n"] else "no ratio")
+    res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
+                    .with_spread(s[key]["hydra"]))
+
+
+def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: list[dict[str, Any]] = ()) -> None:
     def of(v: str, key: str) -> list:
         return [r[key] for r in sorted((r for r in rounds if r["variant"] == v), key=lambda r: r["round"])]
 
     s: dict[str, Any] = {}
-    for key, label, unit, budget_key in FIGURES:
-        ours, theirs = of("hydra", key), of("llama-server", key)
-        per_round = [ratio(a, b) for a, b in zip(ours, theirs)]
-        s[key] = {"hydra": spread(ours), "llama-server": spread(theirs), "ratio_per_round": spread(per_round),
-                  "ratios": [None if q is None else round(q, 4) for q in per_round]}
-        text, limit, kind = BUDGETS[budget_key]
-        v, b = s[key]["hydra"]["median"], s[key]["llama-server"]["median"]
-        q = ratio(v, b)
-        # "below" is strict (/slots p99); the other maxima are "≤"
-        ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
-                                     else q <= limit)
-        rr = s[key]["ratio_per_round"]
-        note = (f"per-round ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} rounds"
-                if rr["n"] else "no ratio")
-        res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
-                        .with_spread(s[key]["hydra"]))
+    for figure in FIGURES:
+        _figure(res, s, figure, of("hydra", figure[0]), of("llama-server", figure[0]))
+    if pairs:
+        _figure(res, s, PAIRED, [p["hydra"] for p in pairs], [p["llama-server"] for p in pairs], per="pair")
     # scaling and where the time goes: informational
     for v in VARIANTS:
         scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
@@ -267,6 +302,7 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int) -> None:
     short = [r for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
              (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])
              if r["finish"] != "length"]
+    short += [{"finish": p[f"{v}_finish"]} for p in pairs for v in VARIANTS if p[f"{v}_finish"] != "length"]
     if short:
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
                          f"{sorted({r['finish'] for r in short}, key=str)}): the same prompts end alike on both "
