@@ -245,6 +245,8 @@ class EngineActor(SlotStateOps):
             running = self.scheduler.active()
             if not running:
                 self._publish()
+                if self.compute_threads is not None:
+                    self.compute_threads.idle()
                 item = await self._mailbox.get()
                 await self._handle(*item)
                 del item

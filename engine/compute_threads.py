@@ -8,6 +8,13 @@ uses the configured count minus the cores other processes keep busy (read from /
 half second), minus one while a model loads beside it, and never fewer than one. The count
 goes down at once and back up only after two samples agree, so a short burst elsewhere does
 not make it flap.
+
+A sample covers the time since the previous one, and an idle engine takes none: the first
+step after an idle spell would judge the host by what ran while it idled (another server's
+request that ended a second ago), drop a thread it needs and take a second to get it back
+(9 % of a 200-token request on Gemma 3 270M, docs/performance.md). So the engine says when it
+goes idle (:meth:`ComputeThreads.idle`), and the first step after it starts a new window,
+sampled after ``FRESH_S`` of the new work, with the count it had.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from typing import Callable
 
 SAMPLE_S = 0.5
 RESTORE_SAMPLES = 2
+FRESH_S = 0.1  # the first sample after an idle spell: 10 ticks of each core, a busy one shows
 
 
 def _read_busy() -> tuple[float, float] | None:
@@ -69,11 +77,23 @@ class ComputeThreads:
         self._next = clock() + SAMPLE_S
         self._by_load = self.configured
         self._higher = 0  # consecutive samples that allowed more threads than now
+        self._idle = False  # the engine ran nothing since the last want(): the window is history
         self.others = 0.0  # cores other processes used in the last sample
+
+    def idle(self) -> None:
+        """The engine has nothing to run; its next step starts from a new baseline."""
+        self._idle = True
 
     def want(self, loading: bool) -> int:
         now = self._clock()
-        if now >= self._next:
+        if self._idle:
+            self._idle = False
+            # a new baseline: what others did while we idled says nothing of now. The count stays
+            # (a host busy before the spell is likely still busy) and the sample comes soon
+            self._load.sample()
+            self._higher = 0
+            self._next = now + FRESH_S
+        elif now >= self._next:
             self._next = now + SAMPLE_S
             self._resample()
         n = self._by_load - (1 if loading else 0)

@@ -1,9 +1,11 @@
 """ComputeThreads: the step's thread count follows the cores other processes leave free."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from engine.compute_threads import SAMPLE_S, ComputeThreads, OtherLoad
+from engine.compute_threads import FRESH_S, SAMPLE_S, ComputeThreads, OtherLoad
 
 
 class FakeHost:
@@ -16,10 +18,11 @@ class FakeHost:
         self.others_cores = 0.0
         self.own_cores = 2.0
 
-    def advance(self) -> None:
-        self.t += SAMPLE_S
-        self.busy += (self.others_cores + self.own_cores) * SAMPLE_S * 100
-        self.own += self.own_cores * SAMPLE_S * 100
+    def advance(self, dt: float = SAMPLE_S, own_cores: float | None = None) -> None:
+        own = self.own_cores if own_cores is None else own_cores
+        self.t += dt
+        self.busy += (self.others_cores + own) * dt * 100
+        self.own += own * dt * 100
 
     def read(self):
         return self.busy, self.own
@@ -49,6 +52,51 @@ def test_other_processes_take_threads_at_once_and_give_them_back_after_two_sampl
     assert step(host, ct) == 1
     host.others_cores = 0.1
     assert step(host, ct) == 1  # one quiet sample is not enough
+    assert step(host, ct) == 2
+
+
+def test_after_an_idle_spell_the_first_sample_covers_the_new_work_not_the_spell() -> None:
+    host, ct = make()
+    assert step(host, ct) == 2
+    ct.idle()  # nothing to run: another server decodes on both cores for 3 s, then ends
+    host.others_cores = 2.0
+    host.advance(3.0, own_cores=0.0)
+    host.others_cores = 0.0
+    host.advance(0.5, own_cores=0.0)
+    assert ct.want(False) == 2  # the spell's load is history: no thread dropped
+    host.advance(FRESH_S)
+    assert ct.want(False) == 2  # and the first sample of the new work sees a quiet host
+    assert ct.others == 0.0
+
+
+def test_a_host_busy_after_an_idle_spell_takes_a_thread_after_the_first_short_sample() -> None:
+    host, ct = make()
+    step(host, ct)
+    ct.idle()
+    host.others_cores = 2.0  # the processes start while we idle, and go on
+    host.advance(2.0, own_cores=0.0)
+    assert ct.want(False) == 2
+    host.advance(FRESH_S)
+    assert ct.want(False) == 1
+    ct.idle()  # still busy after the next spell: the count it had stays
+    host.advance(2.0, own_cores=0.0)
+    assert ct.want(False) == 1
+    host.advance(FRESH_S)
+    assert ct.want(False) == 1
+
+
+def test_an_idle_spell_does_not_count_toward_giving_a_thread_back() -> None:
+    host, ct = make()
+    step(host, ct)
+    host.others_cores = 2.0
+    assert step(host, ct) == 1
+    host.others_cores = 0.0
+    assert step(host, ct) == 1  # one quiet sample
+    ct.idle()
+    host.advance(1.0, own_cores=0.0)
+    assert ct.want(False) == 1
+    host.advance(FRESH_S)
+    assert ct.want(False) == 1  # a quiet sample, but the one before the spell does not count
     assert step(host, ct) == 2
 
 
@@ -90,3 +138,31 @@ async def test_steps_give_a_shadow_load_one_thread_and_take_it_back():
         await until(lambda: eng.actor.model is not old, "the swap")
         await run(eng, GenRequest(1, prompt="after", n_predict=2))
         assert eng.actor.model.threads_now == 2
+
+
+@pytest.mark.asyncio
+async def test_the_engine_says_when_it_goes_idle_and_its_next_step_asks_again():
+    from engine.jobs import GenRequest
+    from tests.engine_env import run, scripted_engine
+    from tests.scripted_backend import until
+
+    calls: list[str] = []
+
+    class Recording(ComputeThreads):
+        def idle(self) -> None:
+            calls.append("idle")
+            super().idle()
+
+        def want(self, loading: bool) -> int:
+            calls.append("want")
+            return super().want(loading)
+
+    async with scripted_engine() as env:
+        eng = env.engine
+        eng.actor.compute_threads = Recording(2, 2, OtherLoad(read=lambda: (0.0, 0.0)))
+        for prompt in ("one", "two"):
+            await run(eng, GenRequest(0, prompt=prompt, n_predict=3))
+            await until(lambda: calls[-1:] == ["idle"], "the engine idle after the job")
+        # each job's steps asked for their threads, and the engine went idle after them
+        spells = [k for k, _ in itertools.groupby(calls)]
+        assert spells[-4:] == ["want", "idle", "want", "idle"] and spells.count("want") == 2
