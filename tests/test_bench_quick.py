@@ -45,6 +45,8 @@ def test_quick_bench_writes_every_result(tmp_path):
         assert constrained[v]["tokens"]["median"] > 0 and constrained[v]["decode_rate"]["median"], v
     assert constrained["tools"]["finish"] and "tool_calls" in constrained["tools"]["deltas"]  # a parsed call
     assert "reasoning_content" in constrained["reasoning"]["deltas"]
+    busy = json.loads((out / "busy-host.json").read_text())["samples"]["runs"]
+    assert busy and all(r["hogs_alive"] for r in busy)  # every round decoded beside the CPU-bound processes
     reload = json.loads((out / "reload-stall.json").read_text())
     assert {r["variant"] for r in reload["samples"]["runs"]} == {"serve-old", "reject", "blocking"}
     for run in reload["samples"]["runs"]:  # every variant really reloaded, and said so

@@ -33,13 +33,17 @@ META_P99_MS = 5.0
 
 
 class Hogs:
-    """``n`` CPU-bound processes at the normal priority; each stops by itself after ``seconds``."""
+    """``n`` CPU-bound processes at the normal priority, stopped on exit; each also stops by
+    itself after ``seconds``, so that a bench that dies leaves nothing spinning."""
 
     def __init__(self, n: int, seconds: float):
         self.procs = [subprocess.Popen([sys.executable, "-c", HOG.format(s=seconds)]) for _ in range(n)]
 
     def __enter__(self) -> "Hogs":
         return self
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
 
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
@@ -77,7 +81,9 @@ async def run(ctx: BenchContext) -> Result:
     seconds = ctx.pick(4.0, 1.0)
     variants = _variants(ctx)
     order = interleaved(ctx.reps, ["bare", *variants])
-    # every round: start-up (~1 s) + decode; the hogs outlive the last one and are stopped then
+    # every round: start-up (~1 s) + decode; the hogs are stopped after the last one. A full run's
+    # rounds can outlast this bound on a slow host (~40 s each): each round records whether the
+    # hogs were still running at its end, and the notes say when they were not
     budget_s = len(order) * (seconds + 30) + 60
     bare_params = {"model": ctx.models.busy, "n_ctx": CTX * 2, "n_seq_max": 2, "n_batch": 512, "n_threads": k,
                    "messages": messages_for(0), "n_predict": CTX - 256, "warmup": 16, "max_seconds": seconds}
@@ -85,13 +91,17 @@ async def run(ctx: BenchContext) -> Result:
                   "variants": {v: f or ["(defaults)"] for v, f in variants.items()},
                   "bare_loop": "nice 0, same threads, context and slots", "poll_interval_ms": POLL_INTERVAL * 1000}
     runs: list[dict] = []
-    with Hogs(k, budget_s):
+    with Hogs(k, budget_s) as hogs:
         for rep, v in order:
             if v == "bare":
                 out = await run_worker("bare-decode", bare_params, timeout=seconds * 10 + 120)
                 runs.append({"variant": v, "rep": rep, "decode_rate": out["decode_rate"], "tokens": out["tokens"]})
             else:
                 runs.append({"variant": v, "rep": rep, **await _server_round(ctx, variants[v], seconds)})
+            runs[-1]["hogs_alive"] = hogs.alive()  # the round ran under contention to its end
+    if not all(r["hogs_alive"] for r in runs):
+        res.notes.append("a CPU-bound process had stopped before the end of some rounds (samples.runs[].hogs_alive "
+                         "false): those rounds were not measured under contention")
     res.samples = {"runs": runs}
     rates = {v: spread(r["decode_rate"] for r in runs if r["variant"] == v) for v in ["bare", *variants]}
     meta = {v: summarize([x for r in runs if r["variant"] == v for x in r["meta_samples"]]) for v in variants}
