@@ -299,13 +299,13 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: list
                         note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
                              f"main thread's share {_pct(h['main_thread_share_four'])} vs "
                              f"{_pct(ls['main_thread_share_four'])}").with_spread(h["cpu_ms_per_token_four"]))
-    short = [r for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
-             (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])
-             if r["finish"] != "length"]
-    short += [{"finish": p[f"{v}_finish"]} for p in pairs for v in VARIANTS if p[f"{v}_finish"] != "length"]
+    finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
+                (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
+    finishes += [p[f"{v}_finish"] for p in pairs for v in VARIANTS]
+    short = [f for f in finishes if f != "length"]
     if short:
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
-                         f"{sorted({r['finish'] for r in short}, key=str)}): the same prompts end alike on both "
+                         f"{sorted(set(short), key=str)}): the same prompts end alike on both "
                          "servers (greedy), so the ratios hold, over fewer tokens.")
 
 
