@@ -25,6 +25,7 @@ from codec.framing import encode_request
 from codec.payloads import encode_e1_decode, encode_e1_tokens, encode_json_decode, encode_swap_quant
 from hydra_rpc.client import HydraClient
 from tests.helpers import start_server
+from tools.inspector.lua_dissector import TSHARK_OPTIONS
 from tools.spawn import ChildProcess, SpawnError
 
 pytestmark = pytest.mark.capture
@@ -278,8 +279,8 @@ def test_damaged_captures_are_explained_not_fatal(capture):
 
 
 def _tshark(lua: Path, pcap: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["tshark", "-n", "-X", f"lua_script:{lua}", "-r", str(pcap), *args], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(["tshark", "-n", *TSHARK_OPTIONS, "-X", f"lua_script:{lua}", "-r", str(pcap), *args],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Lua: Error" not in proc.stderr, proc.stderr
     return proc
 

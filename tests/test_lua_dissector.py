@@ -1,6 +1,7 @@
 """The generated Wireshark dissector under real tshark, on synthetic captures whose TCP
 segmentation is chosen byte by byte: headers split across segments, pipelined requests, a
-PIN stream whose pieces straddle segments, on a port nobody registered (heuristic)."""
+PIN stream whose pieces straddle segments, on a port nobody registered (heuristic), also when
+the client's port is one another dissector registered (HTTP's 8080)."""
 from __future__ import annotations
 
 import json
@@ -13,16 +14,17 @@ import pytest
 from codec.enums import Op, Status
 from codec.framing import encode_request, encode_response
 from codec.payloads import encode_json_decode, encode_piece
-from tools.inspector.lua_dissector import generate
+from tools.inspector.lua_dissector import TSHARK_OPTIONS, generate
 from tools.inspector.pcap_io import PcapWriter
 
 pytestmark = pytest.mark.skipif(shutil.which("tshark") is None,
                                 reason="tshark is not installed (scripts/install_test_tools.sh installs it)")
 CLIENT, SERVER = ("10.0.0.1", 40000), ("10.0.0.2", 40123)  # 40123: no dissector registered for it
+HTTP_ALT = 8080  # tcp.port registered by HTTP, and lower than the server's: tried first by default
 PIECES = ["Hel", "lo", " w\u00f6r", "ld", ""]
 
 
-def _capture(path: Path) -> None:
+def _capture(path: Path, client: tuple[str, int] = CLIENT) -> None:
     t = [1.0]
 
     def send(direction: str, *parts: bytes) -> None:
@@ -32,7 +34,7 @@ def _capture(path: Path) -> None:
 
     with open(path, "wb") as f:
         w = PcapWriter(f)
-        w.open(0, CLIENT, SERVER, 1.0)
+        w.open(0, client, SERVER, 1.0)
         info = encode_request(Op.INFO, b"", b"", b"tr")
         send("c2s", info[:7], info[7:])  # the connection's first segment is a partial header
         reply = encode_response(Status.OK, b'{"engine":"x"}')
@@ -49,21 +51,23 @@ def _capture(path: Path) -> None:
         w.fin(0, "c2s", t[0] + 0.01)
 
 
-def _tshark(tmp_path: Path, *args: str) -> list[dict]:
+def _tshark(tmp_path: Path, *args: str, client: tuple[str, int] = CLIENT) -> list[dict]:
     lua, pcap = tmp_path / "hydra.lua", tmp_path / "synthetic.pcap"
     lua.write_text(generate())
-    _capture(pcap)
+    _capture(pcap, client)
     fields = ["hydra.op", "hydra.key", "hydra.status", "hydra.request_op", "hydra.response_to", "hydra.pin.piece"]
-    proc = subprocess.run(["tshark", "-n", "-X", f"lua_script:{lua}", "-r", str(pcap), *args, "-Y", "hydra",
+    proc = subprocess.run(["tshark", "-n", *TSHARK_OPTIONS, "-X", f"lua_script:{lua}", "-r", str(pcap), *args,
+                           "-Y", "hydra",
                            "-T", "json", *[a for f in fields for a in ("-e", f)]], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and "Lua" not in proc.stderr, proc.stderr
     return [fr["_source"]["layers"] for fr in json.loads(proc.stdout)]
 
 
+@pytest.mark.parametrize("client_port", [CLIENT[1], HTTP_ALT], ids=["unregistered-client-port", "http-client-port"])
 @pytest.mark.parametrize("passes", [[], ["-2"]], ids=["one-pass", "two-pass"])
-def test_split_headers_pairing_and_pin_pieces(tmp_path, passes):
-    layers = _tshark(tmp_path, *passes)
+def test_split_headers_pairing_and_pin_pieces(tmp_path, passes, client_port):
+    layers = _tshark(tmp_path, *passes, client=(CLIENT[0], client_port))
     requests = [(int(op, 16), key) for ly in layers for op, key in zip(ly.get("hydra.op", []), ly.get("hydra.key", []))]
     assert requests == [(Op.INFO, ""), (Op.STATE_META, "0"), (Op.INFO, ""), (Op.DECODE, "1")]
     answers = [(int(op, 16), int(st, 16), int(fr)) for ly in layers
@@ -84,8 +88,9 @@ def test_response_time_request_response_links_and_meta_tree(tmp_path):
     _capture(pcap)
     fields = ["frame.number", "frame.time_relative", "hydra.op", "hydra.status", "hydra.time", "hydra.request_in",
               "hydra.response_in", "json.key", "_ws.col.Protocol"]
-    proc = subprocess.run(["tshark", "-n", "-2", "-X", f"lua_script:{lua}", "-r", str(pcap), "-Y", "hydra", "-T",
-                           "json", *[a for f in fields for a in ("-e", f)]], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["tshark", "-n", "-2", *TSHARK_OPTIONS, "-X", f"lua_script:{lua}", "-r", str(pcap),
+                           "-Y", "hydra", "-T", "json", *[a for f in fields for a in ("-e", f)]],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "Lua" not in proc.stderr, proc.stderr
     frames = {int(ly["frame.number"][0]): ly for ly in (fr["_source"]["layers"] for fr in json.loads(proc.stdout))}
     when = {n: float(ly["frame.time_relative"][0]) for n, ly in frames.items()}
