@@ -1,0 +1,63 @@
+"""busy-host's CPU-bound processes spin for as long as the bench lives, however long its
+rounds take, and no longer: a bench killed outright leaves nothing spinning."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.bench.busy_host import Hogs
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(60)
+
+# a bench stand-in: starts two hogs, prints their pids, then waits to be killed
+BENCH = ("import sys, time\nfrom tools.bench.busy_host import Hogs\nh = Hogs(2)\n"
+         "print(*[p.pid for p in h.procs], flush=True)\ntime.sleep(120)\n")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie whose parent has not reaped it yet is gone too
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _wait_for(cond, deadline_s: float) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_hogs_spin_until_stopped_and_are_really_cpu_bound():
+    with Hogs(1) as hogs:
+        (proc,) = hogs.procs
+        stat = Path(f"/proc/{proc.pid}/stat")
+        assert _wait_for(lambda: int(stat.read_text().rsplit(")", 1)[1].split()[11]) > 0, 20)  # utime ticks
+        assert hogs.alive()
+    assert proc.poll() is not None and not hogs.alive()
+
+
+def test_hogs_stop_by_themselves_when_the_bench_is_killed():
+    bench = subprocess.Popen([sys.executable, "-c", BENCH], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in bench.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(10)
+        assert _wait_for(lambda: all(_gone(p) for p in pids), 30), "a hog outlived the bench"
+    finally:
+        bench.kill()
+        bench.wait(10)
+        bench.stdout.close()
