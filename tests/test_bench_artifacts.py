@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 
 from tools.bench import cli
 from tools.bench.common import Result, Row, home_as_tilde
@@ -100,10 +101,12 @@ def test_no_committed_result_names_a_home_directory():
         assert not re.search(r'"/(root|home/[^/"]+|Users/[^/"]+)/', path.read_text()), path
 
 
-def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path):
-    """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M":
-    the table built from them is combined.md's, and each of its rows is in the page."""
-    folder = DOCS_RUNS / "vs-llama-server"
+@pytest.mark.parametrize("folder_name", ["vs-llama-server", "vs-llama-server-tiny"])
+def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name):
+    """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
+    vs-llama-server-tiny/ those of "Three runs on the tiny model": the table built from them is
+    combined.md's, and each of its rows is in the page."""
+    folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
         run_dir = tmp_path / path.stem
