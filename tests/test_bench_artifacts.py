@@ -101,11 +101,12 @@ def test_no_committed_result_names_a_home_directory():
         assert not re.search(r'"/(root|home/[^/"]+|Users/[^/"]+)/', path.read_text()), path
 
 
-@pytest.mark.parametrize("folder_name", ["vs-llama-server", "vs-llama-server-tiny"])
+@pytest.mark.parametrize("folder_name", ["vs-llama-server", "vs-llama-server-064a559", "vs-llama-server-tiny"])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
-    vs-llama-server-tiny/ those of "Three runs on the tiny model": the table built from them is
-    combined.md's, and each of its rows is in the page."""
+    vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
+    "Three runs on the tiny model": the table built from them is combined.md's, and each of
+    its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
