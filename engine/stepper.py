@@ -85,6 +85,7 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
 # Tokenizing this much text takes at most ~0.1 ms (Gemma 3's vocabulary: a 30-character prompt
 # 19 µs, 1,000 characters 260 µs): less than a hop to the inference thread and back
 LOOP_TOKENIZE_CHARS = 512
+MESSAGE_MARKUP_CHARS = 16  # what the chat template adds around each message, roughly
 
 
 def tokenize_on_loop(request: GenRequest) -> bool:
@@ -96,8 +97,15 @@ def tokenize_on_loop(request: GenRequest) -> bool:
     if request.messages is not None:
         if request.template_vars and request.template_vars.get("tools"):
             return False  # tool definitions render into the prompt: not short
-        return sum(len(str(m.get("content") or "")) if isinstance(m, dict) else LOOP_TOKENIZE_CHARS + 1
-                   for m in request.messages) <= LOOP_TOKENIZE_CHARS
+        left = LOOP_TOKENIZE_CHARS
+        for m in request.messages:  # stops at the first message past the budget, however many follow
+            content = m.get("content") if isinstance(m, dict) else None
+            if content is not None and not isinstance(content, str):
+                return False  # content parts: left to the inference thread
+            left -= len(content or "") + MESSAGE_MARKUP_CHARS
+            if left < 0:
+                return False
+        return True
     if request.prompt is not None:
         return len(request.prompt) <= LOOP_TOKENIZE_CHARS
     return True  # token ids, or nothing: no tokenizer at all

@@ -99,6 +99,10 @@ async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1))
         assert where == [loop_thread]
         where.clear()
+        many = [{"role": "user", "content": "hi"}] * (LOOP_TOKENIZE_CHARS // 8)  # short each, long together
+        await run(env.engine, GenRequest(None, messages=many, n_predict=1))
+        assert len(where) == 1 and where[0].startswith("hydra-inference")
+        where.clear()
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1,
                                          template_vars={"tools": tools}))
