@@ -55,6 +55,18 @@ async def test_the_shared_document_fits_its_token_limit_and_is_asked_cold_then_c
     assert phase["cold_ttft_ms"] > 0 and phase["cached_ttft_ms"] > 0
 
 
+@pytest.mark.asyncio
+async def test_slots_under_load_reads_slots_while_four_longer_streams_decode(server, session):
+    from tools.bench import vs_llama_server as vs
+
+    # a phase of 0.2 s for 200 tokens asks for 1.5 s: 1,500 tokens; a long one changes nothing
+    assert vs.slots_phase_tokens(200, 0.2) == 1500 and vs.slots_phase_tokens(200, 8.0) == 200
+    assert vs.slots_phase_tokens(200, 0.0) == vs.SLOTS_LOAD_MAX_TOKENS
+    phase = await vs.slots_under_load(session, base(server), 7, 4, 10.0, 3)  # 4 tokens a stream
+    assert phase["max_tokens"] == 4 and phase["four_phase_answers"] == 3 and phase["tokens"] > 0
+    assert phase["answers_ms"] and all(ms > 0 for ms in phase["answers_ms"])  # the first read is at once
+
+
 def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
     from tools.bench.common import Result
     from tools.bench.plots import draw_all
@@ -71,7 +83,9 @@ def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
     res.samples = {"rounds": [rnd(v, i) for i in range(2) for v in ("llama-server", "hydra")],
                    "pairs": [{"pair": 0, "llama-server": 40.0, "hydra": 41.0, "llama-server_finish": "length",
                               "hydra_finish": "length"}]}
+    res.samples["rounds"][0]["slots_phase"] = {"max_tokens": 1500, "four_phase_answers": 4}
     _summarize(res, res.samples["rounds"], 2, res.samples["pairs"])
+    assert any("four streams of up to 1500 tokens" in n for n in res.notes)
     skipped = Result("vs-llama-server")
     skipped.summary = {"skipped": "not built"}
     assert [p.name for p in draw_all([res], tmp_path)] == ["vs-llama-server.png"]

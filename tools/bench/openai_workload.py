@@ -75,8 +75,8 @@ def aggregate(runs: list[dict[str, Any]]) -> float | None:
     return steady_rate([r["times"] for r in runs])
 
 
-async def slots_poller(http: Any, base: str, stop: asyncio.Event) -> list[float]:
-    """``GET /slots`` every SLOTS_POLL_S until ``stop``: each answer's latency, ms."""
+async def slots_poller(http: Any, base: str, stop: asyncio.Event, interval: float = SLOTS_POLL_S) -> list[float]:
+    """``GET /slots`` every ``interval`` s until ``stop``: each answer's latency, ms."""
     out: list[float] = []
     while not stop.is_set():
         t0 = now()
@@ -86,7 +86,7 @@ async def slots_poller(http: Any, base: str, stop: asyncio.Event) -> list[float]
                 raise BenchError(f"{base}/slots answered {r.status}")
         out.append((now() - t0) * 1000)
         try:
-            await asyncio.wait_for(stop.wait(), SLOTS_POLL_S)
+            await asyncio.wait_for(stop.wait(), interval)
         except TimeoutError:
             pass
     return out

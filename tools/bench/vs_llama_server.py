@@ -18,7 +18,10 @@ prompts ``"Story number N: once upon a time"`` (the same N for both servers in a
    slowdown of docs/performance.md showed only after such a history;
 3. **four concurrent streams**: aggregate tok/s in the window where all four produce, while a
    poller reads ``/slots`` every 50 ms (its latency under load); each server's per-thread CPU
-   over the phase (``/proc/PID/task/*/stat``: where the time goes) and its RSS after it;
+   over the phase (``/proc/PID/task/*/stat``: where the time goes) and its RSS after it. A
+   p99 needs answers: when that phase gave fewer than ``SLOTS_MIN_ANSWERS`` (a small model
+   decodes the four streams in a fraction of a second), four longer streams follow with
+   ``/slots`` read every 10 ms, and the figure is theirs (``slots_phase`` in the round);
 4. **a long prompt, cold then cached**: a document of ~1,200 tokens (by the server's own
    ``/tokenize``) asked a question, then three other questions on the same document — time
    to first token cold, and with the document's prefix cached (both cache prompts by default);
@@ -58,6 +61,9 @@ LABEL = "llama-server"
 CTX = 8192
 SLOTS = 4
 SLOTS_WIDE = 8
+SLOTS_MIN_ANSWERS = 100  # fewer /slots answers than this make no p99: measured again, longer
+SLOTS_LOAD_POLL_S = 0.01
+SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192 -np 4)
 PAIRS = 4  # one-stream requests per server in the alternating phase (1 with --quick)
 BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
     "one": ("≥ 1.0× llama-server", 1.0, "min"),
@@ -137,6 +143,27 @@ async def paired_one_stream(ctx: BenchContext, http: Any, binary: str, model: st
     return pairs
 
 
+def slots_phase_tokens(max_tokens: int, four_s: float) -> int:
+    """Tokens per stream for ``SLOTS_MIN_ANSWERS`` polls, when ``max_tokens`` took ``four_s``."""
+    want_s = SLOTS_MIN_ANSWERS * SLOTS_LOAD_POLL_S * 1.5
+    return min(SLOTS_LOAD_MAX_TOKENS, max(max_tokens, int(max_tokens * want_s / max(four_s, 1e-3))))
+
+
+async def slots_under_load(http: Any, base: str, base_n: int, max_tokens: int, four_s: float,
+                           four_answers: int) -> dict[str, Any]:
+    """Four streams long enough for ``SLOTS_MIN_ANSWERS`` answers of ``/slots`` read every
+    ``SLOTS_LOAD_POLL_S`` (from how long the four-stream phase took for ``max_tokens``, with
+    half as much again for the prefill and the polls' own time), while a poller reads it."""
+    n = slots_phase_tokens(max_tokens, four_s)
+    stop = asyncio.Event()
+    poller = asyncio.ensure_future(slots_poller(http, base, stop, SLOTS_LOAD_POLL_S))
+    streams = await concurrent(http, base, list(range(base_n + 50, base_n + 50 + SLOTS)), n)
+    stop.set()
+    answers = await poller
+    return {"max_tokens": n, "poll_s": SLOTS_LOAD_POLL_S, "four_phase_answers": four_answers,
+            "tokens": sum(r["chunks"] for r in streams), "answers_ms": answers}
+
+
 async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, model: str, rnd: int,
                     max_tokens: int) -> dict[str, Any]:
     base_n = 100 * (rnd + 1)
@@ -159,6 +186,9 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
         after, t1 = srv.thread_cpu(), now()
         stop.set()
         polls = await poller
+        if len(polls) < SLOTS_MIN_ANSWERS:
+            out["slots_phase"] = await slots_under_load(http, srv.base, base_n, max_tokens, t1 - t0, len(polls))
+            polls = out["slots_phase"].pop("answers_ms")
         out["cpu_four"] = _cpu_breakdown(srv, before, after, sum(r["chunks"] for r in four), t1 - t0)
         out["rss_mib"] = round((srv.rss_kib() or 0) / 1024, 1)
         out["peak_rss_mib"] = round((srv.peak_kib() or 0) / 1024, 1)
@@ -299,6 +329,13 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: list
                         note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
                              f"main thread's share {_pct(h['main_thread_share_four'])} vs "
                              f"{_pct(ls['main_thread_share_four'])}").with_spread(h["cpu_ms_per_token_four"]))
+    longer = [r["slots_phase"] for r in rounds if "slots_phase" in r]
+    if longer:
+        res.notes.append(
+            f"/slots p99: the four-stream phase gave {min(x['four_phase_answers'] for x in longer)}–"
+            f"{max(x['four_phase_answers'] for x in longer)} answers (< {SLOTS_MIN_ANSWERS}) in {len(longer)} round(s); "
+            f"there the figure is four streams of up to {max(x['max_tokens'] for x in longer)} tokens with /slots "
+            f"read every {SLOTS_LOAD_POLL_S * 1000:.0f} ms ({min(len(r['slots_ms']) for r in rounds)}+ answers per round)")
     finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
                 (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
     finishes += [p[f"{v}_finish"] for p in pairs for v in VARIANTS]
