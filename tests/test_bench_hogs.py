@@ -61,3 +61,52 @@ def test_hogs_stop_by_themselves_when_the_bench_is_killed():
         bench.kill()
         bench.wait(10)
         bench.stdout.close()
+
+
+@pytest.mark.asyncio
+async def test_busy_host_past_its_bound_reports_the_rounds_it_has_and_says_so(monkeypatch):
+    """The rounds run against a scripted clock (each takes 100 s of it) and scripted rounds:
+    none starts past ``BOUND_S``, and the report says how many ran of how many."""
+    from types import SimpleNamespace
+
+    from tools.bench import busy_host
+    from tools.bench.common import BenchContext
+
+    clock = [0.0]
+
+    def now() -> float:
+        return clock[0]
+
+    async def server_round(ctx, flags, seconds):
+        clock[0] += 100.0
+        return {"decode_rate": 400.0, "tokens": 800, "meta_ms": {"p99": 3.0}, "meta_failed": 0,
+                "meta_samples": [1.0, 3.0], "tokens_per_s": []}
+
+    async def bare(kind, params, timeout):
+        clock[0] += 100.0
+        return {"decode_rate": 420.0, "tokens": 840}
+
+    class NoHogs:
+        def __init__(self, n):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def alive(self):
+            return True
+
+    monkeypatch.setattr(busy_host, "now", now)
+    monkeypatch.setattr(busy_host, "_server_round", server_round)
+    monkeypatch.setattr(busy_host, "run_worker", bare)
+    monkeypatch.setattr(busy_host, "Hogs", NoHogs)
+    ctx = BenchContext(quick=False, models=SimpleNamespace(busy="m.gguf"), reps=3, threads=2)
+    res = await busy_host.run(ctx)
+    ran = res.samples["runs"]
+    rounds = 3 * (1 + len(busy_host._variants(ctx)))
+    assert len(ran) == int(busy_host.BOUND_S // 100) + 1 < rounds  # a round starts only within the bound
+    assert any(f"stopped after {len(ran)} of {rounds} rounds" in n for n in res.notes)
+    assert res.rows and res.config["bound_s"] == busy_host.BOUND_S
