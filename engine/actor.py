@@ -342,11 +342,9 @@ class EngineActor(SlotStateOps):
         job, model = msg.job, self.model
         if job.slot is None and model is not None and self.cfg.slot_prompt_similarity > 0:
             try:  # the slot is chosen by the prompt's tokens: tokenize now (long inputs on the inference thread)
-                if tokenize_on_loop(job.request):
-                    job.tokenized = (model, job_input(model, job, False))
-                else:
-                    job.tokenized = (model, await asyncio.get_running_loop().run_in_executor(
-                        self._infer, job_input, model, job, False))
+                tokens = job_input(model, job, False) if tokenize_on_loop(job.request) else \
+                    await asyncio.get_running_loop().run_in_executor(self._infer, job_input, model, job, False)
+                job.tokenized = (model, tokens)
             except Exception as e:
                 fail(job, e)
                 return

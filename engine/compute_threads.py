@@ -26,9 +26,7 @@ from typing import Callable
 SAMPLE_S = 0.5
 RESTORE_SAMPLES = 2
 FRESH_S = 0.1  # the first sample after an idle spell: 10 ticks of each core, a busy one shows
-
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # jiffies per second
 
 
 def _read_busy() -> tuple[float, float] | None:
@@ -56,7 +54,6 @@ class OtherLoad:
     def __init__(self, read: Callable[[], tuple[float, float] | None] = _read_busy,
                  clock: Callable[[], float] = time.monotonic):
         self._read, self._clock = read, clock
-        self._tick = _TICK
         self._last = (self._clock(), self._read())
 
     def sample(self) -> float | None:
@@ -65,7 +62,7 @@ class OtherLoad:
         if busy is None or busy0 is None or t <= t0:
             return None
         others = (busy[0] - busy0[0]) - (busy[1] - busy0[1])
-        return max(0.0, others / self._tick / (t - t0))
+        return max(0.0, others / _TICK / (t - t0))
 
 
 def usable_cores() -> int:

@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_until
 from tools.bench.busy_host import Hogs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,20 +31,11 @@ def _gone(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def _wait_for(cond, deadline_s: float) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def test_hogs_spin_until_stopped_and_are_really_cpu_bound():
     with Hogs(1) as hogs:
         (proc,) = hogs.procs
         stat = Path(f"/proc/{proc.pid}/stat")
-        assert _wait_for(lambda: int(stat.read_text().rsplit(")", 1)[1].split()[11]) > 0, 20)  # utime ticks
+        wait_until(lambda: int(stat.read_text().rsplit(")", 1)[1].split()[11]) > 0, "the hog's CPU time")
         assert hogs.alive()
     assert proc.poll() is not None and not hogs.alive()
 
@@ -56,7 +47,7 @@ def test_hogs_stop_by_themselves_when_the_bench_is_killed():
         assert len(pids) == 2 and not any(_gone(p) for p in pids)
         bench.send_signal(signal.SIGKILL)
         bench.wait(10)
-        assert _wait_for(lambda: all(_gone(p) for p in pids), 30), "a hog outlived the bench"
+        wait_until(lambda: all(_gone(p) for p in pids), "the hogs to end with the bench", 30)
     finally:
         bench.kill()
         bench.wait(10)

@@ -8,12 +8,13 @@ both servers.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from .common import BenchError, now, spread
 from .traffic import sse_events, steady_rate
 
 SLOTS_POLL_S = 0.05
+T = TypeVar("T")
 PREFIX_TOKENS = 1200  # the shared document of the prompt-cache phase, by the server's tokenizer
 CACHED_REQUESTS = 3  # follow-ups on the same document after the cold one
 
@@ -90,6 +91,19 @@ async def slots_poller(http: Any, base: str, stop: asyncio.Event, interval: floa
         except TimeoutError:
             pass
     return out
+
+
+async def while_polling_slots(http: Any, base: str, work: Awaitable[T], interval: float = SLOTS_POLL_S
+                              ) -> tuple[T, list[float]]:
+    """``work`` awaited while ``/slots`` is read every ``interval`` s: its result, and each
+    answer's latency (ms)."""
+    stop = asyncio.Event()
+    poller = asyncio.ensure_future(slots_poller(http, base, stop, interval))
+    try:
+        result = await work
+    finally:
+        stop.set()
+    return result, await poller
 
 
 async def count_tokens(http: Any, base: str, text: str) -> int:

@@ -53,7 +53,7 @@ from typing import Any
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent,
-                              prompt_cache_phase, slots_poller, story, strip)
+                              prompt_cache_phase, story, strip, while_polling_slots)
 
 NAME = "vs-llama-server"
 VARIANTS = ["llama-server", "hydra"]
@@ -150,18 +150,15 @@ def slots_phase_tokens(max_tokens: int, four_s: float) -> int:
 
 
 async def slots_under_load(http: Any, base: str, base_n: int, max_tokens: int, four_s: float,
-                           four_answers: int) -> dict[str, Any]:
+                           four_answers: int) -> tuple[dict[str, Any], list[float]]:
     """Four streams long enough for ``SLOTS_MIN_ANSWERS`` answers of ``/slots`` read every
     ``SLOTS_LOAD_POLL_S`` (from how long the four-stream phase took for ``max_tokens``, with
-    half as much again for the prefill and the polls' own time), while a poller reads it."""
+    half as much again for the prefill and the polls' own time): the phase's record, the answers."""
     n = slots_phase_tokens(max_tokens, four_s)
-    stop = asyncio.Event()
-    poller = asyncio.ensure_future(slots_poller(http, base, stop, SLOTS_LOAD_POLL_S))
-    streams = await concurrent(http, base, list(range(base_n + 50, base_n + 50 + SLOTS)), n)
-    stop.set()
-    answers = await poller
+    streams, answers = await while_polling_slots(
+        http, base, concurrent(http, base, list(range(base_n + 50, base_n + 50 + SLOTS)), n), SLOTS_LOAD_POLL_S)
     return {"max_tokens": n, "poll_s": SLOTS_LOAD_POLL_S, "four_phase_answers": four_answers,
-            "tokens": sum(r["chunks"] for r in streams), "answers_ms": answers}
+            "tokens": sum(r["chunks"] for r in streams)}, answers
 
 
 async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, model: str, rnd: int,
@@ -179,17 +176,15 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
             shuffle.append(asyncio.ensure_future(completion(http, srv.base, story(n), 24)))
             await asyncio.sleep(0.05)
         shuffle_runs = list(await asyncio.gather(*shuffle))
-        stop = asyncio.Event()
-        poller = asyncio.ensure_future(slots_poller(http, srv.base, stop))
-        before, t0 = srv.thread_cpu(), now()
-        four = await concurrent(http, srv.base, list(range(base_n + 10, base_n + 10 + SLOTS)), max_tokens)
-        after, t1 = srv.thread_cpu(), now()
-        stop.set()
-        polls = await poller
+        async def four_streams() -> tuple[list[dict[str, Any]], dict[int, float], dict[int, float], float]:
+            before, t0 = srv.thread_cpu(), now()
+            four = await concurrent(http, srv.base, list(range(base_n + 10, base_n + 10 + SLOTS)), max_tokens)
+            return four, before, srv.thread_cpu(), now() - t0
+
+        (four, before, after, four_s), polls = await while_polling_slots(http, srv.base, four_streams())
         if len(polls) < SLOTS_MIN_ANSWERS:
-            out["slots_phase"] = await slots_under_load(http, srv.base, base_n, max_tokens, t1 - t0, len(polls))
-            polls = out["slots_phase"].pop("answers_ms")
-        out["cpu_four"] = _cpu_breakdown(srv, before, after, sum(r["chunks"] for r in four), t1 - t0)
+            out["slots_phase"], polls = await slots_under_load(http, srv.base, base_n, max_tokens, four_s, len(polls))
+        out["cpu_four"] = _cpu_breakdown(srv, before, after, sum(r["chunks"] for r in four), four_s)
         out["rss_mib"] = round((srv.rss_kib() or 0) / 1024, 1)
         out["peak_rss_mib"] = round((srv.peak_kib() or 0) / 1024, 1)
         out["rss_detail_mib"] = rss_detail(srv.pid)
