@@ -49,6 +49,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def _shares(a: list[int], b: list[int], k: int) -> bool:
+    """Do ``a`` and ``b`` both start with the same ``k`` tokens? (One comparison at C speed.)"""
+    return len(a) >= k and a[:k] == b[:k]
+
+
 def serves(pos_min: int, n: int, n_swa: int, held: int | None = None) -> bool:
     """Do cells from ``pos_min`` on let a token at position ``n`` attend to all it needs?
     ``held``: the tokens of a recurrent state, which serves only all of them."""
@@ -61,13 +66,13 @@ def serves(pos_min: int, n: int, n_swa: int, held: int | None = None) -> bool:
 class CachedPrompt:
     model_key: Hashable
     tokens: list[int]
-    state: bytes
+    state: bytes | memoryview
     pos_min: int = 0
     size: int = 0  # bytes it takes (state + tokens), in RAM or on disk
     path: Path | None = None  # on the disk tier: the file holding the state
 
     def __post_init__(self) -> None:
-        self.size = self.size or len(self.state) + 4 * len(self.tokens)
+        self.size = self.size or memoryview(self.state).nbytes + 4 * len(self.tokens)
 
 
 @dataclass
@@ -101,12 +106,16 @@ class HostCache:
         return self.limit_bytes is None or size <= self.limit_bytes
 
     def best(self, model_key: Hashable, tokens: list[int], n_swa: int = 0,
-             recurrent: bool = False) -> tuple[int, int] | None:
+             recurrent: bool = False, at_least: int = 1) -> tuple[int, int] | None:
         """(entry id, common prefix length) of the entry of ``model_key`` that gives the longest
-        usable prefix of ``tokens``; None when none gives any."""
+        usable prefix of ``tokens``, of ``at_least`` tokens; None when none gives that many.
+
+        Every request looks here, and the tier may hold thousands of entries: one slice
+        comparison turns away an entry that cannot beat the best so far (most of them)."""
         best: tuple[int, int] | None = None
         for eid, e in [*self.entries.items(), *self.spilled.items()]:
-            if e.model_key != model_key:
+            k = at_least if best is None else max(at_least, best[1] + 1)
+            if e.model_key != model_key or not _shares(e.tokens, tokens, k):
                 continue
             n = common_prefix(e.tokens, tokens)
             held = len(e.tokens) if recurrent else None
@@ -129,19 +138,20 @@ class HostCache:
             self.disk.remove(e.path)
         return e
 
-    def put(self, model_key: Hashable, tokens: list[int], state: bytes, pos_min: int = 0, n_swa: int = 0,
-            recurrent: bool = False) -> bool:
-        """Keep a state; False when it is not kept (already held, or larger than the limit)."""
-        entry = CachedPrompt(model_key, list(tokens), bytes(state), pos_min)
+    def put(self, model_key: Hashable, tokens: list[int], state: bytes | memoryview, pos_min: int = 0,
+            n_swa: int = 0, recurrent: bool = False) -> bool:
+        """Keep a state (held as given: the caller hands it over); False when it is not kept
+        (already held, or larger than the limit)."""
+        entry = CachedPrompt(model_key, list(tokens), state, pos_min)
         for e in [*self.entries.values(), *self.spilled.values()]:
-            if (e.model_key == model_key and common_prefix(e.tokens, tokens) == len(tokens)
+            if (e.model_key == model_key and _shares(e.tokens, tokens, len(tokens))
                     and serves(e.pos_min, len(tokens), n_swa, len(e.tokens) if recurrent else None)):
                 return False  # an entry holding these tokens (and maybe more) serves them already
         if not self.fits(entry.size):
             self.stats.refused += 1
             return False
         for eid, e in [*self.entries.items(), *self.spilled.items()]:
-            if (e.model_key == model_key and common_prefix(e.tokens, tokens) == len(e.tokens)
+            if (e.model_key == model_key and _shares(tokens, e.tokens, len(e.tokens))
                     and serves(pos_min, len(e.tokens), n_swa, len(tokens) if recurrent else None)):
                 self._drop(eid)  # the new entry serves everything this one did: obsolete
         while self.limit_bytes is not None and self.entries and self.n_bytes + entry.size > self.limit_bytes:

@@ -29,6 +29,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+import numpy as np
+
 from .backend import ModelBackend
 from .checkpoints import Checkpoints
 from .disk_tier import DiskTier
@@ -173,9 +175,9 @@ class PromptCache:
         donor = self._best_donor(model, slot, target, max_keep) if elsewhere else None
         if donor is not None and donor[1] >= n + MIN_SHARED_PREFIX:
             source, n, found = "shared", donor[1], donor
-        if self.host is not None and elsewhere:
-            entry = self.host.best(self.model_key, target, model.n_swa, model.recurrent)
-            if entry is not None and min(entry[1], max_keep) >= n + MIN_SHARED_PREFIX:
+        if self.host is not None and elsewhere and max_keep >= n + MIN_SHARED_PREFIX:
+            entry = self.host.best(self.model_key, target, model.n_swa, model.recurrent, at_least=n + MIN_SHARED_PREFIX)
+            if entry is not None:
                 source, n, found = "host", min(entry[1], max_keep), entry
         return source, n, found
 
@@ -235,11 +237,17 @@ class PromptCache:
             return
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
             return
-        if not self.host.fits(model.state_seq_size(slot.id) + 4 * held):  # before copying it out
+        size = model.state_seq_size(slot.id)
+        if not self.host.fits(size + 4 * held):  # before copying it out
             self.host.stats.refused += 1
             return
-        self.host.put(self.model_key, slot.tokens, bytes(model.state_seq_get(slot.id)),
-                      pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa, recurrent=model.recurrent)
+        # llama.cpp writes the state straight into the buffer the entry keeps, not zeroed first:
+        # no pass over it but llama.cpp's on the way to the next request's prefill (a long
+        # prompt's state is tens of MiB)
+        buf = np.empty(size, dtype=np.uint8)
+        state = memoryview(buf)[:model.state_seq_get_into(slot.id, buf)]
+        self.host.put(self.model_key, slot.tokens, state, pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa,
+                      recurrent=model.recurrent)
 
     def _keep_own(self, model: ModelBackend, slot: Slot, target: list[int], own: int, max_keep: int) -> int:
         n = own

@@ -2,7 +2,7 @@
 the byte limit, LRU eviction and model keys; and llama-server's --cache-reuse walk."""
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.host_cache import HostCache, common_prefix
@@ -20,6 +20,31 @@ def naive_prefix(a, b):
 def test_common_prefix_is_the_longest_common_prefix(a, b):
     assert common_prefix(a, b) == naive_prefix(a, b)
     assert common_prefix(a, a + b) == len(a)
+
+
+@settings(max_examples=400, deadline=None)
+@example(prompts=[[0, 2], [0, 1]], target=[0, 1], at_least=1, recurrent=False)  # a later entry, one longer
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), max_size=12),
+       st.lists(st.integers(0, 2), max_size=14), st.integers(1, 8), st.booleans())
+def test_best_and_put_agree_with_a_scan_of_every_entry(prompts, target, at_least, recurrent):
+    """The lookup turns entries away with one comparison each: it must pick what comparing
+    every entry in full picks (the longest usable prefix, the first of equals), and a put must
+    drop exactly the entries the new one covers."""
+    h = HostCache(limit_bytes=None)
+    for p in prompts:
+        held = [e.tokens for e in h.entries.values()]
+        covered = any(naive_prefix(t, p) == len(p) and (not recurrent or len(t) == len(p)) for t in held)
+        assert h.put("m", p, bytes(len(p)), recurrent=recurrent) is not covered
+        if not covered:
+            obsolete = [t for t in held if naive_prefix(t, p) == len(t) and (not recurrent or len(t) == len(p))]
+            assert len(h) == len(held) - len(obsolete) + 1
+    want = None
+    for eid, e in h.entries.items():
+        n = naive_prefix(e.tokens, target)
+        if n >= at_least and (not recurrent or n == len(e.tokens)) and (want is None or n > want[1]):
+            want = (eid, n)
+    assert h.best("m", target, recurrent=recurrent, at_least=at_least) == want
+    assert h.best("other", target) is None
 
 
 def test_best_entry_takes_and_obsolete_entries():
