@@ -57,9 +57,13 @@ def test_quick_bench_writes_every_result(tmp_path):
     else:
         assert {r["variant"] for r in vs["samples"]["rounds"]} == {"llama-server", "hydra"}
         assert vs["summary"]["four_tok_s"]["ratios"] and vs["summary"]["one_tok_s"]["ratios"]
-        (pair,) = vs["samples"]["pairs"]  # both servers served the alternating phase's request
+        pairs = vs["samples"]["pairs"]  # both servers served each alternating request
+        (pair,) = pairs["one"]
         assert pair["hydra"] > 0 and pair["llama-server"] > 0
         assert vs["summary"]["one_paired_tok_s"]["ratios"] == [round(pair["hydra"] / pair["llama-server"], 4)]
+        assert len(pairs["ttft"]) == 4 and len(pairs["cached"]) == 2
+        assert all(p[v] > 0 for p in pairs["ttft"] + pairs["cached"] for v in ("hydra", "llama-server"))
+        assert vs["summary"]["ttft_paired_ms"]["ratios"] and vs["summary"]["cache_warm_paired_ms"]["ratios"]
 
 
 VS_SKIPPED = "skipped: no llama-server (not built: run scripts/build_llama_server.sh to build it)"
@@ -98,15 +102,21 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
 
     res = Result("vs-llama-server")
     rounds = [rnd(v, i, 0.5 if v == "hydra" else 1.0) for i in range(3) for v in ("llama-server", "hydra")]
-    pairs = [{"pair": i, "llama-server": 40.0, "hydra": 40.0 + i, "llama-server_finish": "length",
-              "hydra_finish": "length"} for i in range(4)]
-    _summarize(res, rounds, 3, pairs)
+    def pairs(ours, theirs):
+        return [{"pair": i, "llama-server": theirs, "hydra": ours(i), "llama-server_finish": "length",
+                 "hydra_finish": "length"} for i in range(4)]
+
+    _summarize(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "ttft": pairs(lambda i: 2.0 + i, 4.0),
+                                "cached": pairs(lambda i: 12.0, 10.0)})
     rows = {r.metric: r for r in res.rows}
     assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
+    (_, one), (_, ttft), (_, cached) = PAIRED
     paired = res.rows[len(FIGURES)]
-    assert paired.metric == PAIRED[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
-    assert res.summary[PAIRED[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
+    assert paired.metric == one[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
+    assert res.summary[one[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
     assert "1.04 (1.00–1.07) over 4 pairs" in paired.note
+    assert rows[ttft[1]].ok is True and rows[ttft[1]].ratio == pytest.approx(3.5 / 4)  # medians: 3.5 ms vs 4
+    assert rows[cached[1]].ok is False and res.summary[cached[0]]["ratios"] == [1.2] * 4
     four = rows[FIGURES[2][1]]
     assert four.ratio == pytest.approx(0.5) and four.ok is False and four.budget
     assert res.summary["four_tok_s"]["ratios"] == [0.5, 0.5, 0.5]

@@ -81,8 +81,8 @@ def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
 
     res = Result("vs-llama-server")
     res.samples = {"rounds": [rnd(v, i) for i in range(2) for v in ("llama-server", "hydra")],
-                   "pairs": [{"pair": 0, "llama-server": 40.0, "hydra": 41.0, "llama-server_finish": "length",
-                              "hydra_finish": "length"}]}
+                   "pairs": {"one": [{"pair": 0, "llama-server": 40.0, "hydra": 41.0,
+                                      "llama-server_finish": "length", "hydra_finish": "length"}]}}
     res.samples["rounds"][0]["slots_phase"] = {"max_tokens": 1500, "four_phase_answers": 4}
     _summarize(res, res.samples["rounds"], 2, res.samples["pairs"])
     assert any("four streams of up to 1500 tokens" in n for n in res.notes)

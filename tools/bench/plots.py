@@ -327,7 +327,7 @@ def vs_llama_server(res: Result, plt) -> object | None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]})
     labels, med, lo, hi = [], [], [], []
-    for key, label, _unit, budget in [*FIGURES, PAIRED]:
+    for key, label, _unit, budget in [*FIGURES, *(figure for _, figure in PAIRED)]:
         ratios = [q for q in s.get(key, {}).get("ratios", []) if q]
         if not ratios:
             continue

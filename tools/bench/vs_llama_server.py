@@ -30,11 +30,15 @@ prompts ``"Story number N: once upon a time"`` (the same N for both servers in a
    with two short chats after it), then four concurrent;
 6. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
 
-After the rounds, **one stream, request by request**: both servers up at once (``-np 4``, each
-idle while the other serves), ``PAIRS`` one-stream requests on each, alternating (the order
-rotating every pair, the same prompt for both in a pair). A round lasts minutes and a
-200-token request a few seconds; a host whose speed drifts between phases gives the rounds'
-one-stream figure whichever phase each round met, the pairs meet it together.
+After the rounds, **request by request**: both servers up at once (``-np 4``, each idle while
+the other serves), requests alternating (the order rotating every pair, the same prompt for
+both in a pair): ``PAIRS`` one-stream requests (decode tok/s), ``TTFT_PAIRS`` short requests
+(time to first token), and ``CACHED_PAIRS`` questions on a document each server already holds
+(time to first token with the prefix cached). A round lasts minutes and a 200-token request a
+few seconds; a host whose speed drifts between phases gives the rounds' figures whichever
+phase each round met, the pairs meet it together — and a round's time to first token is the
+median of three requests, a few milliseconds each on a small model, where one scheduling
+hiccup decides it: the pairs give dozens.
 
 Every figure is reported as ours / llama-server's: the row's value and baseline are the
 medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
@@ -48,12 +52,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent,
-                              prompt_cache_phase, story, strip, while_polling_slots)
+                              prompt_cache_phase, shared_document, story, strip, while_polling_slots)
 
 NAME = "vs-llama-server"
 VARIANTS = ["llama-server", "hydra"]
@@ -65,6 +70,9 @@ SLOTS_MIN_ANSWERS = 100  # fewer /slots answers than this make no p99: measured 
 SLOTS_LOAD_POLL_S = 0.01
 SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192 -np 4)
 PAIRS = 4  # one-stream requests per server in the alternating phase (1 with --quick)
+TTFT_PAIRS = 40  # short requests per server there, for time to first token (4 with --quick)
+CACHED_PAIRS = 12  # questions per server on a cached document there (2 with --quick)
+TTFT_TOKENS = 4  # what the short requests ask for: their time to first token is the figure
 BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
     "one": ("≥ 1.0× llama-server", 1.0, "min"),
     "ttft": ("≤ 1.0× llama-server", 1.0, "max"),
@@ -127,20 +135,37 @@ def rss_detail(pid: int) -> dict[str, float]:
     return out
 
 
-async def paired_one_stream(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int
-                            ) -> list[dict[str, Any]]:
-    """Both servers up, one request at a time, alternating: each pair's decode tok/s and finish."""
+async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int) -> dict[str, list]:
+    """Both servers up, one request at a time, alternating request by request (a drift of the
+    host's speed meets both alike): one-stream decode tok/s, then time to first token of short
+    requests, then of questions on a document each server holds cached."""
     with start("llama-server", binary, model, SLOTS, ctx.threads) as theirs, \
             start("hydra", binary, model, SLOTS, ctx.threads) as ours:
         servers = {"llama-server": theirs, "hydra": ours}
         for srv in servers.values():
             await completion(http, srv.base, "Warm up: the weather today is", 8)
-        pairs: list[dict[str, Any]] = [{"pair": i} for i in range(ctx.pick(PAIRS, 1))]
-        for i, variant in interleaved(len(pairs), VARIANTS):
-            r = await completion(http, servers[variant].base, story(900 + i), max_tokens)
-            pairs[i][variant] = r["decode_tok_s"]
-            pairs[i][f"{variant}_finish"] = r["finish"]
-    return pairs
+
+        async def each_pair(n: int, request: Callable[[str, int], Awaitable[dict[str, Any]]], key: str
+                            ) -> list[dict[str, Any]]:
+            pairs: list[dict[str, Any]] = [{"pair": i} for i in range(n)]
+            for i, variant in interleaved(n, VARIANTS):
+                r = await request(variant, i)
+                pairs[i][variant] = r[key]
+                pairs[i][f"{variant}_finish"] = r["finish"]
+            return pairs
+
+        one = await each_pair(ctx.pick(PAIRS, 1), lambda v, i: completion(
+            http, servers[v].base, story(900 + i), max_tokens), "decode_tok_s")
+        ttft = await each_pair(ctx.pick(TTFT_PAIRS, 4), lambda v, i: completion(
+            http, servers[v].base, f"A list of rivers, number {700 + i}:", TTFT_TOKENS), "ttft_ms")
+        docs = {v: await shared_document(http, srv.base, 600, ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4))
+                for v, srv in servers.items()}
+        for v, srv in servers.items():  # cold, not measured: the document is in a slot after it
+            await completion(http, srv.base, docs[v] + "Question: which town is first? Answer:", TTFT_TOKENS)
+        cached = await each_pair(ctx.pick(CACHED_PAIRS, 2), lambda v, i: completion(
+            http, servers[v].base, docs[v] + f"Question {i}: which town has the ferry at {i % 12 + 1} o'clock? "
+                                             "Answer:", TTFT_TOKENS), "ttft_ms")
+    return {"one": one, "ttft": ttft, "cached": cached}
 
 
 def slots_phase_tokens(max_tokens: int, four_s: float) -> int:
@@ -254,7 +279,7 @@ async def run(ctx: BenchContext) -> Result:
             print(f"hydra-rpc bench: {NAME}: round {rnd + 1}/{ctx.reps}, {variant}", file=sys.stderr, flush=True)
             rounds.append(await one_round(ctx, http, variant, str(binary), model, rnd, max_tokens))
         print(f"hydra-rpc bench: {NAME}: one stream, the two servers alternating", file=sys.stderr, flush=True)
-        pairs = await paired_one_stream(ctx, http, str(binary), model, max_tokens)
+        pairs = await paired(ctx, http, str(binary), model, max_tokens)
     res.samples = {"rounds": rounds, "pairs": pairs}
     _summarize(res, rounds, ctx.reps, pairs)
     return res
@@ -273,8 +298,14 @@ FIGURES = [  # key in a round, row label, unit, budget key
     ("chat_ttft_ms", "chat completions, time to first token (median of 3 requests)", "ms", "ttft"),
     ("chat_four_tok_s", f"chat completions, {SLOTS} concurrent streams, aggregate tok/s", "tok/s", "four"),
 ]
-PAIRED = ("one_paired_tok_s", "one stream, the two servers alternating request by request, decode tok/s", "tok/s",
-          "one")
+PAIRED = [  # samples["pairs"] key, then as FIGURES
+    ("one", ("one_paired_tok_s", "one stream, the two servers alternating request by request, decode tok/s",
+             "tok/s", "one")),
+    ("ttft", ("ttft_paired_ms", f"time to first token, the two servers alternating ({TTFT_TOKENS}-token requests, "
+                                "median of the pairs)", "ms", "ttft")),
+    ("cached", ("cache_warm_paired_ms", "a cached document's questions, the two servers alternating: time to "
+                                        "first token (median of the pairs)", "ms", "ttft")),
+]
 
 
 def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], ours: list, theirs: list,
@@ -297,15 +328,17 @@ def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], o
                     .with_spread(s[key]["hydra"]))
 
 
-def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: list[dict[str, Any]] = ()) -> None:
+def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str, list] | None = None) -> None:
     def of(v: str, key: str) -> list:
         return [r[key] for r in sorted((r for r in rounds if r["variant"] == v), key=lambda r: r["round"])]
 
     s: dict[str, Any] = {}
     for figure in FIGURES:
         _figure(res, s, figure, of("hydra", figure[0]), of("llama-server", figure[0]))
-    if pairs:
-        _figure(res, s, PAIRED, [p["hydra"] for p in pairs], [p["llama-server"] for p in pairs], per="pair")
+    for key, figure in PAIRED:
+        if (pairs or {}).get(key):
+            _figure(res, s, figure, [p["hydra"] for p in pairs[key]], [p["llama-server"] for p in pairs[key]],
+                    per="pair")
     # scaling and where the time goes: informational
     for v in VARIANTS:
         scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
@@ -333,7 +366,7 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: list
             f"read every {SLOTS_LOAD_POLL_S * 1000:.0f} ms ({min(len(r['slots_ms']) for r in rounds)}+ answers per round)")
     finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
                 (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
-    finishes += [p[f"{v}_finish"] for p in pairs for v in VARIANTS]
+    finishes += [p[f"{v}_finish"] for p in (pairs or {}).get("one", ()) for v in VARIANTS]
     short = [f for f in finishes if f != "length"]
     if short:
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
