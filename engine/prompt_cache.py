@@ -176,7 +176,8 @@ class PromptCache:
         if donor is not None and donor[1] >= n + MIN_SHARED_PREFIX:
             source, n, found = "shared", donor[1], donor
         if self.host is not None and elsewhere and max_keep >= n + MIN_SHARED_PREFIX:
-            entry = self.host.best(self.model_key, target, model.n_swa, model.recurrent, at_least=n + MIN_SHARED_PREFIX)
+            entry = self.host.best(self.model_key, target, model.n_swa, model.recurrent,
+                                   at_least=n + MIN_SHARED_PREFIX)
             if entry is not None:
                 source, n, found = "host", min(entry[1], max_keep), entry
         return source, n, found
