@@ -3,6 +3,8 @@ server of ours: completions, chat completions and the prompt-cache phase are cou
 the bench reports them, and the scenario's chart draws from a scripted result."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 import pytest
 import pytest_asyncio
@@ -92,3 +94,42 @@ def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
     assert (tmp_path / "vs-llama-server.png").stat().st_size > 1000
     (tmp_path / "vs-llama-server.png").unlink()
     assert draw_all([skipped], tmp_path) == [] and not (tmp_path / "vs-llama-server.png").exists()
+
+
+def _bare_gguf(path, arch: str) -> str:
+    """A GGUF file with an architecture and no chat template (no tensors: only its header is read)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_a_model_file_without_a_chat_template_gets_one_template_for_both_servers(tmp_path, tiny_model_path):
+    """Left to themselves llama-server would render ChatML and this server Gemma turns (Gemma 3
+    270M's file has no template): vs-llama-server gives both the same file, and the Gemma one
+    renders what this server's own fallback renders."""
+    from engine.llama_backend.chat_template import ChatTemplate
+    from tools.bench import vs_llama_server as vs
+
+    assert vs.chat_template_args(tiny_model_path) == ()  # the file's own template serves both
+    gemma = vs.chat_template_args(_bare_gguf(tmp_path / "g.gguf", "gemma3"))
+    assert vs._shown(gemma) == ["--chat-template-file", "tools/bench/templates/gemma-turns.jinja"]
+    assert vs._shown(vs.chat_template_args(_bare_gguf(tmp_path / "l.gguf", "llama"))) == [
+        "--chat-template-file", "tools/bench/templates/chatml.jinja"]
+    argv = vs.llama_argv("M", 1, 4, 2, gemma)
+    assert argv[-2:] == list(gemma) and argv[:2] == ["-m", "M"]
+
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Why?"}]
+    own = ChatTemplate(None, "gemma3").render(conversation, True, bos_token="<bos>", eos_token="<eos>")
+    bench = ChatTemplate(Path(gemma[1]).read_text(), "gemma3").render(conversation, True, bos_token="<bos>",
+                                                                  eos_token="<eos>")
+    assert bench == own == ("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello"
+                            "<end_of_turn>\n<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n")
+    chatml = ChatTemplate((vs.TEMPLATES / "chatml.jinja").read_text(), "llama").render(
+        conversation[1:2], True, bos_token="<s>", eos_token="</s>")
+    assert chatml == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -6,7 +6,8 @@ Both servers get the **same** llama-server argv::
 
     -m MODEL --host 127.0.0.1 --port P -c 8192 -np 4 -t THREADS
 
-ours through ``hydra-llama-engine`` with ``--rpc-port 0`` added. They run one at a time, in
+(plus ``--chat-template-file`` when the model file carries no chat template: see
+:func:`chat_template_args`), ours through ``hydra-llama-engine`` with ``--rpc-port 0`` added. They run one at a time, in
 alternating rounds (the order rotates every round), each round on fresh processes, with the
 same HTTP workload — OpenAI ``/v1/completions``, streamed, greedy, ``max_tokens`` 200, distinct
 prompts ``"Story number N: once upon a time"`` (the same N for both servers in a round):
@@ -26,7 +27,8 @@ prompts ``"Story number N: once upon a time"`` (the same N for both servers in a
    ``/tokenize``) asked a question, then three other questions on the same document — time
    to first token cold, and with the document's prefix cached (both cache prompts by default);
 5. **chat completions** through the model's own chat template (``/v1/chat/completions``; the
-   default argv renders it with Jinja on both): one stream (decode tok/s; time to first token
+   default argv renders it with Jinja on both; a file without one, as Gemma 3 270M's, gets the
+   same template file on both, so that both render one prompt): one stream (decode tok/s; time to first token
    with two short chats after it), then four concurrent;
 6. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
 
@@ -50,10 +52,14 @@ full run builds it when missing, a ``--quick`` run does not.
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
+
+from tools.spawn import ROOT
 
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
@@ -61,6 +67,7 @@ from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, comp
                               prompt_cache_phase, shared_document, story, strip, while_polling_slots)
 
 NAME = "vs-llama-server"
+TEMPLATES = Path(__file__).parent / "templates"
 VARIANTS = ["llama-server", "hydra"]
 LABEL = "llama-server"
 CTX = 8192
@@ -89,15 +96,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_argv(model: str, port: int, slots: int, threads: int) -> list[str]:
+def llama_argv(model: str, port: int, slots: int, threads: int, template: list[str] | tuple = ()) -> list[str]:
     """The one command line both servers get."""
     return ["-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(CTX), "-np", str(slots),
-            "-t", str(threads)]
+            "-t", str(threads), *template]
+
+
+@functools.lru_cache(maxsize=8)
+def chat_template_args(model: str) -> tuple[str, ...]:
+    """``--chat-template-file`` for a model file that carries no chat template, else nothing.
+    Without one the servers fall back differently (llama-server to ChatML, this server to Gemma
+    turns for the Gemma family), and their chat rows would compare two prompts of different
+    lengths; with the file both render the same one."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(model).fields
+    if "tokenizer.chat_template" in fields:
+        return ()
+    arch = fields.get("general.architecture")
+    gemma = arch is not None and bytes(arch.parts[arch.data[0]]).decode(errors="replace").startswith("gemma")
+    return "--chat-template-file", str(TEMPLATES / ("gemma-turns.jinja" if gemma else "chatml.jinja"))
+
+
+def _shown(template: tuple[str, ...]) -> list[str]:
+    """The template arguments as the results show them: the file by its name in the repository."""
+    return [str(Path(a).relative_to(ROOT)) if a.startswith(str(ROOT)) else a for a in template]
 
 
 def start(variant: str, binary: str, model: str, slots: int, threads: int) -> OpenAIServer:
     port = free_port()
-    argv = llama_argv(model, port, slots, threads)
+    argv = llama_argv(model, port, slots, threads, chat_template_args(model))
     if variant == "llama-server":
         return OpenAIServer([binary, *argv], port, "llama-server")
     return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0"], port,
@@ -266,7 +294,7 @@ async def run(ctx: BenchContext) -> Result:
     max_tokens = ctx.pick(200, 32)
     res.config = {"model": model, "llama_server": str(binary), "llama_server_build": build_info(binary),
                   "argv": llama_argv("MODEL", 0, SLOTS, ctx.threads)[:4] + ["--port", "P"] +
-                          llama_argv("MODEL", 0, SLOTS, ctx.threads)[6:],
+                          llama_argv("MODEL", 0, SLOTS, ctx.threads, _shown(chat_template_args(model)))[6:],
                   "ours_adds": ["--rpc-port", "0"], "wide_slots": SLOTS_WIDE, "max_tokens": max_tokens,
                   "rounds": ctx.reps, "threads": ctx.threads, "slots_poll_s": SLOTS_POLL_S, "variants": VARIANTS,
                   "budgets": {k: list(v) for k, v in BUDGETS.items()}}
