@@ -7,10 +7,11 @@ Both servers get the **same** llama-server argv::
     -m MODEL --host 127.0.0.1 --port P -c 8192 -np 4 -t THREADS
 
 (plus ``--chat-template-file`` when the model file carries no chat template: see
-:func:`chat_template_args`), ours through ``hydra-llama-engine`` with ``--rpc-port 0`` added. They run one at a time, in
-alternating rounds (the order rotates every round), each round on fresh processes, with the
-same HTTP workload — OpenAI ``/v1/completions``, streamed, greedy, ``max_tokens`` 200, distinct
-prompts ``"Story number N: once upon a time"`` (the same N for both servers in a round):
+:func:`chat_template_args`), ours through ``hydra-llama-engine`` with ``--rpc-port 0`` added.
+They run one at a time, in alternating rounds (the order rotates every round), each round on
+fresh processes, with the same HTTP workload — OpenAI ``/v1/completions``, streamed, greedy,
+``max_tokens`` 200, distinct prompts ``"Story number N: once upon a time"`` (the same N for
+both servers in a round):
 
 1. ``-np 4``: a warm-up request; **one stream** (decode tok/s from its first to its last
    token; time to first token, with the two requests of step 2);
