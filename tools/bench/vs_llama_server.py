@@ -29,8 +29,8 @@ both servers in a round):
    to first token cold, and with the document's prefix cached (both cache prompts by default);
 5. **chat completions** through the model's own chat template (``/v1/chat/completions``; the
    default argv renders it with Jinja on both; a file without one, as Gemma 3 270M's, gets the
-   same template file on both, so that both render one prompt): one stream (decode tok/s; time to first token
-   with two short chats after it), then four concurrent;
+   same template file on both, so that both render one prompt): one stream (decode tok/s; time
+   to first token with two short chats after it), then four concurrent;
 6. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
 
 After the rounds, **request by request**: both servers up at once (``-np 4``, each idle while
@@ -56,7 +56,7 @@ import asyncio
 import functools
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_argv(model: str, port: int, slots: int, threads: int, template: list[str] | tuple = ()) -> list[str]:
+def llama_argv(model: str, port: int, slots: int, threads: int, template: Sequence[str] = ()) -> list[str]:
     """The one command line both servers get."""
     return ["-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(CTX), "-np", str(slots),
             "-t", str(threads), *template]
@@ -115,7 +115,7 @@ def chat_template_args(model: str) -> tuple[str, ...]:
     if "tokenizer.chat_template" in fields:
         return ()
     arch = fields.get("general.architecture")
-    gemma = arch is not None and bytes(arch.parts[arch.data[0]]).decode(errors="replace").startswith("gemma")
+    gemma = arch is not None and str(arch.contents()).startswith("gemma")
     return "--chat-template-file", str(TEMPLATES / ("gemma-turns.jinja" if gemma else "chatml.jinja"))
 
 
