@@ -328,12 +328,10 @@ FIGURES = [  # key in a round, row label, unit, budget key
     ("chat_four_tok_s", f"chat completions, {SLOTS} concurrent streams, aggregate tok/s", "tok/s", "four"),
 ]
 PAIRED = [  # samples["pairs"] key, then as FIGURES
-    ("one", ("one_paired_tok_s", "one stream, the two servers alternating request by request, decode tok/s",
-             "tok/s", "one")),
-    ("ttft", ("ttft_paired_ms", f"time to first token, the two servers alternating ({TTFT_TOKENS}-token requests, "
-                                "median of the pairs)", "ms", "ttft")),
-    ("cached", ("cache_warm_paired_ms", "a cached document's questions, the two servers alternating: time to "
-                                        "first token (median of the pairs)", "ms", "ttft")),
+    ("one", ("one_paired_tok_s", "one stream, alternating request by request, decode tok/s", "tok/s", "one")),
+    ("ttft", ("ttft_paired_ms", "time to first token, alternating request by request (median)", "ms", "ttft")),
+    ("cached", ("cache_warm_paired_ms", "cached document: time to first token, alternating (median)", "ms",
+                "ttft")),
 ]
 
 
