@@ -63,6 +63,15 @@ async def poll_until(fetch, pred, timeout: float = 60.0):
             await asyncio.sleep(0.01)
 
 
+async def log_shows(proc, *texts: str, timeout: float = 30.0) -> str:
+    """A server process's log once it holds every one of ``texts`` (its output is read by a
+    thread: a line the server wrote may not be in ``proc.log`` yet)."""
+    async def log() -> str:
+        return proc.log
+
+    return await poll_until(log, lambda text: all(t in text for t in texts), timeout)
+
+
 async def slot_meta_http(http, slot: int) -> dict:
     async with http.get(f"/slots/{slot}/state/meta") as r:
         assert r.status == 200, await r.text()

@@ -96,7 +96,8 @@ def test_port_0_gives_two_free_ports_each_printed_with_its_flag(tiny_model_path)
         assert hydra > 1024 and http > 1024 and hydra != http
         assert re.search(rf"listening on 127\.0\.0\.1:{hydra} \(Hydra port, --rpc-port\)", p.log), p.log
         assert re.search(rf"http on 127\.0\.0\.1:{http} \(HTTP, --port\)", p.log), p.log
-        assert f"hydra-rpc call INFO --target 127.0.0.1:{hydra}" in p.log
+        # the hint follows the port lines: wait for it, the child may not have printed it yet
+        p.wait_for(re.compile(re.escape(f"hydra-rpc call INFO --target 127.0.0.1:{hydra}")), 60)
         for port in (hydra, http):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
         assert _call(hydra, "INFO").returncode == 0

@@ -15,7 +15,7 @@ import pytest
 from codec.enums import Op, Status
 from hydra_rpc.client import HydraClient
 from hydra_rpc.conn_budget import RESERVED_FDS, ConnectionBudget
-from tests.helpers import poll_until, serving
+from tests.helpers import log_shows, poll_until, serving
 from tools.spawn import HYDRA_HTTP, HYDRA_LISTENING, ChildProcess
 
 
@@ -131,7 +131,7 @@ async def test_http_deadlines_close_idle_and_dribbling_clients(tiny_model_path, 
             w.close()
         assert (await http_get(sp.http_port)).startswith(b"HTTP/1.1 200")
     reason = "idle for 2s" if phase == "idle" else "slower than 1024 bytes/s over 3s"
-    assert "closing HTTP connection from 127.0.0.1" in sp.log and reason in sp.log, sp.log[-2000:]
+    await log_shows(sp, "closing HTTP connection from 127.0.0.1", reason)
 
 
 @pytest.mark.asyncio
