@@ -133,10 +133,11 @@ def test_chat_template(m: LoadedModel) -> None:
 def test_chat_fallbacks() -> None:
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
             {"role": "assistant", "content": "yo"}]
-    generic = ChatTemplate(None, "llama")  # a GGUF without a template
-    assert generic.format == "generic"
-    assert generic.render(msgs, True, bos_token="", eos_token="") == (
-        "<|system|>\nsys\n<|user|>\nhi\n<|assistant|>\nyo\n<|assistant|>\n")
+    chatml = ChatTemplate(None, "llama")  # a GGUF without a template: llama-server's ChatML
+    assert chatml.format == "chatml"
+    assert chatml.render(msgs, True, bos_token="", eos_token="") == (
+        "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+        "<|im_start|>assistant\n")
     gemma = ChatTemplate(None, "gemma3")
     assert gemma.format == "gemma"
     assert gemma.render(msgs, True, bos_token="", eos_token="") == (

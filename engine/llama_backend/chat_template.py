@@ -27,7 +27,8 @@ def content_text(content: Any) -> str:
 
 class ChatTemplate:
     """The GGUF's ``tokenizer.chat_template`` (compiled on first use), or, without one,
-    gemma-style turns for gemma models and ``<|role|>\\ncontent\\n`` blocks for the rest."""
+    gemma-style turns for gemma models and ChatML for the rest — llama-server's fallback for
+    every model; a Gemma model answers off-format in ChatML, so its own turns are kept."""
 
     def __init__(self, source: str | None, architecture: str):
         self.source = source
@@ -43,10 +44,10 @@ class ChatTemplate:
 
     @property
     def format(self) -> str:
-        """"jinja" (GGUF template), "gemma" (fallback for gemma3) or "generic" (fallback)."""
+        """"jinja" (GGUF template), "gemma" (fallback for gemma3) or "chatml" (fallback)."""
         if self.source:
             return "jinja"
-        return "gemma" if self.architecture.startswith("gemma") else "generic"
+        return "gemma" if self.architecture.startswith("gemma") else "chatml"
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, *, bos_token: str,
                eos_token: str, **extra: Any) -> str:
@@ -60,9 +61,10 @@ class ChatTemplate:
                                          bos_token=bos_token, eos_token=eos_token, **extra)
         if fmt == "gemma":
             return _gemma_turns(messages, add_generation_prompt)
-        out = [f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages]
+        out = [f"<|im_start|>{m.get('role', 'user')}\n{content_text(m.get('content'))}<|im_end|>\n"
+               for m in messages]
         if add_generation_prompt:
-            out.append("<|assistant|>\n")
+            out.append("<|im_start|>assistant\n")
         return "".join(out)
 
 
