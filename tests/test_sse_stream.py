@@ -49,7 +49,7 @@ async def _first_stream() -> list[bytes]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = runner.addresses[0][1]
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
