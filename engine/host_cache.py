@@ -50,8 +50,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _shares(a: list[int], b: list[int], k: int) -> bool:
-    """Do ``a`` and ``b`` both start with the same ``k`` tokens? (One comparison at C speed.)"""
-    return len(a) >= k and a[:k] == b[:k]
+    """Do ``a`` and ``b`` both start with the same ``k`` tokens? The k-th token first: entries
+    that share a long system prompt and then differ are turned away without comparing it."""
+    if k <= 0:
+        return True
+    return len(a) >= k and len(b) >= k and a[k - 1] == b[k - 1] and a[:k] == b[:k]
 
 
 def serves(pos_min: int, n: int, n_swa: int, held: int | None = None) -> bool:
