@@ -93,8 +93,8 @@ async def run(ctx: BenchContext) -> Result:
                    "messages": messages_for(0), "n_predict": CTX - 256, "warmup": 16, "max_seconds": seconds}
     res.config = {"model": ctx.models.busy, "hogs": k, "threads": k, "seconds": seconds, "reps": ctx.reps,
                   "variants": {v: f or ["(defaults)"] for v, f in variants.items()},
-                  "bare_loop": "nice 0, same threads, context and slots", "poll_interval_ms": POLL_INTERVAL * 1000}
-    res.config["bound_s"] = BOUND_S
+                  "bare_loop": "nice 0, same threads, context and slots", "poll_interval_ms": POLL_INTERVAL * 1000,
+                  "bound_s": BOUND_S}
     runs: list[dict] = []
     t_start = now()
     with Hogs(k) as hogs:

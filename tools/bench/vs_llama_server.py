@@ -124,6 +124,13 @@ def _shown(template: tuple[str, ...]) -> list[str]:
     return [str(Path(a).relative_to(ROOT)) if a.startswith(str(ROOT)) else a for a in template]
 
 
+def _argv_shown(threads: int, template: tuple[str, ...]) -> list[str]:
+    """The shared argv as the results record it: ``MODEL`` and ``P`` for the model and port."""
+    argv = llama_argv("MODEL", 0, SLOTS, threads, _shown(template))
+    argv[argv.index("--port") + 1] = "P"
+    return argv
+
+
 def start(variant: str, binary: str, model: str, slots: int, threads: int) -> OpenAIServer:
     port = free_port()
     argv = llama_argv(model, port, slots, threads, chat_template_args(model))
@@ -294,8 +301,7 @@ async def run(ctx: BenchContext) -> Result:
     model = ctx.models.busy if ctx.models.tiny else ctx.models.main  # tiny mode: tiny-small (~0.6 ms/token)
     max_tokens = ctx.pick(200, 32)
     res.config = {"model": model, "llama_server": str(binary), "llama_server_build": build_info(binary),
-                  "argv": llama_argv("MODEL", 0, SLOTS, ctx.threads)[:4] + ["--port", "P"] +
-                          llama_argv("MODEL", 0, SLOTS, ctx.threads, _shown(chat_template_args(model)))[6:],
+                  "argv": _argv_shown(ctx.threads, chat_template_args(model)),
                   "ours_adds": ["--rpc-port", "0"], "wide_slots": SLOTS_WIDE, "max_tokens": max_tokens,
                   "rounds": ctx.reps, "threads": ctx.threads, "slots_poll_s": SLOTS_POLL_S, "variants": VARIANTS,
                   "budgets": {k: list(v) for k, v in BUDGETS.items()}}
@@ -356,6 +362,8 @@ def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], o
 
 
 def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str, list] | None = None) -> None:
+    pairs = pairs or {}
+
     def of(v: str, key: str) -> list:
         return [r[key] for r in sorted((r for r in rounds if r["variant"] == v), key=lambda r: r["round"])]
 
@@ -363,7 +371,7 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict
     for figure in FIGURES:
         _figure(res, s, figure, of("hydra", figure[0]), of("llama-server", figure[0]))
     for key, figure in PAIRED:
-        if (pairs or {}).get(key):
+        if pairs.get(key):
             _figure(res, s, figure, [p["hydra"] for p in pairs[key]], [p["llama-server"] for p in pairs[key]],
                     per="pair")
     # scaling and where the time goes: informational
@@ -393,7 +401,7 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict
             f"read every {SLOTS_LOAD_POLL_S * 1000:.0f} ms ({min(len(r['slots_ms']) for r in rounds)}+ answers per round)")
     finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
                 (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
-    finishes += [p[f"{v}_finish"] for p in (pairs or {}).get("one", ()) for v in VARIANTS]
+    finishes += [p[f"{v}_finish"] for p in pairs.get("one", ()) for v in VARIANTS]
     short = [f for f in finishes if f != "length"]
     if short:
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
