@@ -61,8 +61,9 @@ def test_quick_bench_writes_every_result(tmp_path):
         (pair,) = pairs["one"]
         assert pair["hydra"] > 0 and pair["llama-server"] > 0
         assert vs["summary"]["one_paired_tok_s"]["ratios"] == [round(pair["hydra"] / pair["llama-server"], 4)]
-        assert len(pairs["ttft"]) == 4 and len(pairs["cached"]) == 2
-        assert all(p[v] > 0 for p in pairs["ttft"] + pairs["cached"] for v in ("hydra", "llama-server"))
+        assert len(pairs["chat_one"]) == 1 and len(pairs["ttft"]) == 4 and len(pairs["cached"]) == 2
+        assert all(p[v] > 0 for k in ("chat_one", "ttft", "cached") for p in pairs[k] for v in ("hydra", "llama-server"))
+        assert vs["summary"]["chat_one_paired_tok_s"]["ratios"]
         assert vs["summary"]["ttft_paired_ms"]["ratios"] and vs["summary"]["cache_warm_paired_ms"]["ratios"]
 
 
@@ -106,15 +107,16 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
         return [{"pair": i, "llama-server": theirs, "hydra": ours(i), "llama-server_finish": "length",
                  "hydra_finish": "length"} for i in range(4)]
 
-    _summarize(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "ttft": pairs(lambda i: 2.0 + i, 4.0),
-                                "cached": pairs(lambda i: 12.0, 10.0)})
+    _summarize(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "chat_one": pairs(lambda i: 39.0, 40.0),
+                                "ttft": pairs(lambda i: 2.0 + i, 4.0), "cached": pairs(lambda i: 12.0, 10.0)})
     rows = {r.metric: r for r in res.rows}
     assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
-    (_, one), (_, ttft), (_, cached) = PAIRED
+    (_, one), (_, chat_one), (_, ttft), (_, cached) = PAIRED
     paired = res.rows[len(FIGURES)]
     assert paired.metric == one[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
     assert res.summary[one[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
     assert "1.04 (1.00–1.07) over 4 pairs" in paired.note
+    assert rows[chat_one[1]].ok is False and res.summary[chat_one[0]]["ratios"] == [0.975] * 4
     assert rows[ttft[1]].ok is True and rows[ttft[1]].ratio == pytest.approx(3.5 / 4)  # medians: 3.5 ms vs 4
     assert rows[cached[1]].ok is False and res.summary[cached[0]]["ratios"] == [1.2] * 4
     four = rows[FIGURES[2][1]]

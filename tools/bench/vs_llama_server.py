@@ -35,9 +35,10 @@ both servers in a round):
 
 After the rounds, **request by request**: both servers up at once (``-np 4``, each idle while
 the other serves), requests alternating (the order rotating every pair, the same prompt for
-both in a pair): ``PAIRS`` one-stream requests (decode tok/s), ``TTFT_PAIRS`` short requests
-(time to first token), and ``CACHED_PAIRS`` questions on a document each server already holds
-(time to first token with the prefix cached). A round lasts minutes and a 200-token request a
+both in a pair): ``PAIRS`` one-stream requests (decode tok/s), as many one-stream chats (decode
+tok/s through the chat template), ``TTFT_PAIRS`` short requests (time to first token), and
+``CACHED_PAIRS`` questions on a document each server already holds (time to first token with
+the prefix cached). A round lasts minutes and a 200-token request a
 few seconds; a host whose speed drifts between phases gives the rounds' figures whichever
 phase each round met, the pairs meet it together — and a round's time to first token is the
 median of three requests, a few milliseconds each on a small model, where one scheduling
@@ -77,7 +78,7 @@ SLOTS_WIDE = 8
 SLOTS_MIN_ANSWERS = 100  # fewer /slots answers than this make no p99: measured again, longer
 SLOTS_LOAD_POLL_S = 0.01
 SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192 -np 4)
-PAIRS = 4  # one-stream requests per server in the alternating phase (1 with --quick)
+PAIRS = 4  # one-stream requests, and as many chats, per server in the alternating phase (1 with --quick)
 TTFT_PAIRS = 40  # short requests per server there, for time to first token (4 with --quick)
 CACHED_PAIRS = 12  # questions per server on a cached document there (2 with --quick)
 TTFT_TOKENS = 4  # what the short requests ask for: their time to first token is the figure
@@ -173,8 +174,8 @@ def rss_detail(pid: int) -> dict[str, float]:
 
 async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int) -> dict[str, list]:
     """Both servers up, one request at a time, alternating request by request (a drift of the
-    host's speed meets both alike): one-stream decode tok/s, then time to first token of short
-    requests, then of questions on a document each server holds cached."""
+    host's speed meets both alike): one-stream decode tok/s, completions then chats, then time
+    to first token of short requests, then of questions on a document each server holds cached."""
     with start("llama-server", binary, model, SLOTS, ctx.threads) as theirs, \
             start("hydra", binary, model, SLOTS, ctx.threads) as ours:
         servers = {"llama-server": theirs, "hydra": ours}
@@ -192,6 +193,8 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
 
         one = await each_pair(ctx.pick(PAIRS, 1), lambda v, i: completion(
             http, servers[v].base, story(900 + i), max_tokens), "decode_tok_s")
+        chat_one = await each_pair(ctx.pick(PAIRS, 1), lambda v, i: chat(
+            http, servers[v].base, 950 + i, max_tokens), "decode_tok_s")
         ttft = await each_pair(ctx.pick(TTFT_PAIRS, 4), lambda v, i: completion(
             http, servers[v].base, f"A list of rivers, number {700 + i}:", TTFT_TOKENS), "ttft_ms")
         docs = {v: await shared_document(http, srv.base, 600, ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4))
@@ -201,7 +204,7 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
         cached = await each_pair(ctx.pick(CACHED_PAIRS, 2), lambda v, i: completion(
             http, servers[v].base, docs[v] + f"Question {i}: which town has the ferry at {i % 12 + 1} o'clock? "
                                              "Answer:", TTFT_TOKENS), "ttft_ms")
-    return {"one": one, "ttft": ttft, "cached": cached}
+    return {"one": one, "chat_one": chat_one, "ttft": ttft, "cached": cached}
 
 
 def slots_phase_tokens(max_tokens: int, four_s: float) -> int:
@@ -335,6 +338,7 @@ FIGURES = [  # key in a round, row label, unit, budget key
 ]
 PAIRED = [  # samples["pairs"] key, then as FIGURES
     ("one", ("one_paired_tok_s", "one stream, alternating request by request, decode tok/s", "tok/s", "one")),
+    ("chat_one", ("chat_one_paired_tok_s", "chat, one stream, alternating, decode tok/s", "tok/s", "one")),
     ("ttft", ("ttft_paired_ms", "time to first token, alternating request by request (median)", "ms", "ttft")),
     ("cached", ("cache_warm_paired_ms", "cached document: time to first token, alternating (median)", "ms",
                 "ttft")),
@@ -401,7 +405,7 @@ def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict
             f"read every {SLOTS_LOAD_POLL_S * 1000:.0f} ms ({min(len(r['slots_ms']) for r in rounds)}+ answers per round)")
     finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
                 (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
-    finishes += [p[f"{v}_finish"] for p in pairs.get("one", ()) for v in VARIANTS]
+    finishes += [p[f"{v}_finish"] for k in ("one", "chat_one") for p in pairs.get(k, ()) for v in VARIANTS]
     short = [f for f in finishes if f != "length"]
     if short:
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
