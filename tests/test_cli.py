@@ -19,6 +19,19 @@ def test_header_codec_bench_runs():
     assert all(c["rounds"][0]["struct_us"] > 0 and c["rounds"][0]["construct_us"] > 0 for c in cases.values())
 
 
+def test_thread_wake_bench_runs_every_setting(tmp_path):
+    import json
+
+    out = tmp_path / "wake.json"
+    subprocess.run([sys.executable, "-m", "tools.bench.thread_wake", "--steps", "30", "--work-ms", "0.2",
+                    "--out", str(out)], capture_output=True, text=True, check=True, timeout=120)
+    settings = json.loads(out.read_text())["settings"]
+    assert set(settings) == {"free", "one_cpu", "other_cpu_busy"}
+    for figures in settings.values():  # every exchange was timed, each step its two hand-offs
+        assert set(figures) == {"hand_back_us", "submit_us"}
+        assert all(0 < f["p10"] <= f["median"] <= f["p90"] for f in figures.values())
+
+
 def test_sigint_stops_a_command_started_with_sigint_ignored():
     """A script's background job starts with SIGINT ignored: ``kill -INT`` must still stop it."""
     import signal
