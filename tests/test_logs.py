@@ -18,7 +18,8 @@ from aiohttp import web
 
 from codec.enums import Op
 from hydra_rpc.client import HydraClient
-from hydra_rpc.observability.logs import JsonFormatter, TextFormatter, access_log_options, escape, log_request
+from hydra_rpc.observability.logs import (JsonFormatter, TextFormatter, Throttle, access_log_options, escape,
+                                          log_request)
 from hydra_rpc.observability.metrics import Metrics
 from tests.helpers import start_server
 
@@ -43,6 +44,19 @@ def test_escape_keeps_one_line_and_marks_backslashes():
     out = escape(FORGED)
     assert "\n" not in out and "\x00" not in out and "\x1b" not in out
     assert escape("a\\nb") != escape("a\nb")  # a literal backslash-n cannot pass for an escaped newline
+
+
+def test_a_throttled_warning_is_said_once_per_interval_with_the_count_left_out():
+    now = [100.0]
+    t = Throttle(60.0, clock=lambda: now[0])
+    assert t.admit() == ""  # the first is said
+    assert [t.admit() for _ in range(3)] == [None] * 3  # the rest of the minute: counted
+    now[0] = 159.9
+    assert t.admit() is None
+    now[0] = 160.0
+    assert t.admit() == " (4 more since the last such line, not logged)"
+    now[0] = 500.0  # a quiet spell: the next is said, with nothing left out
+    assert t.admit() == "" and t.left_out == 0
 
 
 def test_text_request_line_escapes_and_quotes_client_fields():

@@ -70,6 +70,28 @@ async def test_allow_list_refuses_other_networks(tiny_model_path):
         assert server.stop() == 0
 
 
+@pytest.mark.asyncio
+async def test_a_client_repeating_an_unknown_protocol_is_logged_once_a_minute(tiny_model_path):
+    """A health check aimed at the wrong port: every connection is closed and counted, one
+    line says so (the next after a minute, with the count of those left out)."""
+    server = start_server("--model", "tiny", "--no-http")
+    try:
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:  # closed without an answer: EOF or a reset
+                assert await asyncio.wait_for(reader.read(), 10) == b""
+            except ConnectionResetError:
+                pass
+            writer.close()
+        c = await HydraClient.connect(server.host, server.port)
+        assert (await c.request(Op.INFO)).ok
+        await c.close()
+    finally:
+        assert server.stop() == 0
+    assert len(re.findall(r"unknown protocol, first bytes 47 45 54", server.log)) == 1, server.log
+
+
 @pytest.fixture
 def small_model():
     from engine.model_files import ensure_tiny_model

@@ -26,7 +26,7 @@ from codec.framing import MAGIC_BYTES
 from hydra_rpc.config import ServerConfig
 from hydra_rpc.conn_budget import Acceptor, ConnectionBudget
 from hydra_rpc.hydra.connection import Handler, HydraConnection
-from hydra_rpc.observability.logs import routine_level
+from hydra_rpc.observability.logs import Throttle, routine_level
 from hydra_rpc.ggml.passthrough import GgmlPassthrough
 
 log = logging.getLogger("hydra_rpc.server")
@@ -63,7 +63,7 @@ class _Accepted(asyncio.BufferedProtocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if not srv.cfg.peer_allowed(peer[0]):
             srv.stats["refused_allow"] += 1
-            log.warning("refused %s: not in --allow", self.peer)
+            srv.warn("refused_allow", "refused %s: not in --allow", self.peer)
             transport.close()
             return
         self._timer = asyncio.get_running_loop().call_later(srv.cfg.first_bytes_timeout, self._silent)
@@ -116,6 +116,7 @@ class HydraServer:
         self.passthrough = GgmlPassthrough(cfg)
         self.stats = {"accepted": 0, "refused_limit": 0, "refused_allow": 0, "closed_unknown": 0,
                       "hydra": 0, "ggml": 0}
+        self._warnings = {kind: Throttle() for kind in ("refused_allow", "refused_limit", "closed_unknown")}
 
     @property
     def sockets(self):
@@ -128,6 +129,13 @@ class HydraServer:
 
     async def start(self) -> None:
         self._server = Acceptor.listen(self.cfg.host, self.cfg.port, lambda: _Accepted(self), self.budget)
+
+    def warn(self, kind: str, msg: str, *args: object) -> None:
+        """A refusal or a close that any client can repeat: logged once a minute at most for
+        each ``kind`` (the ``stats`` count every one)."""
+        said = self._warnings[kind].admit()
+        if said is not None:
+            log.warning(msg + "%s", *args, said)
 
     def forget(self, conn_id: int) -> None:
         """A connection is gone: its place in the budget frees (once)."""
@@ -154,13 +162,13 @@ class HydraServer:
             self.stats["ggml"] += 1
             if over_limit:
                 self.stats["refused_limit"] += 1
-                log.warning("refused ggml-RPC client %s: connection limit", acc.peer)
+                self.warn("refused_limit", "refused ggml-RPC client %s: connection limit", acc.peer)
                 transport.close()
                 return
             acc.task = asyncio.ensure_future(self._passthrough(transport, head, acc.peer))
         else:
             self.stats["closed_unknown"] += 1
-            log.warning("closed %s: unknown protocol, first bytes %s", acc.peer, head[:16].hex(" "))
+            self.warn("closed_unknown", "closed %s: unknown protocol, first bytes %s", acc.peer, head[:16].hex(" "))
             transport.close()
             return
         acc.task.add_done_callback(lambda t: self._finished(acc, t))

@@ -21,10 +21,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import re
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 log = logging.getLogger("hydra_rpc")
 http_access_log = logging.getLogger("hydra_rpc.http")
@@ -57,6 +58,29 @@ class Tally:
 
 
 tally = Tally()
+
+
+class Throttle:
+    """A warning a client can repeat at will (a connection that speaks no known protocol, an
+    address outside ``--allow``): at most one line per ``every_s``, and the line after a quiet
+    spell says how many were left out. A port scanner, or a health check aimed at the wrong
+    port, cannot fill the log; the operator still hears of it once a minute."""
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self._clock = every_s, clock
+        self._next = -math.inf
+        self.left_out = 0
+
+    def admit(self) -> str | None:
+        """None: leave this line out (it is counted). Else the line is due, and this is what it
+        ends with: nothing, or how many were left out since the last one."""
+        now = self._clock()
+        if now < self._next:
+            self.left_out += 1
+            return None
+        self._next = now + self.every_s
+        n, self.left_out = self.left_out, 0
+        return f" ({n} more since the last such line, not logged)" if n else ""
 
 
 def routine_level() -> int:
