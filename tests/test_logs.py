@@ -57,6 +57,18 @@ def test_a_throttled_warning_is_said_once_per_interval_with_the_count_left_out()
     assert t.admit() == " (4 more since the last such line, not logged)"
     now[0] = 500.0  # a quiet spell: the next is said, with nothing left out
     assert t.admit() == "" and t.left_out == 0
+    out, restore = _capture("hydra_rpc.test_throttle", TextFormatter())
+    logger = logging.getLogger("hydra_rpc.test_throttle")
+    try:
+        now[0] = 600.0
+        for peer in ("a", "b", "c"):
+            t.warn(logger, "closed %s: unknown protocol", peer)
+        now[0] = 700.0
+        t.warn(logger, "closed %s: unknown protocol", "d")
+    finally:
+        restore()
+    assert [line.split("hydra_rpc.test_throttle: ", 1)[-1] for line in out.getvalue().splitlines()] == [
+        "closed a: unknown protocol", "closed d: unknown protocol (2 more since the last such line, not logged)"]
 
 
 def test_text_request_line_escapes_and_quotes_client_fields():

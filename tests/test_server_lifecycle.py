@@ -72,13 +72,14 @@ async def test_allow_list_refuses_other_networks(tiny_model_path):
 
 @pytest.mark.asyncio
 async def test_a_client_repeating_an_unknown_protocol_is_logged_once_a_minute(tiny_model_path):
-    """A health check aimed at the wrong port: every connection is closed and counted, one
-    line says so (the next after a minute, with the count of those left out)."""
+    """A health check aimed at the wrong port, a ggml-RPC client retrying: every connection is
+    closed, one line says so for each (the next after a minute, with the count left out)."""
     server = start_server("--model", "tiny", "--no-http")
     try:
-        for _ in range(5):
+        # an HTTP probe, and a llama.cpp RPC client while the passthrough is off, five times each
+        for first_bytes in [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] * 5 + [b"\x0e" + bytes(8)] * 5:
             reader, writer = await asyncio.open_connection(server.host, server.port)
-            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(first_bytes)
             try:  # closed without an answer: EOF or a reset
                 assert await asyncio.wait_for(reader.read(), 10) == b""
             except ConnectionResetError:
@@ -90,6 +91,7 @@ async def test_a_client_repeating_an_unknown_protocol_is_logged_once_a_minute(ti
     finally:
         assert server.stop() == 0
     assert len(re.findall(r"unknown protocol, first bytes 47 45 54", server.log)) == 1, server.log
+    assert len(re.findall(r"passthrough is off", server.log)) == 1, server.log
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from engine.ggml_rpc_lib import open_session
 from hydra_rpc.config import ServerConfig
 from hydra_rpc.ggml.children import GgmlChild, GgmlChildPool
 from hydra_rpc.ggml.relay import Relay
+from hydra_rpc.observability.logs import Throttle
 
 log = logging.getLogger("hydra_rpc.passthrough")
 UNBOUNDED = 1 << 64
@@ -57,6 +58,8 @@ class GgmlPassthrough:
         self.sessions = 0
         self._closed_up = self._closed_down = 0
         self._live: set[Relay] = set()
+        # a client retrying in a loop repeats these at will: each is logged once a minute at most
+        self._busy_warning, self._upstream_warning, self._off_warning = Throttle(), Throttle(), Throttle()
 
     @property
     def bytes_up(self) -> int:
@@ -83,21 +86,22 @@ class GgmlPassthrough:
         if self.pool is not None:
             child = await self.pool.acquire(self.cfg.ggml_connect_timeout)
             if child is None:
-                log.warning("closed ggml-RPC client %s: all %d embedded ggml sessions busy", peer,
-                            self.cfg.ggml_rpc_sessions)
+                self._busy_warning.warn(log, "closed ggml-RPC client %s: all %d embedded ggml sessions busy", peer,
+                                        self.cfg.ggml_rpc_sessions)
                 return
             upstream, version, budget = child.sock, child.hello.version, _memory_bytes()
         elif self.upstream is not None:
             try:
                 upstream, reply = await asyncio.to_thread(open_session, *self.upstream, self.cfg.ggml_connect_timeout)
             except (OSError, CodecError) as e:
-                log.warning("closed ggml-RPC client %s: upstream %s:%d unusable (busy, down or not ggml-RPC): %s",
-                            peer, *self.upstream, e)
+                self._upstream_warning.warn(
+                    log, "closed ggml-RPC client %s: upstream %s:%d unusable (busy, down or not ggml-RPC): %s",
+                    peer, *self.upstream, e)
                 return
             version, budget = reply.version, UNBOUNDED  # the upstream's memory is its own business
         else:
-            log.warning("closed ggml-RPC client %s: passthrough is off (no --ggml-rpc-upstream/--ggml-rpc-embedded)",
-                        peer)
+            self._off_warning.warn(
+                log, "closed ggml-RPC client %s: passthrough is off (no --ggml-rpc-upstream/--ggml-rpc-embedded)", peer)
             return
         client, buffered = _take_socket(reader, writer)
         loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ import logging
 from codec.ggml import Cmd
 
 from hydra_rpc.ggml.passthrough import GgmlPassthrough
+from hydra_rpc.observability.logs import Throttle
 
 log = logging.getLogger("hydra_rpc.ggml_rpc_port")
 
@@ -22,6 +23,7 @@ class GgmlRpcPort:
         self._server, self._passthrough, self._timeout = server, passthrough, first_bytes_timeout
         self.host, self.port = server.sockets[0].getsockname()[:2]
         self._sessions: set[asyncio.Task] = set()
+        self._not_hello_warning = Throttle()  # a scanner repeats it at will: once a minute
 
     @classmethod
     async def start(cls, passthrough: GgmlPassthrough, host: str, port: int,
@@ -44,7 +46,8 @@ class GgmlRpcPort:
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                 return
             if first[0] != Cmd.HELLO:
-                log.warning("closed %s on the ggml-RPC port: first byte %02x is not HELLO", peer, first[0])
+                self._not_hello_warning.warn(log, "closed %s on the ggml-RPC port: first byte %02x is not HELLO", peer,
+                                             first[0])
                 return
             await self._passthrough.handle(reader, writer, first, peer)
         finally:

@@ -133,9 +133,7 @@ class HydraServer:
     def warn(self, kind: str, msg: str, *args: object) -> None:
         """A refusal or a close that any client can repeat: logged once a minute at most for
         each ``kind`` (the ``stats`` count every one)."""
-        said = self._warnings[kind].admit()
-        if said is not None:
-            log.warning(msg + "%s", *args, said)
+        self._warnings[kind].warn(log, msg, *args)
 
     def forget(self, conn_id: int) -> None:
         """A connection is gone: its place in the budget frees (once)."""

@@ -82,6 +82,12 @@ class Throttle:
         n, self.left_out = self.left_out, 0
         return f" ({n} more since the last such line, not logged)" if n else ""
 
+    def warn(self, logger: logging.Logger, msg: str, *args: object) -> None:
+        """``logger.warning(msg, *args)`` if this one is due, with the count left out before it."""
+        said = self.admit()
+        if said is not None:
+            logger.warning(msg + "%s", *args, said)
+
 
 def routine_level() -> int:
     """The level of routine lines (OK replies, probes, idle connections closed)."""
