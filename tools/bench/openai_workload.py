@@ -23,6 +23,11 @@ def story(n: int) -> str:
     return f"Story number {n}: once upon a time"
 
 
+def ferry_question(n: int, hour: int) -> str:
+    """A question on the shared document (:func:`shared_document`), to follow it in a prompt."""
+    return f"Question {n}: which town has the ferry at {hour} o'clock? Answer:"
+
+
 def chat_messages(n: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Tell me a long story about the number {n}."}]
 
@@ -133,7 +138,7 @@ async def prompt_cache_phase(http: Any, base: str, n: int, limit: int) -> dict[s
     """A shared document asked about cold, then CACHED_REQUESTS times more: the follow-ups'
     prefill should reuse the document's KV (both servers cache prompts by default)."""
     doc = await shared_document(http, base, n, limit)
-    asks = [f"Question {i}: which town has the ferry at {i + 2} o'clock? Answer:" for i in range(1 + CACHED_REQUESTS)]
+    asks = [ferry_question(i, i + 2) for i in range(1 + CACHED_REQUESTS)]
     runs = [await completion(http, base, doc + q, 8) for q in asks]
     return {"prefix_tokens": runs[0]["prompt_tokens"], "cold": runs[0], "cached": runs[1:],
             "cold_ttft_ms": runs[0]["ttft_ms"], "cached_ttft_ms": spread(r["ttft_ms"] for r in runs[1:])["median"]}

@@ -65,7 +65,7 @@ from tools.spawn import ROOT
 
 from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
-from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent,
+from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent, ferry_question,
                               prompt_cache_phase, shared_document, story, strip, while_polling_slots)
 
 NAME = "vs-llama-server"
@@ -202,8 +202,7 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
         for v, srv in servers.items():  # cold, not measured: the document is in a slot after it
             await completion(http, srv.base, docs[v] + "Question: which town is first? Answer:", TTFT_TOKENS)
         cached = await each_pair(ctx.pick(CACHED_PAIRS, 2), lambda v, i: completion(
-            http, servers[v].base, docs[v] + f"Question {i}: which town has the ferry at {i % 12 + 1} o'clock? "
-                                             "Answer:", TTFT_TOKENS), "ttft_ms")
+            http, servers[v].base, docs[v] + ferry_question(i, i % 12 + 1), TTFT_TOKENS), "ttft_ms")
     return {"one": one, "chat_one": chat_one, "ttft": ttft, "cached": cached}
 
 
@@ -316,7 +315,7 @@ async def run(ctx: BenchContext) -> Result:
         for rnd, variant in interleaved(ctx.reps, VARIANTS):
             print(f"hydra-rpc bench: {NAME}: round {rnd + 1}/{ctx.reps}, {variant}", file=sys.stderr, flush=True)
             rounds.append(await one_round(ctx, http, variant, str(binary), model, rnd, max_tokens))
-        print(f"hydra-rpc bench: {NAME}: one stream, the two servers alternating", file=sys.stderr, flush=True)
+        print(f"hydra-rpc bench: {NAME}: request by request, the two servers alternating", file=sys.stderr, flush=True)
         pairs = await paired(ctx, http, str(binary), model, max_tokens)
     res.samples = {"rounds": rounds, "pairs": pairs}
     _summarize(res, rounds, ctx.reps, pairs)
