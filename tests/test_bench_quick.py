@@ -65,6 +65,10 @@ def test_quick_bench_writes_every_result(tmp_path):
         assert all(p[v] > 0 for k in ("chat_one", "ttft", "cached") for p in pairs[k] for v in ("hydra", "llama-server"))
         assert vs["summary"]["chat_one_paired_tok_s"]["ratios"]
         assert vs["summary"]["ttft_paired_ms"]["ratios"] and vs["summary"]["cache_warm_paired_ms"]["ratios"]
+        control = vs["samples"]["control"]  # the same pairs between two llama-server processes
+        assert all(p[v] > 0 for k in ("one", "chat_one", "ttft", "cached") for p in control[k]
+                   for v in ("llama-server", "llama-server-2"))
+        assert vs["summary"]["control"]["one_paired_tok_s"]["ratios"]
 
 
 VS_SKIPPED = "skipped: no llama-server (not built: run scripts/build_llama_server.sh to build it)"
@@ -88,7 +92,7 @@ def test_vs_llama_server_without_a_build_says_how_to_build_it(tmp_path):
 
 def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     from tools.bench.common import Result
-    from tools.bench.vs_llama_server import FIGURES, PAIRED, _summarize
+    from tools.bench.vs_llama_server_figures import CONTROL, CONTROL_PREFIX, FIGURES, PAIRED, report
 
     def rnd(variant, i, scale):
         cpu = {"cores_busy": 1.5, "cpu_ms_per_token": 20.0 * scale, "main_thread_s": 1.0, "cpu_s": 10.0}
@@ -107,8 +111,10 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
         return [{"pair": i, "llama-server": theirs, "hydra": ours(i), "llama-server_finish": "length",
                  "hydra_finish": "length"} for i in range(4)]
 
-    _summarize(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "chat_one": pairs(lambda i: 39.0, 40.0),
-                                "ttft": pairs(lambda i: 2.0 + i, 4.0), "cached": pairs(lambda i: 12.0, 10.0)})
+    control = {"one": [{"pair": i, "llama-server": 40.0, CONTROL: 39.6 + 0.2 * i} for i in range(4)],
+               "ttft": [{"pair": i, "llama-server": 4.0, CONTROL: 4.4} for i in range(4)]}
+    report(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "chat_one": pairs(lambda i: 39.0, 40.0),
+                            "ttft": pairs(lambda i: 2.0 + i, 4.0), "cached": pairs(lambda i: 12.0, 10.0)}, control)
     rows = {r.metric: r for r in res.rows}
     assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
     (_, one), (_, chat_one), (_, ttft), (_, cached) = PAIRED
@@ -119,6 +125,13 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert rows[chat_one[1]].ok is False and res.summary[chat_one[0]]["ratios"] == [0.975] * 4
     assert rows[ttft[1]].ok is True and rows[ttft[1]].ratio == pytest.approx(3.5 / 4)  # medians: 3.5 ms vs 4
     assert rows[cached[1]].ok is False and res.summary[cached[0]]["ratios"] == [1.2] * 4
+    # the control's pairs follow the paired figures: no budget, their ratio is the host's spread
+    c_one, c_ttft = res.rows[len(FIGURES) + len(PAIRED):len(FIGURES) + len(PAIRED) + 2]
+    assert c_one.metric == CONTROL_PREFIX + one[1] and c_one.ok is None and not c_one.budget
+    assert c_one.ratio == pytest.approx(39.9 / 40) and "1.00 (0.99–1.00) over 4 pairs" in c_one.note
+    assert c_ttft.metric == CONTROL_PREFIX + ttft[1] and c_ttft.ratio == pytest.approx(1.1)
+    assert res.summary["control"][one[0]]["ratios"] == [0.99, 0.995, 1.0, 1.005]
+    assert set(res.summary["control"]) == {one[0], ttft[0]}  # no control pairs, no row
     four = rows[FIGURES[2][1]]
     assert four.ratio == pytest.approx(0.5) and four.ok is False and four.budget
     assert res.summary["four_tok_s"]["ratios"] == [0.5, 0.5, 0.5]

@@ -72,7 +72,7 @@ async def test_slots_under_load_reads_slots_while_four_longer_streams_decode(ser
 def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
     from tools.bench.common import Result
     from tools.bench.plots import draw_all
-    from tools.bench.vs_llama_server import FIGURES, _summarize
+    from tools.bench.vs_llama_server_figures import FIGURES, report
 
     def rnd(variant, i):
         r = {key: 10.0 + i for key, *_ in FIGURES}
@@ -86,7 +86,9 @@ def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
                    "pairs": {"one": [{"pair": 0, "llama-server": 40.0, "hydra": 41.0,
                                       "llama-server_finish": "length", "hydra_finish": "length"}]}}
     res.samples["rounds"][0]["slots_phase"] = {"max_tokens": 1500, "four_phase_answers": 4}
-    _summarize(res, res.samples["rounds"], 2, res.samples["pairs"])
+    control = {"one": [{"pair": 0, "llama-server": 40.0, "llama-server-2": 40.4}]}
+    report(res, res.samples["rounds"], 2, res.samples["pairs"], control)
+    assert res.summary["control"]["one_paired_tok_s"]["ratios"] == [1.01]
     assert any("four streams of up to 1500 tokens" in n for n in res.notes)
     skipped = Result("vs-llama-server")
     skipped.summary = {"skipped": "not built"}

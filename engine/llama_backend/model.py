@@ -7,6 +7,7 @@ engine's inference thread). Built against llama-cpp-python 0.3.36 (llama.cpp's
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence, overload
@@ -96,6 +97,7 @@ class LoadedModel(ModelText):
         self._mem = L.llama_get_memory(ctx)
         self._vocab = L.llama_model_get_vocab(model)
         self._n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        self._row_type = ctypes.c_float * self._n_vocab  # a logits row, as ctypes sees it
         self._n_ctx = int(L.llama_n_ctx(ctx))
         self._n_batch = int(L.llama_n_batch(ctx))
         self._n_seq_max = int(L.llama_n_seq_max(ctx))
@@ -325,7 +327,10 @@ class LoadedModel(ModelText):
         ptr = L.llama_get_logits_ith(self._ctx_handle(), idx)
         if not ptr:
             raise LlamaBackendError(f"llama_get_logits_ith({idx}) returned NULL")
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        # A view on the row through a ctypes type made once: np.ctypeslib.as_array makes a
+        # pointer type and casts on every call, and right after a decode, whose weights pushed
+        # the interpreter out of the caches, that cost ~50 µs of a Gemma token (docs/performance.md).
+        return np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
 
     @staticmethod
     def _logsumexp(row: np.ndarray) -> float:

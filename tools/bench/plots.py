@@ -319,16 +319,20 @@ def prompt_cache(res: Result, plt) -> object:
 
 def vs_llama_server(res: Result, plt) -> object | None:
     """Every figure as this server's advantage over llama-server per round (> 1: ours is better;
-    a latency's ratio is inverted so the axis reads one way), and the /slots latency CDFs."""
-    from .vs_llama_server import BUDGETS, FIGURES, PAIRED
+    a latency's ratio is inverted so the axis reads one way), the control's (llama-server against
+    itself) in grey, and the /slots latency CDFs."""
+    from .vs_llama_server_figures import BUDGETS, CONTROL_PREFIX, FIGURES, PAIRED
 
     s = res.summary
     if "skipped" in s:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [3, 2]})
-    labels, med, lo, hi = [], [], [], []
-    for key, label, _unit, budget in [*FIGURES, *(figure for _, figure in PAIRED)]:
-        ratios = [q for q in s.get(key, {}).get("ratios", []) if q]
+    labels, med, lo, hi, colors = [], [], [], [], []
+    paired = [figure for _, figure in PAIRED]
+    bars = [(label, s.get(key, {}), budget) for key, label, _unit, budget in [*FIGURES, *paired]]
+    bars += [(CONTROL_PREFIX + label, s.get("control", {}).get(key, {}), budget) for key, label, _unit, budget in paired]
+    for label, fig_s, budget in bars:
+        ratios = [q for q in fig_s.get("ratios", []) if q]
         if not ratios:
             continue
         adv = spread(1 / q if BUDGETS[budget][2] == "max" else q for q in ratios)
@@ -336,8 +340,9 @@ def vs_llama_server(res: Result, plt) -> object | None:
         med.append(adv["median"])
         lo.append(adv["median"] - adv["min"])
         hi.append(adv["max"] - adv["median"])
+        colors.append("#999" if label.startswith(CONTROL_PREFIX) else "#3a7" if adv["median"] >= 1 else "#a73")
     y = list(range(len(labels)))
-    a.barh(y, med, xerr=[lo, hi], capsize=3, color=["#3a7" if m >= 1 else "#a73" for m in med])
+    a.barh(y, med, xerr=[lo, hi], capsize=3, color=colors)
     a.axvline(1.0, color="r", ls="--", lw=0.9, label="parity with llama-server")
     a.set_yticks(y, labels, fontsize=7)
     a.invert_yaxis()

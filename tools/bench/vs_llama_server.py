@@ -42,7 +42,9 @@ the prefix cached). A round lasts minutes and a 200-token request a
 few seconds; a host whose speed drifts between phases gives the rounds' figures whichever
 phase each round met, the pairs meet it together — and a round's time to first token is the
 median of three requests, a few milliseconds each on a small model, where one scheduling
-hiccup decides it: the pairs give dozens.
+hiccup decides it: the pairs give dozens. Then the **control**: the same pairs between
+llama-server and a second llama-server process, whose ratios show how far two identical servers
+differ on this host (:mod:`tools.bench.vs_llama_server_figures`).
 
 Every figure is reported as ours / llama-server's: the row's value and baseline are the
 medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
@@ -63,33 +65,21 @@ from typing import Any
 
 from tools.spawn import ROOT
 
-from .common import BenchContext, Result, Row, interleaved, now, ratio, spread, summarize
+from .common import BenchContext, Result, Row, interleaved, now, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent, ferry_question,
                               prompt_cache_phase, shared_document, story, strip, while_polling_slots)
+from .vs_llama_server_figures import (BUDGETS, CONTROL, SLOTS, SLOTS_LOAD_POLL_S, SLOTS_MIN_ANSWERS, SLOTS_WIDE,
+                                      VARIANTS, report)
 
 NAME = "vs-llama-server"
 TEMPLATES = Path(__file__).parent / "templates"
-VARIANTS = ["llama-server", "hydra"]
-LABEL = "llama-server"
 CTX = 8192
-SLOTS = 4
-SLOTS_WIDE = 8
-SLOTS_MIN_ANSWERS = 100  # fewer /slots answers than this make no p99: measured again, longer
-SLOTS_LOAD_POLL_S = 0.01
 SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192 -np 4)
 PAIRS = 4  # one-stream requests, and as many chats, per server in the alternating phase (1 with --quick)
 TTFT_PAIRS = 40  # short requests per server there, for time to first token (4 with --quick)
 CACHED_PAIRS = 12  # questions per server on a cached document there (2 with --quick)
 TTFT_TOKENS = 4  # what the short requests ask for: their time to first token is the figure
-BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
-    "one": ("≥ 1.0× llama-server", 1.0, "min"),
-    "ttft": ("≤ 1.0× llama-server", 1.0, "max"),
-    "four": ("≥ 1.0× llama-server", 1.0, "min"),
-    "eight": ("≥ 1.0× llama-server", 1.0, "min"),
-    "slots_p99": ("below llama-server's", 1.0, "max"),
-    "rss": ("≤ 1.1× llama-server", 1.1, "max"),
-}
 
 
 def free_port() -> int:
@@ -135,7 +125,7 @@ def _argv_shown(threads: int, template: tuple[str, ...]) -> list[str]:
 def start(variant: str, binary: str, model: str, slots: int, threads: int) -> OpenAIServer:
     port = free_port()
     argv = llama_argv(model, port, slots, threads, chat_template_args(model))
-    if variant == "llama-server":
+    if variant in ("llama-server", CONTROL):
         return OpenAIServer([binary, *argv], port, "llama-server")
     return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0"], port,
                         "hydra-llama-engine")
@@ -172,20 +162,22 @@ def rss_detail(pid: int) -> dict[str, float]:
     return out
 
 
-async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int) -> dict[str, list]:
+async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int,
+                 variants: Sequence[str] = tuple(VARIANTS)) -> dict[str, list]:
     """Both servers up, one request at a time, alternating request by request (a drift of the
     host's speed meets both alike): one-stream decode tok/s, completions then chats, then time
-    to first token of short requests, then of questions on a document each server holds cached."""
-    with start("llama-server", binary, model, SLOTS, ctx.threads) as theirs, \
-            start("hydra", binary, model, SLOTS, ctx.threads) as ours:
-        servers = {"llama-server": theirs, "hydra": ours}
+    to first token of short requests, then of questions on a document each server holds cached.
+    ``variants``: llama-server and ours, or llama-server and a second llama-server (the control)."""
+    first, second = variants
+    with start(first, binary, model, SLOTS, ctx.threads) as a, start(second, binary, model, SLOTS, ctx.threads) as b:
+        servers = {first: a, second: b}
         for srv in servers.values():
             await completion(http, srv.base, "Warm up: the weather today is", 8)
 
         async def each_pair(n: int, request: Callable[[str, int], Awaitable[dict[str, Any]]], key: str
                             ) -> list[dict[str, Any]]:
             pairs: list[dict[str, Any]] = [{"pair": i} for i in range(n)]
-            for i, variant in interleaved(n, VARIANTS):
+            for i, variant in interleaved(n, list(variants)):
                 r = await request(variant, i)
                 pairs[i][variant] = r[key]
                 pairs[i][f"{variant}_finish"] = r["finish"]
@@ -317,100 +309,9 @@ async def run(ctx: BenchContext) -> Result:
             rounds.append(await one_round(ctx, http, variant, str(binary), model, rnd, max_tokens))
         print(f"hydra-rpc bench: {NAME}: request by request, the two servers alternating", file=sys.stderr, flush=True)
         pairs = await paired(ctx, http, str(binary), model, max_tokens)
-    res.samples = {"rounds": rounds, "pairs": pairs}
-    _summarize(res, rounds, ctx.reps, pairs)
+        print(f"hydra-rpc bench: {NAME}: the control, llama-server against a second llama-server", file=sys.stderr,
+              flush=True)
+        control = await paired(ctx, http, str(binary), model, max_tokens, ("llama-server", CONTROL))
+    res.samples = {"rounds": rounds, "pairs": pairs, "control": control}
+    report(res, rounds, ctx.reps, pairs, control)
     return res
-
-
-FIGURES = [  # key in a round, row label, unit, budget key
-    ("one_tok_s", "one stream, decode tok/s", "tok/s", "one"),
-    ("ttft_ms", "one stream, time to first token (median of 3 requests)", "ms", "ttft"),
-    ("four_tok_s", f"{SLOTS} concurrent streams (after a history), aggregate tok/s", "tok/s", "four"),
-    ("eight_tok_s", f"{SLOTS_WIDE} concurrent streams on -np {SLOTS_WIDE}, aggregate tok/s", "tok/s", "eight"),
-    ("slots_p99_ms", f"/slots p99 while {SLOTS} streams decode", "ms", "slots_p99"),
-    ("rss_mib", f"RSS after {SLOTS} streams", "MiB", "rss"),
-    ("cache_cold_ttft_ms", "long prompt, cold: time to first token", "ms", "ttft"),
-    ("cache_warm_ttft_ms", "the same document cached: time to first token (median of 3)", "ms", "ttft"),
-    ("chat_one_tok_s", "chat completions, one stream, decode tok/s", "tok/s", "one"),
-    ("chat_ttft_ms", "chat completions, time to first token (median of 3 requests)", "ms", "ttft"),
-    ("chat_four_tok_s", f"chat completions, {SLOTS} concurrent streams, aggregate tok/s", "tok/s", "four"),
-]
-PAIRED = [  # samples["pairs"] key, then as FIGURES
-    ("one", ("one_paired_tok_s", "one stream, alternating request by request, decode tok/s", "tok/s", "one")),
-    ("chat_one", ("chat_one_paired_tok_s", "chat, one stream, alternating, decode tok/s", "tok/s", "one")),
-    ("ttft", ("ttft_paired_ms", "time to first token, alternating request by request (median)", "ms", "ttft")),
-    ("cached", ("cache_warm_paired_ms", "cached document: time to first token, alternating (median)", "ms",
-                "ttft")),
-]
-
-
-def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], ours: list, theirs: list,
-            per: str = "round") -> None:
-    """One figure: both sides' spread, the ratio of each round (or pair), its row and verdict."""
-    key, label, unit, budget_key = figure
-    per_round = [ratio(a, b) for a, b in zip(ours, theirs)]
-    s[key] = {"hydra": spread(ours), "llama-server": spread(theirs), "ratio_per_round": spread(per_round),
-              "ratios": [None if q is None else round(q, 4) for q in per_round]}
-    text, limit, kind = BUDGETS[budget_key]
-    v, b = s[key]["hydra"]["median"], s[key]["llama-server"]["median"]
-    q = ratio(v, b)
-    # "below" is strict (/slots p99); the other maxima are "≤"
-    ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
-                                 else q <= limit)
-    rr = s[key]["ratio_per_round"]
-    note = (f"per-{per} ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} {per}s"
-            if rr["n"] else "no ratio")
-    res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
-                    .with_spread(s[key]["hydra"]))
-
-
-def _summarize(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str, list] | None = None) -> None:
-    pairs = pairs or {}
-
-    def of(v: str, key: str) -> list:
-        return [r[key] for r in sorted((r for r in rounds if r["variant"] == v), key=lambda r: r["round"])]
-
-    s: dict[str, Any] = {}
-    for figure in FIGURES:
-        _figure(res, s, figure, of("hydra", figure[0]), of("llama-server", figure[0]))
-    for key, figure in PAIRED:
-        if pairs.get(key):
-            _figure(res, s, figure, [p["hydra"] for p in pairs[key]], [p["llama-server"] for p in pairs[key]],
-                    per="pair")
-    # scaling and where the time goes: informational
-    for v in VARIANTS:
-        scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
-        cpu = of(v, "cpu_four")
-        s[v] = {"four_over_one": spread(scal),
-                "cores_busy_four": spread(c["cores_busy"] for c in cpu),
-                "cpu_ms_per_token_four": spread(c["cpu_ms_per_token"] for c in cpu),
-                "main_thread_share_four": spread(ratio(c["main_thread_s"], c["cpu_s"]) for c in cpu),
-                "peak_rss_mib": spread(of(v, "peak_rss_mib")), "startup_s": spread(of(v, "startup_s"))}
-    res.summary = s
-    h, ls = s["hydra"], s["llama-server"]
-    res.rows.append(Row(f"{SLOTS} streams over one stream (scaling)", h["four_over_one"]["median"], "×",
-                        ls["four_over_one"]["median"], LABEL).with_spread(h["four_over_one"]))
-    res.rows.append(Row(f"server CPU per token, {SLOTS} streams", h["cpu_ms_per_token_four"]["median"], "ms",
-                        ls["cpu_ms_per_token_four"]["median"], LABEL,
-                        note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
-                             f"main thread's share {_pct(h['main_thread_share_four'])} vs "
-                             f"{_pct(ls['main_thread_share_four'])}").with_spread(h["cpu_ms_per_token_four"]))
-    longer = [r["slots_phase"] for r in rounds if "slots_phase" in r]
-    if longer:
-        res.notes.append(
-            f"/slots p99: the four-stream phase gave {min(x['four_phase_answers'] for x in longer)}–"
-            f"{max(x['four_phase_answers'] for x in longer)} answers (< {SLOTS_MIN_ANSWERS}) in {len(longer)} round(s); "
-            f"there the figure is four streams of up to {max(x['max_tokens'] for x in longer)} tokens with /slots "
-            f"read every {SLOTS_LOAD_POLL_S * 1000:.0f} ms ({min(len(r['slots_ms']) for r in rounds)}+ answers per round)")
-    finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
-                (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
-    finishes += [p[f"{v}_finish"] for k in ("one", "chat_one") for p in pairs.get(k, ()) for v in VARIANTS]
-    short = [f for f in finishes if f != "length"]
-    if short:
-        res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
-                         f"{sorted(set(short), key=str)}): the same prompts end alike on both "
-                         "servers (greedy), so the ratios hold, over fewer tokens.")
-
-
-def _pct(sp: dict[str, Any]) -> str:
-    return "?" if sp.get("median") is None else f"{100 * sp['median']:.0f} %"

@@ -1,0 +1,144 @@
+"""vs-llama-server's figures: what is compared, the budgets, and how the rounds and the
+alternating pairs become rows (ours / llama-server's, per round or pair).
+
+The **control** pairs the same alternating requests between llama-server and a second
+llama-server process started with the same argv. Two identical servers differ only by the
+host's noise, so the control's per-pair ratios are the measurement's own spread: a figure of
+ours inside it is parity as far as this host can tell, one outside it is a difference.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .common import Result, Row, ratio, spread
+
+VARIANTS = ["llama-server", "hydra"]
+CONTROL = "llama-server-2"  # the control's second llama-server process
+LABEL = "llama-server"
+SLOTS = 4
+SLOTS_WIDE = 8
+SLOTS_MIN_ANSWERS = 100  # fewer /slots answers than this make no p99: measured again, longer
+SLOTS_LOAD_POLL_S = 0.01
+BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
+    "one": ("≥ 1.0× llama-server", 1.0, "min"),
+    "ttft": ("≤ 1.0× llama-server", 1.0, "max"),
+    "four": ("≥ 1.0× llama-server", 1.0, "min"),
+    "eight": ("≥ 1.0× llama-server", 1.0, "min"),
+    "slots_p99": ("below llama-server's", 1.0, "max"),
+    "rss": ("≤ 1.1× llama-server", 1.1, "max"),
+}
+CONTROL_PREFIX = "control: "  # a row of the control: llama-server against a second llama-server
+
+
+FIGURES = [  # key in a round, row label, unit, budget key
+    ("one_tok_s", "one stream, decode tok/s", "tok/s", "one"),
+    ("ttft_ms", "one stream, time to first token (median of 3 requests)", "ms", "ttft"),
+    ("four_tok_s", f"{SLOTS} concurrent streams (after a history), aggregate tok/s", "tok/s", "four"),
+    ("eight_tok_s", f"{SLOTS_WIDE} concurrent streams on -np {SLOTS_WIDE}, aggregate tok/s", "tok/s", "eight"),
+    ("slots_p99_ms", f"/slots p99 while {SLOTS} streams decode", "ms", "slots_p99"),
+    ("rss_mib", f"RSS after {SLOTS} streams", "MiB", "rss"),
+    ("cache_cold_ttft_ms", "long prompt, cold: time to first token", "ms", "ttft"),
+    ("cache_warm_ttft_ms", "the same document cached: time to first token (median of 3)", "ms", "ttft"),
+    ("chat_one_tok_s", "chat completions, one stream, decode tok/s", "tok/s", "one"),
+    ("chat_ttft_ms", "chat completions, time to first token (median of 3 requests)", "ms", "ttft"),
+    ("chat_four_tok_s", f"chat completions, {SLOTS} concurrent streams, aggregate tok/s", "tok/s", "four"),
+]
+PAIRED = [  # samples["pairs"] key, then as FIGURES
+    ("one", ("one_paired_tok_s", "one stream, alternating request by request, decode tok/s", "tok/s", "one")),
+    ("chat_one", ("chat_one_paired_tok_s", "chat, one stream, alternating, decode tok/s", "tok/s", "one")),
+    ("ttft", ("ttft_paired_ms", "time to first token, alternating request by request (median)", "ms", "ttft")),
+    ("cached", ("cache_warm_paired_ms", "cached document: time to first token, alternating (median)", "ms",
+                "ttft")),
+]
+
+
+def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], ours: list, theirs: list,
+            per: str = "round") -> None:
+    """One figure: both sides' spread, the ratio of each round (or pair), its row and verdict."""
+    key, label, unit, budget_key = figure
+    per_round = [ratio(a, b) for a, b in zip(ours, theirs)]
+    s[key] = {"hydra": spread(ours), "llama-server": spread(theirs), "ratio_per_round": spread(per_round),
+              "ratios": [None if q is None else round(q, 4) for q in per_round]}
+    text, limit, kind = BUDGETS[budget_key]
+    v, b = s[key]["hydra"]["median"], s[key]["llama-server"]["median"]
+    q = ratio(v, b)
+    # "below" is strict (/slots p99); the other maxima are "≤"
+    ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
+                                 else q <= limit)
+    rr = s[key]["ratio_per_round"]
+    note = (f"per-{per} ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} {per}s"
+            if rr["n"] else "no ratio")
+    res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
+                    .with_spread(s[key]["hydra"]))
+
+
+def _control_row(res: Result, label: str, unit: str, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A paired figure between two llama-server processes: no budget, its spread is the host's."""
+    second, first = [p[CONTROL] for p in pairs], [p["llama-server"] for p in pairs]
+    per_pair = [ratio(a, b) for a, b in zip(second, first)]
+    out = {CONTROL: spread(second), "llama-server": spread(first), "ratio_per_pair": spread(per_pair),
+           "ratios": [None if q is None else round(q, 4) for q in per_pair]}
+    rr = out["ratio_per_pair"]
+    note = (f"per-pair ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} pairs, "
+            "llama-server against a second llama-server" if rr["n"] else "no ratio")
+    res.rows.append(Row(CONTROL_PREFIX + label, out[CONTROL]["median"], unit, out["llama-server"]["median"], LABEL,
+                        note=note).with_spread(out[CONTROL]))
+    return out
+
+
+def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str, list] | None = None,
+           control: dict[str, list] | None = None) -> None:
+    """The rows and summary of a run: every figure over the rounds, then over the pairs, then
+    the control's pairs (informational), scaling and CPU per token."""
+    pairs, control = pairs or {}, control or {}
+
+    def of(v: str, key: str) -> list:
+        return [r[key] for r in sorted((r for r in rounds if r["variant"] == v), key=lambda r: r["round"])]
+
+    s: dict[str, Any] = {}
+    for figure in FIGURES:
+        _figure(res, s, figure, of("hydra", figure[0]), of("llama-server", figure[0]))
+    for key, figure in PAIRED:
+        if pairs.get(key):
+            _figure(res, s, figure, [p["hydra"] for p in pairs[key]], [p["llama-server"] for p in pairs[key]],
+                    per="pair")
+    for key, (skey, label, unit, _) in PAIRED:
+        if control.get(key):
+            s.setdefault("control", {})[skey] = _control_row(res, label, unit, control[key])
+    # scaling and where the time goes: informational
+    for v in VARIANTS:
+        scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
+        cpu = of(v, "cpu_four")
+        s[v] = {"four_over_one": spread(scal),
+                "cores_busy_four": spread(c["cores_busy"] for c in cpu),
+                "cpu_ms_per_token_four": spread(c["cpu_ms_per_token"] for c in cpu),
+                "main_thread_share_four": spread(ratio(c["main_thread_s"], c["cpu_s"]) for c in cpu),
+                "peak_rss_mib": spread(of(v, "peak_rss_mib")), "startup_s": spread(of(v, "startup_s"))}
+    res.summary = s
+    h, ls = s["hydra"], s["llama-server"]
+    res.rows.append(Row(f"{SLOTS} streams over one stream (scaling)", h["four_over_one"]["median"], "×",
+                        ls["four_over_one"]["median"], LABEL).with_spread(h["four_over_one"]))
+    res.rows.append(Row(f"server CPU per token, {SLOTS} streams", h["cpu_ms_per_token_four"]["median"], "ms",
+                        ls["cpu_ms_per_token_four"]["median"], LABEL,
+                        note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
+                             f"main thread's share {_pct(h['main_thread_share_four'])} vs "
+                             f"{_pct(ls['main_thread_share_four'])}").with_spread(h["cpu_ms_per_token_four"]))
+    longer = [r["slots_phase"] for r in rounds if "slots_phase" in r]
+    if longer:
+        res.notes.append(
+            f"/slots p99: the four-stream phase gave {min(x['four_phase_answers'] for x in longer)}–"
+            f"{max(x['four_phase_answers'] for x in longer)} answers (< {SLOTS_MIN_ANSWERS}) in {len(longer)} round(s); "
+            f"there the figure is four streams of up to {max(x['max_tokens'] for x in longer)} tokens with /slots "
+            f"read every {SLOTS_LOAD_POLL_S * 1000:.0f} ms ({min(len(r['slots_ms']) for r in rounds)}+ answers per round)")
+    finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
+                (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
+    finishes += [p[f"{v}_finish"] for k in ("one", "chat_one") for p in pairs.get(k, ()) for v in VARIANTS]
+    short = [f for f in finishes if f != "length"]
+    if short:
+        res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
+                         f"{sorted(set(short), key=str)}): the same prompts end alike on both "
+                         "servers (greedy), so the ratios hold, over fewer tokens.")
+
+
+def _pct(sp: dict[str, Any]) -> str:
+    return "?" if sp.get("median") is None else f"{100 * sp['median']:.0f} %"
