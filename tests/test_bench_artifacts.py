@@ -104,13 +104,15 @@ def test_no_committed_result_names_a_home_directory():
 @pytest.mark.parametrize("folder_name, n_rows", [
     ("vs-llama-server", 14), ("vs-llama-server-064a559", 14), ("vs-llama-server-tiny", 14),
     ("vs-llama-server-tiny-cc8cb5c", 16), ("vs-llama-server-2bf7eb4", 16), ("vs-llama-server-0fbacc3", 17),
-    ("vs-llama-server-tiny-0fbacc3", 17)])
+    ("vs-llama-server-tiny-0fbacc3", 17), ("vs-llama-server-75443f2", 21), ("vs-llama-server-tiny-75443f2", 21),
+    ("vs-llama-server-tiny-75443f2-as-array", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
     "Three runs on the tiny model", the -cc8cb5c and -2bf7eb4 ones those of "Request by
     request, and one chat template for both", the -0fbacc3 ones those of "One stream on Gemma:
-    the path between two tokens": the table built from them is combined.md's, and each of its
+    the path between two tokens", the -75443f2 ones (and -as-array) those of "A control:
+    llama-server against itself": the table built from them is combined.md's, and each of its
     rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
@@ -121,7 +123,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
         runs.append(load_results(run_dir))
     assert len(runs) == 3
     rows = [line for line in combined_table(runs).splitlines() if line.startswith("| vs-llama-server |")]
-    assert len(rows) == n_rows  # every figure, the alternating pairs (one, or three), scaling and CPU per token
+    assert len(rows) == n_rows  # every figure, the alternating pairs, the control's, scaling and CPU per token
     combined = (folder / "combined.md").read_text().splitlines()
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in combined] == []
