@@ -329,7 +329,7 @@ class LoadedModel(ModelText):
             raise LlamaBackendError(f"llama_get_logits_ith({idx}) returned NULL")
         # A view on the row through a ctypes type made once: np.ctypeslib.as_array makes a
         # pointer type and casts on every call, and right after a decode, whose weights pushed
-        # the interpreter out of the caches, that cost ~50 µs of a Gemma token (docs/performance.md).
+        # the interpreter out of the caches, that cost 20–35 µs of a Gemma token (docs/performance.md).
         return np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
 
     @staticmethod
