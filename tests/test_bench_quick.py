@@ -121,7 +121,8 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     paired = res.rows[len(FIGURES)]
     assert paired.metric == one[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
     assert res.summary[one[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
-    assert "1.04 (1.00–1.07) over 4 pairs" in paired.note
+    assert "1.04 (1.00–1.07) over 4 pairs; the control's 1.00 (0.99–1.00)" in paired.note
+    assert "control" not in rows[chat_one[1]].note  # no control pairs for it
     assert rows[chat_one[1]].ok is False and res.summary[chat_one[0]]["ratios"] == [0.975] * 4
     assert rows[ttft[1]].ok is True and rows[ttft[1]].ratio == pytest.approx(3.5 / 4)  # medians: 3.5 ms vs 4
     assert rows[cached[1]].ok is False and res.summary[cached[0]]["ratios"] == [1.2] * 4

@@ -102,9 +102,13 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
         if pairs.get(key):
             _figure(res, s, figure, [p["hydra"] for p in pairs[key]], [p["llama-server"] for p in pairs[key]],
                     per="pair")
+    rows = {r.metric: r for r in res.rows}
     for key, (skey, label, unit, _) in PAIRED:
         if control.get(key):
             s.setdefault("control", {})[skey] = _control_row(res, label, unit, control[key])
+            c = s["control"][skey]["ratio_per_pair"]
+            if label in rows and c["n"]:  # a verdict read with the spread of two identical servers beside it
+                rows[label].note += f"; the control's {c['median']:.2f} ({c['min']:.2f}–{c['max']:.2f})"
     # scaling and where the time goes: informational
     for v in VARIANTS:
         scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
