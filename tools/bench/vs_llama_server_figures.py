@@ -66,8 +66,7 @@ def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], o
     ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
                                  else q <= limit)
     rr = s[key]["ratio_per_round"]
-    note = (f"per-{per} ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} {per}s"
-            if rr["n"] else "no ratio")
+    note = f"per-{per} ratio {_span(rr)} over {rr['n']} {per}s" if rr["n"] else "no ratio"
     res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
                     .with_spread(s[key]["hydra"]))
 
@@ -79,8 +78,8 @@ def _control_row(res: Result, label: str, unit: str, pairs: list[dict[str, Any]]
     out = {CONTROL: spread(second), "llama-server": spread(first), "ratio_per_pair": spread(per_pair),
            "ratios": [None if q is None else round(q, 4) for q in per_pair]}
     rr = out["ratio_per_pair"]
-    note = (f"per-pair ratio {rr['median']:.2f} ({rr['min']:.2f}–{rr['max']:.2f}) over {rr['n']} pairs, "
-            "llama-server against a second llama-server" if rr["n"] else "no ratio")
+    note = (f"per-pair ratio {_span(rr)} over {rr['n']} pairs, llama-server against a second llama-server"
+            if rr["n"] else "no ratio")
     res.rows.append(Row(CONTROL_PREFIX + label, out[CONTROL]["median"], unit, out["llama-server"]["median"], LABEL,
                         note=note).with_spread(out[CONTROL]))
     return out
@@ -108,7 +107,7 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
             s.setdefault("control", {})[skey] = _control_row(res, label, unit, control[key])
             c = s["control"][skey]["ratio_per_pair"]
             if label in rows and c["n"]:  # a verdict read with the spread of two identical servers beside it
-                rows[label].note += f"; the control's {c['median']:.2f} ({c['min']:.2f}–{c['max']:.2f})"
+                rows[label].note += f"; the control's {_span(c)}"
     # scaling and where the time goes: informational
     for v in VARIANTS:
         scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
@@ -142,6 +141,11 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
                          f"{sorted(set(short), key=str)}): the same prompts end alike on both "
                          "servers (greedy), so the ratios hold, over fewer tokens.")
+
+
+def _span(sp: dict[str, Any]) -> str:
+    """A ratio's median and min–max, as the notes give them."""
+    return f"{sp['median']:.2f} ({sp['min']:.2f}–{sp['max']:.2f})"
 
 
 def _pct(sp: dict[str, Any]) -> str:
