@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import queue
-import statistics
 import subprocess
 import sys
 import threading
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
+
+from tools.bench.common import percentile
 
 LOOP_WORK_US = 250  # the loop's Python between two steps (publishing, the streams' turn, the next batch)
 STEP_TAIL_US = 50  # the step's Python after its GIL-free part (sampling, events)
@@ -90,8 +91,7 @@ def _exchange(steps: int, work: bytes) -> dict[str, list[float]]:
 
 
 def _spread(xs: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(xs, n=10)
-    return {"p10": round(q[0], 1), "median": round(statistics.median(xs), 1), "p90": round(q[-1], 1)}
+    return {name: round(percentile(xs, q), 1) for name, q in (("p10", 10), ("median", 50), ("p90", 90))}
 
 
 def _setting(name: str, steps: int, work: bytes) -> dict[str, Any]:

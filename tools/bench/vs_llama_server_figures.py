@@ -52,13 +52,23 @@ PAIRED = [  # samples["pairs"] key, then as FIGURES
 ]
 
 
+def _compare(side: str, values: list, theirs: list, per_key: str) -> dict[str, Any]:
+    """``side``'s values against llama-server's: both spreads and the ratio of each round or pair."""
+    per = [ratio(a, b) for a, b in zip(values, theirs)]
+    return {side: spread(values), "llama-server": spread(theirs), per_key: spread(per),
+            "ratios": [None if q is None else round(q, 4) for q in per]}
+
+
+def _ratio_note(rr: dict[str, Any], per: str) -> str:
+    return f"per-{per} ratio {_span(rr)} over {rr['n']} {per}s" if rr["n"] else "no ratio"
+
+
 def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], ours: list, theirs: list,
-            per: str = "round") -> None:
-    """One figure: both sides' spread, the ratio of each round (or pair), its row and verdict."""
+            per: str = "round", beside: str = "") -> None:
+    """One figure: both sides' spread, the ratio of each round (or pair), its row and verdict;
+    ``beside``: what the note adds (the control's ratio for a paired figure)."""
     key, label, unit, budget_key = figure
-    per_round = [ratio(a, b) for a, b in zip(ours, theirs)]
-    s[key] = {"hydra": spread(ours), "llama-server": spread(theirs), "ratio_per_round": spread(per_round),
-              "ratios": [None if q is None else round(q, 4) for q in per_round]}
+    s[key] = _compare("hydra", ours, theirs, "ratio_per_round")
     text, limit, kind = BUDGETS[budget_key]
     v, b = s[key]["hydra"]["median"], s[key]["llama-server"]["median"]
     q = ratio(v, b)
@@ -66,23 +76,17 @@ def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], o
     ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
                                  else q <= limit)
     rr = s[key]["ratio_per_round"]
-    note = f"per-{per} ratio {_span(rr)} over {rr['n']} {per}s" if rr["n"] else "no ratio"
+    note = _ratio_note(rr, per) + beside
     res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
                     .with_spread(s[key]["hydra"]))
 
 
-def _control_row(res: Result, label: str, unit: str, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+def _control_row(res: Result, label: str, unit: str, c: dict[str, Any]) -> None:
     """A paired figure between two llama-server processes: no budget, its spread is the host's."""
-    second, first = [p[CONTROL] for p in pairs], [p["llama-server"] for p in pairs]
-    per_pair = [ratio(a, b) for a, b in zip(second, first)]
-    out = {CONTROL: spread(second), "llama-server": spread(first), "ratio_per_pair": spread(per_pair),
-           "ratios": [None if q is None else round(q, 4) for q in per_pair]}
-    rr = out["ratio_per_pair"]
-    note = (f"per-pair ratio {_span(rr)} over {rr['n']} pairs, llama-server against a second llama-server"
-            if rr["n"] else "no ratio")
-    res.rows.append(Row(CONTROL_PREFIX + label, out[CONTROL]["median"], unit, out["llama-server"]["median"], LABEL,
-                        note=note).with_spread(out[CONTROL]))
-    return out
+    rr = c["ratio_per_pair"]
+    note = _ratio_note(rr, "pair") + (", llama-server against a second llama-server" if rr["n"] else "")
+    res.rows.append(Row(CONTROL_PREFIX + label, c[CONTROL]["median"], unit, c["llama-server"]["median"], LABEL,
+                        note=note).with_spread(c[CONTROL]))
 
 
 def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str, list] | None = None,
@@ -94,20 +98,24 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
     def of(v: str, key: str) -> list:
         return [r[key] for r in sorted((r for r in rounds if r["variant"] == v), key=lambda r: r["round"])]
 
+    def sides(found: list[dict[str, Any]], side: str) -> tuple[list, list]:
+        return [p[side] for p in found], [p["llama-server"] for p in found]
+
     s: dict[str, Any] = {}
     for figure in FIGURES:
         _figure(res, s, figure, of("hydra", figure[0]), of("llama-server", figure[0]))
+    controls = {skey: _compare(CONTROL, *sides(control[key], CONTROL), "ratio_per_pair")
+                for key, (skey, *_) in PAIRED if control.get(key)}
     for key, figure in PAIRED:
         if pairs.get(key):
-            _figure(res, s, figure, [p["hydra"] for p in pairs[key]], [p["llama-server"] for p in pairs[key]],
-                    per="pair")
-    rows = {r.metric: r for r in res.rows}
-    for key, (skey, label, unit, _) in PAIRED:
-        if control.get(key):
-            s.setdefault("control", {})[skey] = _control_row(res, label, unit, control[key])
-            c = s["control"][skey]["ratio_per_pair"]
-            if label in rows and c["n"]:  # a verdict read with the spread of two identical servers beside it
-                rows[label].note += f"; the control's {_span(c)}"
+            c = controls.get(figure[0])  # a verdict read with the spread of two identical servers beside it
+            beside = f"; the control's {_span(c['ratio_per_pair'])}" if c and c["ratio_per_pair"]["n"] else ""
+            _figure(res, s, figure, *sides(pairs[key], "hydra"), per="pair", beside=beside)
+    for _, (skey, label, unit, _) in PAIRED:
+        if skey in controls:
+            _control_row(res, label, unit, controls[skey])
+    if controls:
+        s["control"] = controls
     # scaling and where the time goes: informational
     for v in VARIANTS:
         scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
