@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from .common import BenchContext, background_busy, machine_info, usable_cpus
     from .models import model_set
     from .procs import raise_fd_limit
+    from .pooled import section as pooled_section
     from .report import combined_table
 
     names = args.scenarios or list(SCENARIOS)
@@ -142,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         runs.append(_run_once(names, ctx, machine, run_out, command, args))
     if args.runs > 1:
         text = combined_table(runs)
+        pooled = pooled_section(runs)  # vs-llama-server's pairs over all the runs
+        text += f"\n\n{pooled}" if pooled else ""
         (out / "combined.md").write_text(f"# hydra-rpc benchmark: {args.runs} runs\n\n`{command}`\n\n{text}\n")
         print(text)
         print(f"\n{args.runs} runs in {out}/run-*/; combined table in {out}/combined.md")
