@@ -11,8 +11,11 @@ cache), taken while a prompt is fed; the attention KV of the prefix stays in the
 
 As llama-server does (server-context.cpp, ``create_checkpoint`` and its callers):
 
-* taken before the chunk that starts 4 + n_batch and 4 tokens before a prompt's end — the
-  prompt is cut into chunks there (``chunk_len``), so those positions exist;
+* taken before the chunk that starts 4 + n_ubatch and 4 tokens before a prompt's end (each
+  at most n_batch: ``tools/server`` cuts a prompt's batch there) — the prompt is cut into
+  chunks there (``chunk_len``), so those positions exist. The earlier one is what the next
+  prompt on the same document with another question restores: it computes ~n_ubatch tokens
+  instead of the whole document;
 * at most ``max_per_slot`` per slot: when full, one within ``min_step`` tokens of the
   checkpoint before it goes first, else the oldest; one at the same position is replaced;
 * restored when a new prompt diverges inside the slot's tokens (``best`` + ``restore``):
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 from .backend import ModelBackend
 
-#: tokens before a prompt's end where checkpoints are taken (plus 4 + n_batch), as llama-server
+#: tokens before a prompt's end where checkpoints are taken (and 4 + n_ubatch), as llama-server
 END_OFFSET = 4
 
 
@@ -59,22 +62,25 @@ class Checkpoints:
         return self.max_per_slot > 0 and (model.recurrent or (model.n_swa > 0 and not model.kv_shareable))
 
     @staticmethod
-    def points(end: int, n_batch: int) -> tuple[int, ...]:
-        """Where checkpoints of a prompt of ``end`` tokens are taken."""
-        return tuple(p for p in (end - END_OFFSET - n_batch, end - END_OFFSET) if p > 0)
+    def points(end: int, n_batch: int, n_ubatch: int) -> tuple[int, ...]:
+        """Where checkpoints of a prompt of ``end`` tokens are taken, in order."""
+        before_end = sorted({min(n_batch, END_OFFSET + n_ubatch), min(n_batch, END_OFFSET)}, reverse=True)
+        return tuple(end - k for k in before_end if end - k > 0)
 
-    def chunk_len(self, held: int, want: int, end: int, n_batch: int) -> int:
+    @staticmethod
+    def chunk_len(held: int, want: int, points: tuple[int, ...]) -> int:
         """A prefill chunk of at most ``want`` tokens from ``held`` on, ending at the next
-        checkpoint position so that the state there exists between two decodes."""
-        for p in self.points(end, n_batch):
+        checkpoint position (of :meth:`points`) so that the state there exists between two
+        decodes."""
+        for p in points:
             if held < p < held + want:
                 return p - held
         return want
 
-    def before_chunk(self, model: ModelBackend, seq: int, tokens: list[int], end: int, n_batch: int) -> None:
-        """Take a checkpoint if the slot (holding ``tokens``) is at a checkpoint position of a
-        prompt of ``end`` tokens, before its next chunk is decoded."""
-        if len(tokens) not in self.points(end, n_batch) or -1 in tokens:
+    def before_chunk(self, model: ModelBackend, seq: int, tokens: list[int], points: tuple[int, ...]) -> None:
+        """Take a checkpoint if the slot (holding ``tokens``) is at one of its prompt's
+        checkpoint positions (:meth:`points`), before its next chunk is decoded."""
+        if len(tokens) not in points or -1 in tokens:
             return
         kept = self.per_slot.setdefault(seq, [])
         if kept and kept[-1].tokens == tokens:

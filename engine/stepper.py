@@ -310,9 +310,10 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
                 continue
             n = min(budget, len(r.pending))
             if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
-                held, end = len(r.slot.tokens), len(r.slot.tokens) + len(r.pending)
-                ckpts.before_chunk(model, r.slot.id, r.slot.tokens, end, token_budget)
-                n = ckpts.chunk_len(held, n, end, token_budget)
+                held = len(r.slot.tokens)
+                points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch)
+                ckpts.before_chunk(model, r.slot.id, r.slot.tokens, points)
+                n = ckpts.chunk_len(held, n, points)
             chunk = r.pending[:n]
             last_chunk = len(chunk) == len(r.pending)
             want = last_chunk and (r.job.request.n_predict > 0 or r.job.request.capture_state)

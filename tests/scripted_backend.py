@@ -155,6 +155,10 @@ class ScriptedBackend:
         return self.params.n_batch
 
     @property
+    def n_ubatch(self) -> int:
+        return min(self.params.n_batch, 512)
+
+    @property
     def bos(self) -> int:
         return BOS
 

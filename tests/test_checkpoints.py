@@ -41,30 +41,36 @@ def test_only_memories_that_cannot_be_cut_back_want_them():
 
 
 def test_positions_as_llama_server_takes_them_and_chunks_end_there():
-    assert Checkpoints.points(100, 32) == (100 - END_OFFSET - 32, 100 - END_OFFSET)
-    assert Checkpoints.points(20, 32) == (20 - END_OFFSET,)  # the earlier one would be before 0
-    ck = Checkpoints()
+    # 4 + n_ubatch and 4 tokens before the end, each at most n_batch (tools/server's
+    # checkpoint_offsets); n_batch does not move them, as long as it is the larger
+    assert Checkpoints.points(100, 2048, 32) == (100 - END_OFFSET - 32, 100 - END_OFFSET)
+    assert Checkpoints.points(100, 32, 32) == (100 - 32, 100 - END_OFFSET)  # capped by n_batch
+    assert Checkpoints.points(100, 4, 32) == (100 - END_OFFSET,)  # both capped alike: one point
+    assert Checkpoints.points(20, 2048, 32) == (20 - END_OFFSET,)  # the earlier one would be before 0
+    assert Checkpoints.points(1215, 2048, 512) == (699, 1211)  # a document's last ubatch is computed again
+    points = Checkpoints.points(100, 2048, 32)
     # a chunk from 0 of up to 80 tokens stops at the first point (64), the next at 96
-    assert ck.chunk_len(0, 80, 100, 32) == 64
-    assert ck.chunk_len(64, 80, 100, 32) == 32
-    assert ck.chunk_len(96, 80, 100, 32) == 80  # no point ahead: the whole chunk
+    assert Checkpoints.chunk_len(0, 80, points) == 64
+    assert Checkpoints.chunk_len(64, 80, points) == 32
+    assert Checkpoints.chunk_len(96, 80, points) == 80  # no point ahead: the whole chunk
 
 
 def test_taken_at_a_point_once_and_not_for_unknown_tokens():
     ck, model = Checkpoints(), Recording()
-    ck.before_chunk(model, 0, list(range(63)), end=100, n_batch=32)  # not a point
+    points = Checkpoints.points(100, 2048, 32)
+    ck.before_chunk(model, 0, list(range(63)), points)  # not a point
     assert model.taken == []
-    ck.before_chunk(model, 0, list(range(64)), end=100, n_batch=32)
-    ck.before_chunk(model, 0, list(range(64)), end=100, n_batch=32)  # the same state: kept once
+    ck.before_chunk(model, 0, list(range(64)), points)
+    ck.before_chunk(model, 0, list(range(64)), points)  # the same state: kept once
     assert model.taken == [0] and ck.created == 1
-    ck.before_chunk(model, 1, [-1] * 64, end=100, n_batch=32)  # a restored state's unknown tokens
+    ck.before_chunk(model, 1, [-1] * 64, points)  # a restored state's unknown tokens
     assert model.taken == [0] and ck.of_slot(0) == [{"n_tokens": 64, "size": len(b"state-1")}]
     assert ck.of_slot(1) == []
 
 
 def fill(ck: Checkpoints, model: Recording, lengths: list[int], seq: int = 0) -> None:
     for n in lengths:  # each n a point of a prompt ending END_OFFSET later
-        ck.before_chunk(model, seq, list(range(n)), end=n + END_OFFSET, n_batch=1 << 20)
+        ck.before_chunk(model, seq, list(range(n)), Checkpoints.points(n + END_OFFSET, 1 << 20, 512))
 
 
 def test_when_full_one_close_to_its_predecessor_goes_first_else_the_oldest():

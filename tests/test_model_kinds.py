@@ -34,7 +34,8 @@ def greedy_reference(kind: str, tokens: list[int], n: int = N) -> list[int]:
 
     with LoadedModel(resolve_model(kind), n_ctx=1024, n_seq_max=1) as m:
         s = m.make_sampler(GREEDY)
-        m.decode([BatchItem(0, tokens, 0)])
+        for at in range(0, len(tokens), m.n_batch):  # the last chunk's last token gets the logits
+            m.decode([BatchItem(0, tokens[at:at + m.n_batch], at)])
         out: list[int] = []
         for _ in range(n):
             out.append(m.sample(0, s))
@@ -83,7 +84,7 @@ def pair(request, tmp_path_factory):
     kind = request.param
     files = tmp_path_factory.mktemp("slots")
     a = start_server("--model", kind, "--parallel", "2", "--ctx-size", "4096", "--slot-save-path", str(files),
-                     "--log-level", "WARNING")
+                     "--batch-size", "2048", "--ubatch-size", "512", "--log-level", "WARNING")  # llama-server's
     b = start_server("--model", kind, "--parallel", "2", "--ctx-size", "4096", "--no-http", "--log-level", "WARNING")
     yield kind, a, b
     for sp in (a, b):
@@ -224,6 +225,38 @@ async def test_multi_turn_chat_over_http_reuses_the_slot(pair):
     async with connected(a) as c:
         pc = await prompt_cache(c)
     assert pc["ctx_checkpoints"] == 32 and (pc["checkpoints_restored"] >= 1 or kind not in RECURRENT)
+
+
+@pytest.mark.asyncio
+async def test_another_question_on_a_document_restores_the_checkpoint_one_ubatch_back(pair):
+    """llama-server takes checkpoints 4 + n_ubatch and 4 tokens before a prompt's end. The next
+    prompt on the same document diverges inside the question, after the later one: a recurrent
+    slot restores the earlier one and computes about one ubatch again, not the document."""
+    kind, a, _ = pair
+    doc = "The ferry leaves the north town at dawn and reaches the south town by noon. " * 18
+    first, second = doc + "Question: which town is first? Answer:", doc + "Question: when does it arrive? Answer:"
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{a.http_port}") as http:
+        async def complete(prompt: str) -> dict:
+            body = {"prompt": prompt, "max_tokens": N, "temperature": 0, "id_slot": 1}
+            async with http.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        one = await complete(first)
+        two = await complete(second)
+    n_first, n_ubatch = one["usage"]["prompt_tokens"], 512  # server A's -ub, under its -b 2048
+    assert n_first > n_ubatch + 4 + 100
+    cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if kind in RECURRENT:
+        assert cached == n_first - 4 - n_ubatch, two["usage"]
+    else:  # a sliding window cuts back within the window; never less than the checkpoint
+        assert cached >= n_first - 4 - n_ubatch, two["usage"]
+    from engine.llama_backend.model import LoadedModel
+    from engine.model_files import resolve_model
+
+    with LoadedModel(resolve_model(kind), n_ctx=1024, n_seq_max=1) as m:
+        want = m.detokenize(greedy_reference(kind, m.tokenize(second, add_special=True)))
+    assert two["choices"][0]["text"] == want.decode("utf-8", "replace")
 
 
 @pytest.mark.asyncio

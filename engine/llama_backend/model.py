@@ -99,14 +99,13 @@ class LoadedModel(ModelText):
         self._n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
         self._row_type = ctypes.c_float * self._n_vocab  # a logits row, as ctypes sees it
         self._n_ctx = int(L.llama_n_ctx(ctx))
-        self._n_batch = int(L.llama_n_batch(ctx))
+        self._n_batch, self._n_ubatch = int(L.llama_n_batch(ctx)), int(L.llama_n_ubatch(ctx))
         self._n_seq_max = int(L.llama_n_seq_max(ctx))
         n_slot = int(L.llama_n_ctx_seq(ctx))  # llama-server's n_ctx_slot()
         if n_ctx_slot_cap > 0:
             n_slot = min(n_slot, int(n_ctx_slot_cap))
         self._n_ctx_slot = min(n_slot, int(L.llama_model_n_ctx_train(model)))
-        self.n_threads = n_threads
-        self._threads_now = n_threads
+        self.n_threads = self._threads_now = n_threads
         # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
         self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
         self._logit_idx: dict[int, int] = {}  # seq -> output row of the last decode; < 0: a set_logits row
@@ -189,6 +188,11 @@ class LoadedModel(ModelText):
         return self._n_batch
 
     @property
+    def n_ubatch(self) -> int:
+        """Tokens llama.cpp computes in one pass (a :meth:`decode` of more is split)."""
+        return self._n_ubatch
+
+    @property
     def identity(self) -> dict[str, Any]:
         """See :func:`engine.llama_backend.identity.read_identity`."""
         return dict(self._identity)
@@ -199,7 +203,6 @@ class LoadedModel(ModelText):
         if n != self._threads_now:
             L.llama_set_n_threads(self._ctx_handle(), n, n)
             self._threads_now = n
-
 
     # ---- sequences ---------------------------------------------------------------------
     def _check_seq(self, seq: int) -> int:
@@ -354,10 +357,8 @@ class LoadedModel(ModelText):
         self._logit_idx[seq] = -1
 
     def logits(self, seq: int, copy: bool = False) -> np.ndarray:
-        """float32[n_vocab] logits of ``seq``'s last token of the last :meth:`decode`.
-
-        Without ``copy`` this is a view of llama.cpp's buffer, valid until the next decode.
-        """
+        """float32[n_vocab] logits of ``seq``'s last token of the last :meth:`decode`; without
+        ``copy`` a view of llama.cpp's buffer, valid until the next decode."""
         row = self._seq_row(seq)
         return row.copy() if copy else row
 
@@ -373,12 +374,9 @@ class LoadedModel(ModelText):
 
     def sample(self, seq: int, sampler: Sampler, want_logprob: bool = False) -> int | tuple[int, float]:
         """Sample a token for ``seq`` from the last :meth:`decode` (and let the sampler accept it).
-
         With a grammar raises :class:`engine.sampling.GrammarExhausted` when it allows no token.
-
         With ``want_logprob`` returns ``(token, logprob)``, the logprob being the natural-log
-        softmax of the *raw* logits (before temperature/penalties) at the chosen token.
-        """
+        softmax of the *raw* logits (before temperature/penalties) at the chosen token."""
         idx = self._logits_index(seq)
         row = self._seq_row(seq)
         lse = self._logsumexp(row) if want_logprob else 0.0
