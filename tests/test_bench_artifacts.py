@@ -105,15 +105,15 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server", 14), ("vs-llama-server-064a559", 14), ("vs-llama-server-tiny", 14),
     ("vs-llama-server-tiny-cc8cb5c", 16), ("vs-llama-server-2bf7eb4", 16), ("vs-llama-server-0fbacc3", 17),
     ("vs-llama-server-tiny-0fbacc3", 17), ("vs-llama-server-75443f2", 21), ("vs-llama-server-tiny-75443f2", 21),
-    ("vs-llama-server-tiny-75443f2-as-array", 21)])
+    ("vs-llama-server-tiny-75443f2-as-array", 21), ("vs-llama-server-9c29522", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
     "Three runs on the tiny model", the -cc8cb5c and -2bf7eb4 ones those of "Request by
     request, and one chat template for both", the -0fbacc3 ones those of "One stream on Gemma:
     the path between two tokens", the -75443f2 ones (and -as-array) those of "A control:
-    llama-server against itself": the table built from them is combined.md's, and each of its
-    rows is in the page."""
+    llama-server against itself", the -9c29522 ones those of "Pooled: what the pairs
+    resolve": the table built from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
@@ -127,4 +127,19 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     combined = (folder / "combined.md").read_text().splitlines()
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in combined] == []
+    assert [line for line in rows if line not in page] == []
+
+
+@pytest.mark.parametrize("folder_name", ["vs-llama-server-75443f2", "vs-llama-server-9c29522",
+                                         "vs-llama-server-tiny-75443f2"])
+def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
+    """"Pooled: what the pairs resolve" quotes tools/bench/pooled.py on these sets, row for row."""
+    from tools.bench import pooled
+
+    samples = pooled.load([DOCS_RUNS / folder_name])
+    assert len(samples) == 3
+    table = pooled.markdown(pooled.pool(samples), 3).splitlines()
+    rows = [line for line in table if line.startswith("| ") and not line.startswith("| figure |")]
+    assert len(rows) == 5  # four paired figures and /slots p99
+    page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in page] == []
