@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -257,6 +258,50 @@ async def test_another_question_on_a_document_restores_the_checkpoint_one_ubatch
     with LoadedModel(resolve_model(kind), n_ctx=1024, n_seq_max=1) as m:
         want = m.detokenize(greedy_reference(kind, m.tokenize(second, add_special=True)))
     assert two["choices"][0]["text"] == want.decode("utf-8", "replace")
+
+
+READ = {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+
+
+def agent_turn(i: int) -> list[dict]:
+    """One step of an agent: its reasoning and tool call as the client sends it back, and the result."""
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/part_{i}.py"})}}
+    return [{"role": "assistant", "content": "", "reasoning_content": f"Part {i} may parse the port.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": f"def parse_port_{i}(text):\n    return int(text)\n"}]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", sorted(RECURRENT))
+async def test_an_agents_turns_reuse_all_but_the_last_tokens_of_the_previous_prompt(kind):
+    """The fleet's traffic on its model kind: each turn sends the conversation back with the
+    assistant's call re-rendered by the template (Qwen 3.5's form, a think block and tools), so
+    the slot's tokens diverge where the previous answer began. The checkpoint 4 tokens before
+    the previous prompt's end is where it restores, as llama-server does (both reuse the same
+    count on this workload); a full computation on an empty slot gives the same answer."""
+    template = str(Path(__file__).parent / "templates" / "qwen35_xml.jinja")
+    with serving("--model", kind, "--parallel", "2", "--ctx-size", "16384", "--batch-size", "2048",
+                 "--chat-template-file", template, "--log-level", "WARNING") as sp:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
+            async def chat(messages: list[dict], slot: int) -> dict:
+                body = {"messages": messages, "tools": [READ], "max_tokens": N, "temperature": 0, "id_slot": slot}
+                async with http.post("/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            messages = [{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
+                        {"role": "user", "content": "Find where the port is parsed."}]
+            answer = await chat(messages, 0)
+            for i in range(3):
+                messages += agent_turn(i)
+                before = answer["usage"]["prompt_tokens"]
+                answer = await chat(messages, 0)
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before - 4, answer["usage"]
+            fresh = await chat(messages, 1)
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["choices"][0]["message"] == answer["choices"][0]["message"]
 
 
 @pytest.mark.asyncio
