@@ -9,6 +9,10 @@ whether ours and the control's ratios could be one distribution. A figure whose 
 this host does not tell apart from llama-server against itself. ``/slots`` p99 is taken over
 every round's answers together, a few hundred per run instead of one round's hundred or two.
 
+The interval is the spread of the pairs, not of the processes: a run's pairs share two server
+processes, so a set of runs can sit off another set of the same code on the same host by
+more than either interval (docs/performance.md, "At 2269a8d").
+
 ``python -m tools.bench.pooled DIR_OR_JSON ...`` reads the runs a bench wrote (``run-*/``) or
 their committed copies (``docs/performance/vs-llama-server-*/run-*.json``); ``hydra-rpc bench
 vs-llama-server --runs N`` adds the same table to ``combined.md``.
