@@ -28,12 +28,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .common import percentile
-from .vs_llama_server_figures import CONTROL, LABEL, PAIRED, SLOTS
+from .vs_llama_server_figures import CONTROL, LABEL, NAME as SCENARIO, OURS, PAIRED, SLOTS
 
-SCENARIO = "vs-llama-server"
 RESAMPLES = 4000
 SEED = 0  # fixed, so that the same runs always give the same intervals and p-values
-OURS = "hydra"
 
 
 @dataclass(frozen=True)

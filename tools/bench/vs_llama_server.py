@@ -69,10 +69,9 @@ from .common import BenchContext, Result, Row, interleaved, now, spread, summari
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent, ferry_question,
                               prompt_cache_phase, shared_document, story, strip, while_polling_slots)
-from .vs_llama_server_figures import (BUDGETS, CONTROL, SLOTS, SLOTS_LOAD_POLL_S, SLOTS_MIN_ANSWERS, SLOTS_WIDE,
-                                      VARIANTS, report)
+from .vs_llama_server_figures import (BUDGETS, CONTROL, NAME, SLOTS, SLOTS_LOAD_POLL_S, SLOTS_MIN_ANSWERS,
+                                      SLOTS_WIDE, VARIANTS, report)
 
-NAME = "vs-llama-server"
 TEMPLATES = Path(__file__).parent / "templates"
 CTX = 8192
 SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192 -np 4)

@@ -12,7 +12,9 @@ from typing import Any
 
 from .common import Result, Row, ratio, spread
 
+NAME = "vs-llama-server"  # the scenario
 VARIANTS = ["llama-server", "hydra"]
+OURS = VARIANTS[1]
 CONTROL = "llama-server-2"  # the control's second llama-server process
 LABEL = "llama-server"
 SLOTS = 4
