@@ -230,6 +230,7 @@ class EngineActor(SlotStateOps):
 
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()  # where a running step hands its tokens over
         while not self._stopping:
             while True:
                 try:
@@ -327,7 +328,16 @@ class EngineActor(SlotStateOps):
         shift = self.params.context_shift and self.model.can_shift
         keep = int(self.t1.get("n_keep", 0)) + 1 if shift else None
         run_step(self.model, running, n_ctx_slot=self.n_ctx_slot, token_budget=budget, shift_keep=keep,
-                 time_slice=self.cfg.time_slice, cache=self.cache, counters=self.stats)
+                 time_slice=self.cfg.time_slice, cache=self.cache, counters=self.stats,
+                 hand_over=self._hand_over, should_yield=self._has_mail)
+
+    def _hand_over(self, batch: list[tuple[Running, list]]) -> None:
+        """Inference thread: a running step's tokens, to be delivered on the loop while it goes on."""
+        self._loop.call_soon_threadsafe(self.scheduler.deliver, batch)
+
+    def _has_mail(self) -> bool:
+        """Inference thread: whether the step should end for the mailbox (a length read)."""
+        return not self._mailbox.empty()
 
     def _publish(self) -> None:
         holds = self.reloader.pending and (self.reloader.blocks_admission or self.model is None

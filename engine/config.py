@@ -33,7 +33,9 @@ class EngineConfig:
     low_priority: bool = False
     thread_nice: int | None = None
     adapt_threads: bool = True  # fewer compute threads while other processes or a load need cores
-    time_slice: float = 0.004  # seconds of model work per step before serving the mailbox
+    # seconds of model work a step may take; it ends sooner when the mailbox has mail, and
+    # hands its tokens to their streams as it goes (engine.stepper)
+    time_slice: float = 0.05
     token_budget: int = 512  # tokens per batched decode (prefill chunks + decode tokens)
     erase_timeout: float = 300.0  # s an erase of a busy slot waits for it (engine/erase.py)
     slot_queue: int = 8  # generation jobs waiting per busy slot; 0 = answer BUSY at once

@@ -4,8 +4,11 @@ The actor hands the stepper the running jobs; the stepper builds ONE llama_batch
 from all of them (a prefill chunk or the next token of each), decodes, samples,
 and — while every job is in its decode phase and the time slice is not used up —
 repeats, so the executor hop (~60 µs) does not dominate small models. It returns
-to the actor after at most ``time_slice`` seconds of model work, which is what
-keeps control messages interleaved with long generations.
+to the actor after at most ``time_slice`` seconds of model work, or at once when
+the actor has mail (``should_yield``: a new request or a cancel waits one decode).
+While it repeats it hands the tokens made so far to the actor (``hand_over``, at
+most every ``HAND_OVER_EVERY``): they go to their streams while the next decode
+runs, instead of the loop's per-token work waiting between two decodes.
 
 The stepper mutates ``Running``/``Slot`` objects; the actor never touches them
 while a step is in flight (it is awaiting the step), so there is one owner at a time.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -244,15 +247,19 @@ def _hit_stop(r: Running, stops: list[str]) -> bool:
 
 
 STATE_SIZE_EVERY = 0.05  # seconds between two measurements of a running slot's state size
+HAND_OVER_EVERY = 0.002  # seconds: a small model's tokens go over in batches, not a wake-up each
 
 
 def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, token_budget: int,
              time_slice: float, cache: PromptCache, max_iters: int = 256, shift_keep: int | None = None,
-             counters: dict[str, float] | None = None) -> None:
+             counters: dict[str, float] | None = None, hand_over: Callable[[list[tuple[Running, list]]], None]
+             | None = None, should_yield: Callable[[], bool] | None = None) -> None:
     """Advance every running job by one or more batched decodes (inference thread).
     ``counters`` (the engine's stats) gets ``n_decode`` and ``n_busy_slots`` per decode: what
-    llama-server's ``llamacpp:n_decode_total`` / ``n_busy_slots_per_decode`` count."""
-    t0 = time.perf_counter()
+    llama-server's ``llamacpp:n_decode_total`` / ``n_busy_slots_per_decode`` count.
+    ``hand_over(batch)`` takes (job, its new token events) while the step goes on; the events
+    left when it ends stay in ``Running.events`` for the actor."""
+    t0 = handed = time.perf_counter()
     _admit_new(model, running, n_ctx_slot, cache, shift_keep)
     iters = 0
     ckpts = cache.checkpoints if cache.checkpoints.wanted(model) else None
@@ -269,10 +276,18 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
             counters["n_busy_slots"] += len(items)
         _after_decode(model, fed, n_ctx_slot, shift_keep)
         iters += 1
-        if had_prefill or iters >= max_iters or time.perf_counter() - t0 >= time_slice:
+        now = time.perf_counter()
+        if had_prefill or iters >= max_iters or now - t0 >= time_slice:
             break
-        if any(r.finished for r, _, _ in fed):
+        if any(r.finished for r, _, _ in fed) or (should_yield is not None and should_yield()):
             break
+        if hand_over is not None and now - handed >= HAND_OVER_EVERY:
+            handed = now
+            batch = [(r, r.events) for r, _, _ in fed if r.events]
+            for r, _ in batch:
+                r.events = []
+            if batch:
+                hand_over(batch)
     _refresh_state_sizes(model, running)
 
 
