@@ -136,7 +136,9 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
 @pytest.mark.parametrize("folder_name", ["vs-llama-server-75443f2", "vs-llama-server-9c29522",
                                          "vs-llama-server-tiny-75443f2", "vs-llama-server-2269a8d",
                                          "vs-llama-server-tiny-2269a8d", "vs-llama-server-ee20f51",
-                                         "vs-llama-server-tiny-ee20f51"])
+                                         "vs-llama-server-tiny-ee20f51",
+                                         "kinds/tiny-hybrid/vs-llama-server-64ad51d",
+                                         "kinds/tiny-moe/vs-llama-server-64ad51d"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d" and "At ee20f51" quote tools/bench/pooled.py on these
     sets, row for row."""
