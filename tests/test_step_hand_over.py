@@ -3,6 +3,8 @@ ends at once when the actor has mail (engine.stepper: ``hand_over``, ``should_yi
 Step by step on the scripted backend: every decode waits at the closed decode gate."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine import stepper
@@ -55,3 +57,50 @@ async def test_a_long_step_ends_at_once_for_mail():
 async def _events(job):
     while (ev := await job.next_event()) is not None:
         yield ev
+
+
+@pytest.mark.asyncio
+async def test_a_job_cancelled_during_a_long_step_is_not_fed_again_and_the_others_go_on(monkeypatch):
+    monkeypatch.setattr(stepper, "HAND_OVER_EVERY", 0.0)
+    async with scripted_engine(time_slice=3600.0) as env:
+        gate, actor = env.factory.decode_gate, env.engine.actor
+        gate.close()
+        kept = env.engine.submit(GenRequest(0, prompt="abc", n_predict=8))
+        dropped = env.engine.submit(GenRequest(1, prompt="xyz", n_predict=50))
+        firsts = [asyncio.ensure_future(job.next_event()) for job in (kept, dropped)]
+        while not all(f.done() for f in firsts):  # decode by decode until both have a token
+            await gate.wait_held(1, "the next decode")
+            gate.release(1)
+            await env.wait_for(lambda: gate.held or all(f.done() for f in firsts), "a decode done")
+        await gate.wait_held(1, "a decode of a long step serving both")
+        steps, model = actor.stats["steps"], env.model
+        at_cancel = len(model.batches)  # the held decode is not recorded yet; it still feeds both
+        dropped.cancel()  # a flag, not mail: the step goes on for the job still wanted
+        gate.release(1)
+        await gate.wait_held(1, "the next decode of the same step")
+        assert actor.stats["steps"] == steps
+        gate.open()
+        assert (await kept.result()).tokens_generated == 8
+        assert (await dropped.outcome()).stop_reason == "cancelled"
+        later = model.batches[at_cancel + 1:]
+        assert later and all(batch == [(0, 1)] for batch in later)  # slot 1 not fed after the cancel
+
+
+@pytest.mark.asyncio
+async def test_snapshots_answer_while_a_long_step_runs_and_catch_up_when_it_ends():
+    async with scripted_engine(time_slice=3600.0) as env:
+        gate, actor = env.factory.decode_gate, env.engine.actor
+        gate.close()
+        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=6))
+        await gate.wait_held(1, "the prefill")
+        gate.release(1)
+        await gate.wait_held(1, "the first decode of a long step")
+        during = env.engine.snapshot(0)  # read without the mailbox while the step is in flight
+        assert during.is_processing and during.job_id == job.id
+        gate.release(2)
+        await gate.wait_held(1, "a third decode of the same step")
+        assert env.engine.snapshot(0).n_past == during.n_past  # published after the step, not within it
+        gate.open()
+        result = await job.result()
+        await env.wait_for(lambda: not env.engine.snapshot(0).is_processing, "the end published")
+        assert env.engine.snapshot(0).n_past == result.n_past > during.n_past
