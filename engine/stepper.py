@@ -5,7 +5,9 @@ from all of them (a prefill chunk or the next token of each), decodes, samples,
 and — while every job is in its decode phase and the time slice is not used up —
 repeats, so the executor hop (~60 µs) does not dominate small models. It returns
 to the actor after at most ``time_slice`` seconds of model work, or at once when
-the actor has mail (``should_yield``: a new request or a cancel waits one decode).
+the actor has mail (``should_yield``: a new request, a state transfer, an erase, a
+CONFIGURE or a client that stopped reading waits one decode); a cancelled job is not
+fed from the next decode on.
 While it repeats it hands the tokens made so far to the actor (``hand_over``, at
 most every ``HAND_OVER_EVERY``): they go to their streams while the next decode
 runs, instead of the loop's per-token work waiting between two decodes.
@@ -248,12 +250,13 @@ def _hit_stop(r: Running, stops: list[str]) -> bool:
 
 STATE_SIZE_EVERY = 0.05  # seconds between two measurements of a running slot's state size
 HAND_OVER_EVERY = 0.002  # seconds: a small model's tokens go over in batches, not a wake-up each
+HandOver = Callable[[list[tuple[Running, list]]], None]  # (job, its new token events) of a running step
 
 
 def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, token_budget: int,
              time_slice: float, cache: PromptCache, max_iters: int = 256, shift_keep: int | None = None,
-             counters: dict[str, float] | None = None, hand_over: Callable[[list[tuple[Running, list]]], None]
-             | None = None, should_yield: Callable[[], bool] | None = None) -> None:
+             counters: dict[str, float] | None = None, hand_over: HandOver | None = None,
+             should_yield: Callable[[], bool] | None = None) -> None:
     """Advance every running job by one or more batched decodes (inference thread).
     ``counters`` (the engine's stats) gets ``n_decode`` and ``n_busy_slots`` per decode: what
     llama-server's ``llamacpp:n_decode_total`` / ``n_busy_slots_per_decode`` count.
