@@ -106,7 +106,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-tiny-cc8cb5c", 16), ("vs-llama-server-2bf7eb4", 16), ("vs-llama-server-0fbacc3", 17),
     ("vs-llama-server-tiny-0fbacc3", 17), ("vs-llama-server-75443f2", 21), ("vs-llama-server-tiny-75443f2", 21),
     ("vs-llama-server-tiny-75443f2-as-array", 21), ("vs-llama-server-9c29522", 21), ("vs-llama-server-2269a8d", 21),
-    ("vs-llama-server-tiny-2269a8d", 21), ("vs-llama-server-ee20f51", 21), ("vs-llama-server-tiny-ee20f51", 21)])
+    ("vs-llama-server-tiny-2269a8d", 21), ("vs-llama-server-ee20f51", 21), ("vs-llama-server-tiny-ee20f51", 21),
+    ("vs-llama-server-fbf3a83", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -115,7 +116,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     the path between two tokens", the -75443f2 ones (and -as-array) those of "A control:
     llama-server against itself", the -9c29522 ones those of "Pooled: what the pairs
     resolve", the -2269a8d ones those of "At 2269a8d, on the faster host", the -ee20f51 ones
-    those of "At ee20f51: the step that hands its tokens over, kept": the table built
+    and -fbf3a83 ones those of "At ee20f51: the step that hands its tokens over, kept": the table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
@@ -136,7 +137,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
 @pytest.mark.parametrize("folder_name", ["vs-llama-server-75443f2", "vs-llama-server-9c29522",
                                          "vs-llama-server-tiny-75443f2", "vs-llama-server-2269a8d",
                                          "vs-llama-server-tiny-2269a8d", "vs-llama-server-ee20f51",
-                                         "vs-llama-server-tiny-ee20f51",
+                                         "vs-llama-server-tiny-ee20f51", "vs-llama-server-fbf3a83",
                                          "kinds/tiny-hybrid/vs-llama-server-64ad51d",
                                          "kinds/tiny-moe/vs-llama-server-64ad51d"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
