@@ -17,11 +17,7 @@ async def test_a_long_step_hands_its_tokens_over_while_it_runs(monkeypatch):
     monkeypatch.setattr(stepper, "HAND_OVER_EVERY", 0.0)  # every decode's token, however fast
     async with scripted_engine(time_slice=3600.0) as env:
         gate, actor = env.factory.decode_gate, env.engine.actor
-        gate.close()
-        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=6))
-        await gate.wait_held(1, "the prefill")
-        gate.release(1)  # the prefill's step ends with its first token
-        await gate.wait_held(1, "the first decode of the next step")
+        job = await _into_a_long_step(env, GenRequest(0, prompt="abc", n_predict=6))
         steps = actor.stats["steps"]
         first = await job.next_event()
         for k in range(3):  # each decode's token reaches the stream while the step still runs
@@ -39,11 +35,7 @@ async def test_a_long_step_hands_its_tokens_over_while_it_runs(monkeypatch):
 async def test_a_long_step_ends_at_once_for_mail():
     async with scripted_engine(time_slice=3600.0) as env:
         gate, actor = env.factory.decode_gate, env.engine.actor
-        gate.close()
-        first = env.engine.submit(GenRequest(0, prompt="abc", n_predict=50))
-        await gate.wait_held(1, "the prefill")
-        gate.release(1)
-        await gate.wait_held(1, "the first decode of a long step")
+        first = await _into_a_long_step(env, GenRequest(0, prompt="abc", n_predict=50))
         steps = actor.stats["steps"]
         second = env.engine.submit(GenRequest(1, prompt="xyz", n_predict=1))  # mail for the actor
         await env.wait_for(lambda: not actor._mailbox.empty() or actor.stats["steps"] > steps, "the submit posted")
@@ -52,11 +44,6 @@ async def test_a_long_step_ends_at_once_for_mail():
         gate.open()
         assert (await second.result()).tokens_generated == 1
         assert (await first.result()).tokens_generated == 50
-
-
-async def _events(job):
-    while (ev := await job.next_event()) is not None:
-        yield ev
 
 
 @pytest.mark.asyncio
@@ -89,12 +76,8 @@ async def test_a_job_cancelled_during_a_long_step_is_not_fed_again_and_the_other
 @pytest.mark.asyncio
 async def test_snapshots_answer_while_a_long_step_runs_and_catch_up_when_it_ends():
     async with scripted_engine(time_slice=3600.0) as env:
-        gate, actor = env.factory.decode_gate, env.engine.actor
-        gate.close()
-        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=6))
-        await gate.wait_held(1, "the prefill")
-        gate.release(1)
-        await gate.wait_held(1, "the first decode of a long step")
+        gate = env.factory.decode_gate
+        job = await _into_a_long_step(env, GenRequest(0, prompt="abc", n_predict=6))
         during = env.engine.snapshot(0)  # read without the mailbox while the step is in flight
         assert during.is_processing and during.job_id == job.id
         gate.release(2)
@@ -104,3 +87,20 @@ async def test_snapshots_answer_while_a_long_step_runs_and_catch_up_when_it_ends
         result = await job.result()
         await env.wait_for(lambda: not env.engine.snapshot(0).is_processing, "the end published")
         assert env.engine.snapshot(0).n_past == result.n_past > during.n_past
+
+
+async def _into_a_long_step(env, request: GenRequest):
+    """Submit ``request`` with the decode gate closed and let its prefill's step through: the
+    job's next step is held at its first decode (the step is in flight). Returns the job."""
+    gate = env.factory.decode_gate
+    gate.close()
+    job = env.engine.submit(request)
+    await gate.wait_held(1, "the prefill")
+    gate.release(1)  # the prefill's step ends with its first token
+    await gate.wait_held(1, "the first decode of a long step")
+    return job
+
+
+async def _events(job):
+    while (ev := await job.next_event()) is not None:
+        yield ev
