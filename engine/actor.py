@@ -60,6 +60,7 @@ class EngineActor(SlotStateOps):
         self.step_rate, self.token_rate = RateWindow(), RateWindow()  # read by the facade's info()
         self.loader: concurrent.futures.Executor | None = None
         self._infer: InferenceThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's: where a running step hands its tokens over
         self._mailbox: asyncio.Queue[tuple[object, asyncio.Future | None]] = asyncio.Queue()
         self.scheduler = Scheduler(self.slots, cfg.slot_queue, self.stats, cfg.slot_prompt_similarity)
         self.cache = PromptCache.build(self.slots, cfg.model, cfg.cache_ram_mib, cfg.slot_save_path,
@@ -230,7 +231,7 @@ class EngineActor(SlotStateOps):
 
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
-        self._loop = asyncio.get_running_loop()  # where a running step hands its tokens over
+        self._loop = asyncio.get_running_loop()
         while not self._stopping:
             while True:
                 try:

@@ -107,15 +107,18 @@ class Scheduler:
     def deliver(self, batch: list[tuple[Running, list]]) -> None:
         """Tokens to their jobs' streams: what a step handed over while it ran (event loop)."""
         for r, events in batch:
-            for ev in events:
-                r.job.events.put_nowait(ev)
-            self.stats["tokens_generated"] += len(events)
+            self._put(r, events)
+
+    def _put(self, r: Running, events: list) -> None:
+        for ev in events:
+            r.job.events.put_nowait(ev)
+        self.stats["tokens_generated"] += len(events)
 
     def after_step(self, running: list[Running], serving: Serving) -> None:
         """Deliver the step's tokens; finish the jobs that are done."""
         for r in running:
             if r.events:
-                self.deliver([(r, r.events)])
+                self._put(r, r.events)
                 r.events.clear()
             if r.t_prefill_done and not r.prompt_counted:
                 self._count_prompt(r, r.t_prefill_done)
