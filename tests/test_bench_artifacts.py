@@ -152,3 +152,27 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
     assert len(rows) == 5  # four paired figures and /slots p99
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in page] == []
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid", "gemma-270m"])
+def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(model):
+    """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
+    milliseconds apart": the table built from them (``ttft_gaps --table``) is the page's."""
+    from tools.bench.ttft_gaps import load_runs, runs_table
+
+    runs = load_runs(DOCS_RUNS / "ttft-gaps" / model)
+    assert runs and all(r["model"] == model for r in runs)
+    page = (REPO / "docs" / "performance.md").read_text()
+    assert runs_table(runs) in page
+
+
+def test_idle_gap_summary_takes_medians_and_ratios_to_llama_server():
+    from tools.bench.ttft_gaps import runs_table, summarize_gaps
+
+    samples = {"2.0": {"llama-server": [1.0, 2.0, 3.0], "ours": [2.0, 4.0, 6.0]}}
+    summary = summarize_gaps(samples)
+    assert summary["2.0"]["ours"]["median"] == 4.0 and summary["2.0"]["ours"]["ratio"] == 2.0
+    assert summary["2.0"]["llama-server"]["n"] == 3
+    table = runs_table([{"summary": summary}, {"summary": summarize_gaps({"2.0": {"llama-server": [2.0],
+                                                                                   "ours": [3.0]}})}])
+    assert "| 2 ms | 2.00 | 3.00–4.00; 1.50–2.00× |" in table

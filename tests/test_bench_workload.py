@@ -135,3 +135,15 @@ def test_a_model_file_without_a_chat_template_gets_one_template_for_both_servers
     chatml = ChatTemplate((vs.TEMPLATES / "chatml.jinja").read_text(), "llama").render(
         conversation[1:2], True, bos_token="<s>", eos_token="</s>")
     assert chatml == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_idle_gap_client_times_a_real_first_token(server):
+    """tools/bench/ttft_gaps.py's blocking client against a real server: a first token per
+    request, a block per gap and server, the uncounted first request left out."""
+    from tools.bench.ttft_gaps import first_token_ms, measure, summarize_gaps
+
+    assert first_token_ms(server.http_port, "Once upon a time") > 0
+    samples = measure({"ours": server.http_port}, [0.0, 1.0], 2, 1)
+    assert {gap: len(by["ours"]) for gap, by in samples.items()} == {"0.0": 2, "1.0": 2}
+    assert all(ms > 0 for by in samples.values() for ms in by["ours"])
+    assert summarize_gaps(samples, base="ours")["1.0"]["ours"]["ratio"] == 1.0

@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from hydra_rpc.cli.llama_argv import parse_llama_argv
-from hydra_rpc.cli.llama_engine import hydra_port, split_log_args
+from hydra_rpc.cli.llama_argv import InvalidArgument, parse_llama_argv
+from hydra_rpc.cli.llama_engine import hydra_port, split_own_args
 from hydra_rpc.cli.usage import UsageError
 from tools.spawn import HYDRA_HTTP, HYDRA_LISTENING, ChildProcess
 
@@ -74,14 +74,34 @@ def test_port_65535_leaves_no_room_for_the_hydra_port():
 
 
 def test_log_arguments_map_onto_the_level_and_leave_the_rest():
-    opts, rest, env = split_log_args(["--reverse-prompt", "-v", "-c", "256", "-lv", "2", "--log-format=json"],
+    opts, rest, env = split_own_args(["--reverse-prompt", "-v", "-c", "256", "-lv", "2", "--log-format=json"],
                                      {"LLAMA_ARG_LOG_VERBOSITY": "5", "HOME": "/x"})
     assert (opts.level, opts.format) == ("WARNING", "json")  # the command line over the environment
     assert rest == ["--reverse-prompt", "-v", "-c", "256"]  # "-v" here is --reverse-prompt's value
     assert env == {"HOME": "/x"}
-    assert split_log_args(["--verbose"], {})[0].level == "DEBUG"
-    assert split_log_args(["-lv", "4"], {})[0].level == "DEBUG"
-    assert split_log_args(["--log-level", "error"], {})[0].level == "ERROR"
+    assert split_own_args(["--verbose"], {})[0].level == "DEBUG"
+    assert split_own_args(["-lv", "4"], {})[0].level == "DEBUG"
+    assert split_own_args(["--log-level", "error"], {})[0].level == "ERROR"
+
+
+def test_loop_priority_is_taken_out_and_reaches_the_engine_config(monkeypatch, tiny_model_path):
+    """``--loop-priority`` is hydra-rpc's own, as in ``hydra-rpc serve``: realtime unless told."""
+    import hydra_rpc.app
+    from hydra_rpc.cli import llama_engine as cmd
+
+    assert split_own_args(["-c", "256"], {})[0].loop_realtime is True
+    opts, rest, _ = split_own_args(["--loop-priority", "normal", "-c", "256"], {})
+    assert (opts.loop_realtime, rest) == (False, ["-c", "256"])
+    assert split_own_args(["--loop-priority=realtime"], {})[0].loop_realtime is True
+    with pytest.raises(InvalidArgument, match="expected realtime or normal"):
+        split_own_args(["--loop-priority", "high"], {})
+    made = {}
+    monkeypatch.setattr(hydra_rpc.app, "App", lambda server, engine, **kw: made.setdefault("engine", engine))
+    monkeypatch.setattr(cmd, "announce_ignored", lambda s, prog: None)
+    monkeypatch.setattr(cmd, "apply_process_priority", lambda s: None)
+    for realtime in (True, False):
+        cmd.build_app(parse_llama_argv(["--model", tiny_model_path], {}), realtime)
+        assert made.pop("engine").loop_realtime is realtime
 
 
 def test_bad_log_level_is_refused_like_llama_server_refuses():

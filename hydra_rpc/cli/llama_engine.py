@@ -13,6 +13,10 @@ llama-server's ``-v``/``--verbose`` (DEBUG) and ``-lv N``/``--verbosity N`` (and
 ``LLAMA_ARG_LOG_VERBOSITY``) map onto the level. Probes and OK requests are logged at DEBUG (as
 llama-server logs them only when verbose); every ``--log-summary`` seconds (default 60, 0: off)
 one INFO line counts what was served.
+
+Scheduling: ``--loop-priority realtime|normal`` is hydra-rpc's own too, as in ``hydra-rpc serve``:
+the event loop under SCHED_RR where permitted (default), or at the normal policy
+(docs/performance.md, "Short requests a few milliseconds apart").
 """
 from __future__ import annotations
 
@@ -40,13 +44,16 @@ _VERBOSITY = {0: "ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO"}
 _VERBOSE = {"-v", "--verbose", "--log-verbose"}
 _VERBOSITY_NAMES = {"-lv", "--verbosity", "--log-verbosity"}
 _VERBOSITY_ENV = "LLAMA_ARG_LOG_VERBOSITY"
+_OWN_WITH_VALUE = {"--log-level", "--log-format", "--log-summary", "--loop-priority"} | _VERBOSITY_NAMES
 
 
 @dataclass
-class LogOptions:
+class OwnOptions:
+    """hydra-rpc's own options on llama-engine's command line: logging and the loop's scheduling."""
     format: str = "text"
     level: str = "INFO"
     summary: float = 60.0  # seconds between summary lines; 0: none
+    loop_realtime: bool = True
 
 
 def _verbosity(text: str, given: str) -> str:
@@ -57,18 +64,18 @@ def _verbosity(text: str, given: str) -> str:
     return _VERBOSITY.get(n, "DEBUG" if n >= 4 else "ERROR")
 
 
-def split_log_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LogOptions, list[str], dict[str, str]]:
-    """Take the logging arguments out of ``argv`` (and ``env``): hydra-rpc's ``--log-level``,
-    ``--log-format``, ``--log-summary`` and llama-server's verbosity flags, which map onto the
-    level (the last one given wins, the command line over the environment). Returns the
-    options and what is left for :func:`parse_llama_argv`."""
-    opts, rest, env = LogOptions(), [], dict(env)
+def split_own_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[OwnOptions, list[str], dict[str, str]]:
+    """Take hydra-rpc's own arguments out of ``argv`` (and ``env``): ``--log-level``,
+    ``--log-format``, ``--log-summary``, ``--loop-priority`` and llama-server's verbosity flags,
+    which map onto the level (the last one given wins, the command line over the environment).
+    Returns the options and what is left for :func:`parse_llama_argv`."""
+    opts, rest, env = OwnOptions(), [], dict(env)
     if _VERBOSITY_ENV in env:
         opts.level = _verbosity(env.pop(_VERBOSITY_ENV), _VERBOSITY_ENV)
     i = 0
     while i < len(argv):
         name, eq, inline = argv[i].partition("=") if argv[i].startswith("--") else (argv[i], "", "")
-        takes_value = name in {"--log-level", "--log-format", "--log-summary"} | _VERBOSITY_NAMES
+        takes_value = name in _OWN_WITH_VALUE
         if name in _VERBOSE and not eq:
             opts.level, i = "DEBUG", i + 1
             continue
@@ -80,7 +87,7 @@ def split_log_args(argv: Sequence[str], env: Mapping[str, str]) -> tuple[LogOpti
         if not eq and i + 1 >= len(argv):
             raise InvalidArgument(f'error while handling argument "{name}": expected value for argument')
         value, i = (inline, i + 1) if eq else (argv[i + 1], i + 2)
-        _set_log_option(opts, name, value)
+        _set_own_option(opts, name, value)
     return opts, rest, env
 
 
@@ -95,9 +102,13 @@ def _values_of(name: str, argv: Sequence[str], i: int, eq: str) -> int:
     return arg.n_values
 
 
-def _set_log_option(opts: LogOptions, name: str, value: str) -> None:
+def _set_own_option(opts: OwnOptions, name: str, value: str) -> None:
     where = f'error while handling argument "{name}"'
-    if name in _VERBOSITY_NAMES:
+    if name == "--loop-priority":
+        if value not in ("realtime", "normal"):
+            raise InvalidArgument(f"{where}: expected realtime or normal, got {value!r}")
+        opts.loop_realtime = value == "realtime"
+    elif name in _VERBOSITY_NAMES:
         opts.level = _verbosity(value, name)
     elif name == "--log-level":
         if value.upper() not in LEVELS:
@@ -128,7 +139,7 @@ def hydra_port(s: LlamaEngineSettings) -> int:
     return s.port + 1
 
 
-def build_app(s: LlamaEngineSettings):
+def build_app(s: LlamaEngineSettings, loop_realtime: bool = True):
     from engine.model_files import resolve_model
 
     from hydra_rpc.app import App
@@ -142,7 +153,7 @@ def build_app(s: LlamaEngineSettings):
     host = s.host[0]
     scfg = ServerConfig(host=host, port=hydra_port(s), ggml_rpc_port=s.ggml_rpc_port, http_metrics=s.metrics,
                         http_slots=s.slots, http_timeout=float(s.timeout))
-    app = App(scfg, engine_config(s, model, loop_realtime=True), http_host=host, http_port=s.port,
+    app = App(scfg, engine_config(s, model, loop_realtime=loop_realtime), http_host=host, http_port=s.port,
               info_extra={"ignored_args": [a.as_dict() for a in s.ignored_args]})
     announce_ignored(s, PROG)
     apply_process_priority(s)
@@ -173,6 +184,8 @@ def usage() -> str:
              f"  {'--log-level LEVEL':<40} DEBUG, INFO (default), WARNING, ERROR or CRITICAL",
              f"  {'--log-format text|json':<40} json: every line on stderr and stdout is a JSON object",
              f"  {'--log-summary SECONDS':<40} a summary line at INFO every SECONDS (default 60, 0: none)",
+             f"  {'--loop-priority realtime|normal':<40} the event loop under SCHED_RR where permitted (default), "
+             "or normal",
              f"  {'-v, --verbose, --log-verbose':<40} --log-level DEBUG",
              f"  {'-lv, --verbosity, --log-verbosity N':<40} --log-level: N <= 1 ERROR, 2 WARNING, 3 INFO, >= 4 DEBUG"]
     seen = set()
@@ -187,7 +200,7 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        opts, rest, env = split_log_args(argv, os.environ)
+        opts, rest, env = split_own_args(argv, os.environ)
         s = parse_llama_argv(rest, env)
     except InvalidArgument as e:
         print(e, file=sys.stderr, flush=True)
@@ -200,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging(opts.format, opts.level, routine="DEBUG")
     try:
-        app = build_app(s)
+        app = build_app(s, opts.loop_realtime)
         where = f"{s.host[0]} (--port {s.port}, --rpc-port {hydra_port(s)}, --ggml-rpc-port {s.ggml_rpc_port})"
         background = (lambda a: summarize(a, opts.summary)) if opts.summary and log.isEnabledFor(logging.INFO) else None
         return run_loop(run_app(app, lambda e: startup_failure_of(e, where), ports=PORTS, background=background),

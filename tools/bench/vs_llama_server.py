@@ -121,13 +121,15 @@ def _argv_shown(threads: int, template: tuple[str, ...]) -> list[str]:
     return argv
 
 
-def start(variant: str, binary: str, model: str, slots: int, threads: int) -> OpenAIServer:
+def start(variant: str, binary: str, model: str, slots: int, threads: int,
+          ours_adds: Sequence[str] = ()) -> OpenAIServer:
+    """One server on the shared argv; ours gets ``--rpc-port 0`` and ``ours_adds`` after it."""
     port = free_port()
     argv = llama_argv(model, port, slots, threads, chat_template_args(model))
     if variant in ("llama-server", CONTROL):
         return OpenAIServer([binary, *argv], port, "llama-server")
-    return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0"], port,
-                        "hydra-llama-engine")
+    return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0", *ours_adds],
+                        port, "hydra-llama-engine")
 
 
 def _cpu_breakdown(srv: OpenAIServer, before: dict[int, float], after: dict[int, float], tokens: int,
