@@ -17,8 +17,8 @@ round. The client is a blocking socket, so no client framework's own time lies o
 measured path. It runs on the same cores as the servers, as the bench's own client does.
 
 Reports, per gap and server, the median, 10th and 90th percentile (ms) and the ratio of the
-medians to llama-server's. Prints a Markdown table and one JSON object (``--out`` writes
-the JSON).
+medians to llama-server's: the medians and ratios as a Markdown table, everything (and every
+sample) in the JSON that ``--out`` writes.
 """
 from __future__ import annotations
 
@@ -98,18 +98,6 @@ def summarize_gaps(samples: dict[str, dict[str, list[float]]], base: str = "llam
     return out
 
 
-def table(summary: dict[str, Any]) -> str:
-    names = list(next(iter(summary.values())))
-    lines = ["| idle before each request | " + " | ".join(f"{k}: median (p10–p90) ms" for k in names) + " |",
-             "|---|" + "---|" * len(names)]
-    for gap, by_server in summary.items():
-        cells = [f"{s['median']:.2f} ({s['p10']:.2f}–{s['p90']:.2f})" + ("" if k == "llama-server" else
-                                                                          f", {s['ratio']:.2f}×")
-                 for k, s in by_server.items()]
-        lines.append(f"| {float(gap):g} ms | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def runs_table(runs: list[dict[str, Any]]) -> str:
     """Several runs' summaries in one table: per gap and server, the medians' and ratios' min–max."""
     def span(xs: list[float], fmt: str) -> str:
@@ -118,7 +106,7 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
 
     first = runs[0]["summary"]
     names = list(next(iter(first.values())))
-    lines = [f"| idle before each request | " + " | ".join(f"{k} (ms{'' if k == 'llama-server' else '; ratio'})"
+    lines = ["| idle before each request | " + " | ".join(f"{k} (ms{'' if k == 'llama-server' else '; ratio'})"
                                                          for k in names) + " |", "|---|" + "---|" * len(names)]
     for gap in first:
         cells = []
@@ -170,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "threads": args.threads, "max_tokens": MAX_TOKENS, "requests_per_block": args.requests,
               "rounds": args.rounds, "servers": {k: list(adds) for k, (_, adds) in SERVERS.items()},
               "summary": summary, "samples": samples}
-    print(table(summary))
+    print(runs_table([result]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
