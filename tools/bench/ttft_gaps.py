@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import percentile
+from tools.bench.common import machine_info, percentile
 from tools.bench.llama_server import build_info, find_or_build
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import start
@@ -152,8 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for srv in servers.values():
             srv.__exit__(None, None, None)
     summary = summarize_gaps(samples)
-    result = {"host": {"cpus": len(os.sched_getaffinity(0)), "kernel": platform.release(),
-                       "python": platform.python_version()},
+    result = {"machine": machine_info(),
               "model": args.model, "model_file": Path(model).name, "llama_server_build": build_info(binary),
               "threads": args.threads, "max_tokens": MAX_TOKENS, "requests_per_block": args.requests,
               "rounds": args.rounds, "servers": {k: list(adds) for k, (_, adds) in SERVERS.items()},
