@@ -13,8 +13,10 @@ A sample covers the time since the previous one, and an idle engine takes none: 
 step after an idle spell would judge the host by what ran while it idled (another server's
 request that ended a second ago), drop a thread it needs and take a second to get it back
 (9 % of a 200-token request on Gemma 3 270M, docs/performance.md). So the engine says when it
-goes idle (:meth:`ComputeThreads.idle`), and the first step after it starts a new window,
-sampled after ``FRESH_S`` of the new work, with the count it had.
+goes idle (:meth:`ComputeThreads.idle`); the first step after it runs with the count it had,
+the second starts a new window, and the window is sampled after ``FRESH_S`` of the new work.
+The window starts at the second step, not the first, because reading /proc/stat on a core
+that has just woken takes 25–40 µs, on the path of the request's first token.
 """
 from __future__ import annotations
 
@@ -85,22 +87,24 @@ class ComputeThreads:
         self._by_load = self.configured
         self._higher = 0  # consecutive samples that allowed more threads than now
         self._idle = False  # the engine ran nothing since the last want(): the window is history
+        self._baseline_due = False  # the first step after an idle spell ran: the next starts the window
         self.others = 0.0  # cores other processes used in the last sample
 
     def idle(self) -> None:
-        """The engine has nothing to run; its next step starts from a new baseline."""
+        """The engine has nothing to run; the step after its next starts a new window."""
         self._idle = True
 
     def want(self, loading: bool) -> int:
-        now = self._clock()
         if self._idle:
-            self._idle = False
-            # a new baseline: what others did while we idled says nothing of now. The count stays
-            # (a host busy before the spell is likely still busy) and the sample comes soon
-            self._load.sample()
+            # what others did while we idled says nothing of now: the count stays (a host busy
+            # before the spell is likely still busy) and the next step starts a new window
+            self._idle, self._baseline_due = False, True
             self._higher = 0
-            self._next = now + FRESH_S
-        elif now >= self._next:
+        elif self._baseline_due:
+            self._baseline_due = False
+            self._load.sample()
+            self._next = self._clock() + FRESH_S
+        elif (now := self._clock()) >= self._next:
             self._next = now + SAMPLE_S
             self._resample()
         n = self._by_load - (1 if loading else 0)

@@ -64,6 +64,7 @@ def test_after_an_idle_spell_the_first_sample_covers_the_new_work_not_the_spell(
     host.others_cores = 0.0
     host.advance(0.5, own_cores=0.0)
     assert ct.want(False) == 2  # the spell's load is history: no thread dropped
+    assert ct.want(False) == 2  # the second step starts the new window
     host.advance(FRESH_S)
     assert ct.want(False) == 2  # and the first sample of the new work sees a quiet host
     assert ct.others == 0.0
@@ -76,10 +77,12 @@ def test_a_host_busy_after_an_idle_spell_takes_a_thread_after_the_first_short_sa
     host.others_cores = 2.0  # the processes start while we idle, and go on
     host.advance(2.0, own_cores=0.0)
     assert ct.want(False) == 2
+    assert ct.want(False) == 2
     host.advance(FRESH_S)
     assert ct.want(False) == 1
     ct.idle()  # still busy after the next spell: the count it had stays
     host.advance(2.0, own_cores=0.0)
+    assert ct.want(False) == 1
     assert ct.want(False) == 1
     host.advance(FRESH_S)
     assert ct.want(False) == 1
@@ -95,9 +98,26 @@ def test_an_idle_spell_does_not_count_toward_giving_a_thread_back() -> None:
     ct.idle()
     host.advance(1.0, own_cores=0.0)
     assert ct.want(False) == 1
+    assert ct.want(False) == 1
     host.advance(FRESH_S)
     assert ct.want(False) == 1  # a quiet sample, but the one before the spell does not count
     assert step(host, ct) == 2
+
+
+def test_the_first_step_after_an_idle_spell_reads_nothing_the_second_starts_the_window() -> None:
+    host, ct = make()
+    reads = []
+    read = host.read
+    ct._load._read = lambda: reads.append(host.t) or read()
+    step(host, ct)
+    ct.idle()
+    host.advance(1.0, own_cores=0.0)
+    before = list(reads)
+    ct.want(False)  # on the path of the request's first token: no /proc read
+    assert reads == before
+    host.advance(0.01)
+    ct.want(False)
+    assert reads == [*before, host.t]  # the window starts at the second step
 
 
 def test_a_shadow_load_takes_one_thread_never_the_last() -> None:
