@@ -21,7 +21,7 @@ from .buffers import LeasedBuffer
 from .config import EngineConfig, StateOut
 from .compute_threads import ComputeThreads, usable_cores
 from .erase import DeferredErases
-from .executors import InferenceThread, start_workers
+from .executors import InferenceThread, give_way, start_workers
 from .jobs import BadInput, EngineBusy, EngineUnavailable, GenJob, GenRequest, JobHandle
 from .kv_cache import KvCacheInfo
 from .messages import Configure, Erase, StateGet, StatePut, Submit, Wake, WithModel
@@ -320,6 +320,7 @@ class EngineActor(SlotStateOps):
         return self.compute_threads.want(loading=shadow_loading)
 
     def _step(self, running: list[Running], threads: int | None = None) -> None:
+        give_way()
         if threads is not None:
             self.model.set_threads(threads)
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts

@@ -70,6 +70,24 @@ def thread_policy() -> str:
         return "unknown"
 
 
+def give_way() -> None:
+    """On the inference thread, before a step: let what the last step woke run first.
+
+    When a step hands back, the SCHED_RR loop preempts the inference thread at once, runs its
+    whole turn (the streams' writes wake their readers, the next step is submitted) and sleeps.
+    The inference thread, preempted rather than asleep, would then go straight into the next
+    step, and a reader woken on its core (a client on the same host) would wait out the whole
+    step for a token already written: most of what a short request a few milliseconds after
+    another lost on the tiny models (docs/performance.md, "Short requests a few milliseconds
+    apart"). ``sched_yield`` puts the thread behind them once; with nothing else runnable on
+    its core it returns at once (a system call, ~1 µs).
+    """
+    _sched_yield()
+
+
+_sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+
+
 def _init_thread(nice: int) -> None:
     error = set_thread_nice(nice)
     if error:  # raising priority needs CAP_SYS_NICE; llama.cpp warns and goes on too

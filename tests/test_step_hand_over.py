@@ -4,9 +4,11 @@ Step by step on the scripted backend: every decode waits at the closed decode ga
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
+from engine import actor as actor_module
 from engine import stepper
 from engine.jobs import GenRequest
 from tests.engine_env import scripted_engine
@@ -104,3 +106,22 @@ async def _into_a_long_step(env, request: GenRequest):
 async def _events(job):
     while (ev := await job.next_event()) is not None:
         yield ev
+
+
+@pytest.mark.asyncio
+async def test_every_step_first_gives_way_on_the_inference_thread(monkeypatch):
+    """Before its decodes, each step lets what the previous step's hand-back woke run
+    (``executors.give_way``: a client on this host reading the token just written)."""
+    seen: list[tuple[str, int, int]] = []
+    async with scripted_engine() as env:  # time_slice 0: one decode per step
+        actor, model = env.engine.actor, env.model
+        monkeypatch.setattr(actor_module, "give_way",
+                            lambda: seen.append((threading.current_thread().name, actor.stats["steps"],
+                                                 len(model.batches))))
+        steps, decodes = actor.stats["steps"], len(model.batches)
+        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=4))
+        assert (await job.result()).tokens_generated == 4
+        assert actor.stats["steps"] - steps == len(seen) == 4
+        assert all(name.startswith("hydra-inference") for name, _, _ in seen)
+        # the k-th step gave way before its own decode: k steps and k decodes done before it
+        assert [(s - steps, d - decodes) for _, s, d in seen] == [(k, k) for k in range(4)]
