@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,8 @@ from engine.llama_backend import (
 )
 from engine.executors import make_inference_executor
 from engine.llama_backend.chat_template import ChatTemplate
+from engine.llama_backend import sampler as sampler_module
+from engine.llama_backend.sampler import LLAMA_DEFAULT_SEED
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 GREEDY = SamplerParams(temperature=0.0)
@@ -317,6 +320,22 @@ def test_seeded_sampler_reproducible(m: LoadedModel) -> None:
     assert a == b
     assert a != c
     assert a != g
+
+
+def test_an_unseeded_sampler_gets_a_seed_of_its_own_a_seeded_one_keeps_its_own(monkeypatch) -> None:
+    """Without a seed (or with -1) the seed is drawn in Python, not by llama.cpp's
+    std::random_device (22 µs a request on the first token's path): still one per sampler."""
+    monkeypatch.setattr(sampler_module, "_SEEDS", random.Random(7))
+    expected = random.Random(7)
+    seeds = []
+    for asked in (None, -1, None, 0xFFFFFFFF, 42):
+        s = make_sampler(SamplerParams(temperature=0.8, seed=asked))
+        seeds.append(L.llama_sampler_get_seed(s.handle))
+        s.free()
+    *drawn, kept = seeds
+    assert kept == 42
+    assert drawn == [expected.getrandbits(32) for _ in range(4)]
+    assert len(set(drawn)) == 4 and LLAMA_DEFAULT_SEED not in drawn
 
 
 def test_penalties_sampler(m: LoadedModel) -> None:
