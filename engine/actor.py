@@ -232,6 +232,7 @@ class EngineActor(SlotStateOps):
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()
+        follows_step = False  # the last turn ran a step: its tokens were just written to their streams
         while not self._stopping:
             while True:
                 try:
@@ -252,10 +253,11 @@ class EngineActor(SlotStateOps):
                 item = await self._mailbox.get()
                 await self._handle(*item)
                 del item
+                follows_step = False
                 continue
             threads = self._threads_for_step()
             try:
-                await self._infer.call(self._step, running, threads)
+                await self._infer.call(self._step, running, threads, follows_step)
             except Exception as e:  # a failed batched decode fails the jobs in it
                 log.error("decode step failed: %s", e)
                 for r in running:
@@ -271,6 +273,7 @@ class EngineActor(SlotStateOps):
             # preempt a compute thread mid-graph — on a host whose cores all compute, that costs
             # twice (its partner spins at the next barrier). +6–13 % tok/s (docs/performance.md).
             await asyncio.sleep(0)
+            follows_step = True
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
 
     def _require_actor(self) -> None:
@@ -319,8 +322,9 @@ class EngineActor(SlotStateOps):
         shadow_loading = self.reloader.status.state is ReloadState.LOADING
         return self.compute_threads.want(loading=shadow_loading)
 
-    def _step(self, running: list[Running], threads: int | None = None) -> None:
-        give_way()
+    def _step(self, running: list[Running], threads: int | None = None, follows_step: bool = False) -> None:
+        if follows_step:  # a reader the last step's tokens woke goes first (executors.give_way);
+            give_way()    # not before a first step from idle: the request's own client may still be busy
         if threads is not None:
             self.model.set_threads(threads)
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts

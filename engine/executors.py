@@ -71,7 +71,8 @@ def thread_policy() -> str:
 
 
 def give_way() -> None:
-    """On the inference thread, before a step: let what the last step woke run first.
+    """On the inference thread, before a step that follows another: let what the last step
+    woke run first.
 
     When a step hands back, the SCHED_RR loop preempts the inference thread at once, runs its
     whole turn (the streams' writes wake their readers, the next step is submitted) and sleeps.
@@ -80,7 +81,9 @@ def give_way() -> None:
     step for a token already written: most of what a short request a few milliseconds after
     another lost on the tiny models (docs/performance.md, "Short requests a few milliseconds
     apart"). ``sched_yield`` puts the thread behind them once; with nothing else runnable on
-    its core it returns at once (a system call, ~1 µs).
+    its core it returns at once (a system call, ~1 µs). Not before the first step after an idle
+    spell: nothing was written just before it, and a client still busy after sending its
+    request (an asyncio one) would hold back that request's prefill.
     """
     _sched_yield()
 
