@@ -232,7 +232,7 @@ class EngineActor(SlotStateOps):
     # ------------------------------------------------------------------ the actor loop
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()
-        follows_step = False  # the last turn ran a step: its tokens were just written to their streams
+        first_tokens_out = False  # the last step gave some job its first token, just written
         while not self._stopping:
             while True:
                 try:
@@ -253,16 +253,17 @@ class EngineActor(SlotStateOps):
                 item = await self._mailbox.get()
                 await self._handle(*item)
                 del item
-                follows_step = False
+                first_tokens_out = False
                 continue
             threads = self._threads_for_step()
             try:
-                await self._infer.call(self._step, running, threads, follows_step)
+                await self._infer.call(self._step, running, threads, first_tokens_out)
             except Exception as e:  # a failed batched decode fails the jobs in it
                 log.error("decode step failed: %s", e)
                 for r in running:
                     r.error = r.error or e
             self.stats["steps"] += 1
+            first_tokens_out = any(r.n_generated == 1 for r in running)
             self.scheduler.after_step(running, self._serving())
             now = time.monotonic()
             self.step_rate.record(self.stats["steps"], now)
@@ -273,7 +274,6 @@ class EngineActor(SlotStateOps):
             # preempt a compute thread mid-graph — on a host whose cores all compute, that costs
             # twice (its partner spins at the next barrier). +6–13 % tok/s (docs/performance.md).
             await asyncio.sleep(0)
-            follows_step = True
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
 
     def _require_actor(self) -> None:
@@ -322,9 +322,9 @@ class EngineActor(SlotStateOps):
         shadow_loading = self.reloader.status.state is ReloadState.LOADING
         return self.compute_threads.want(loading=shadow_loading)
 
-    def _step(self, running: list[Running], threads: int | None = None, follows_step: bool = False) -> None:
-        if follows_step:  # a reader the last step's tokens woke goes first (executors.give_way);
-            give_way()    # not before a first step from idle: the request's own client may still be busy
+    def _step(self, running: list[Running], threads: int | None = None, first_tokens_out: bool = False) -> None:
+        if first_tokens_out:  # the client woken by a first token reads it first (executors.give_way)
+            give_way()
         if threads is not None:
             self.model.set_threads(threads)
         # llama.cpp caps n_batch at n_ctx; a batch must never exceed what the context accepts
