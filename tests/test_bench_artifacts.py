@@ -107,7 +107,7 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-tiny-0fbacc3", 17), ("vs-llama-server-75443f2", 21), ("vs-llama-server-tiny-75443f2", 21),
     ("vs-llama-server-tiny-75443f2-as-array", 21), ("vs-llama-server-9c29522", 21), ("vs-llama-server-2269a8d", 21),
     ("vs-llama-server-tiny-2269a8d", 21), ("vs-llama-server-ee20f51", 21), ("vs-llama-server-tiny-ee20f51", 21),
-    ("vs-llama-server-fbf3a83", 21)])
+    ("vs-llama-server-fbf3a83", 21), ("vs-llama-server-9af7eee", 21), ("vs-llama-server-tiny-9af7eee", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -116,8 +116,9 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     the path between two tokens", the -75443f2 ones (and -as-array) those of "A control:
     llama-server against itself", the -9c29522 ones those of "Pooled: what the pairs
     resolve", the -2269a8d ones those of "At 2269a8d, on the faster host", the -ee20f51 ones
-    and -fbf3a83 ones those of "At ee20f51: the step that hands its tokens over, kept": the table built
-    from them is combined.md's, and each of its rows is in the page."""
+    and -fbf3a83 ones those of "At ee20f51: the step that hands its tokens over, kept", the -9af7eee
+    ones those of "At 9af7eee: the step after a first token gives way": the table built from them
+    is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
@@ -139,10 +140,11 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-tiny-2269a8d", "vs-llama-server-ee20f51",
                                          "vs-llama-server-tiny-ee20f51", "vs-llama-server-fbf3a83",
                                          "kinds/tiny-hybrid/vs-llama-server-64ad51d",
-                                         "kinds/tiny-moe/vs-llama-server-64ad51d"])
+                                         "kinds/tiny-moe/vs-llama-server-64ad51d", "vs-llama-server-9af7eee",
+                                         "vs-llama-server-tiny-9af7eee"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
-    """"Pooled: what the pairs resolve", "At 2269a8d" and "At ee20f51" quote tools/bench/pooled.py on these
-    sets, row for row."""
+    """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51" and "At 9af7eee" quote
+    tools/bench/pooled.py on these sets, row for row."""
     from tools.bench import pooled
 
     samples = pooled.load([DOCS_RUNS / folder_name])
@@ -154,13 +156,16 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
     assert [line for line in rows if line not in page] == []
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid", "gemma-270m"])
-def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(model):
+@pytest.mark.parametrize("folder, model", [
+    ("tiny", "tiny"), ("tiny-hybrid", "tiny-hybrid"), ("gemma-270m", "gemma-270m"), ("give-way-ab", "tiny"),
+    ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m")])
+def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
-    milliseconds apart": the table built from them (``ttft_gaps --table``) is the page's."""
+    milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core":
+    the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.ttft_gaps import load_runs, runs_table
 
-    runs = load_runs(DOCS_RUNS / "ttft-gaps" / model)
+    runs = load_runs(DOCS_RUNS / "ttft-gaps" / folder)
     assert runs and all(r["model"] == model for r in runs)
     page = (REPO / "docs" / "performance.md").read_text()
     assert runs_table(runs) in page
@@ -176,3 +181,6 @@ def test_idle_gap_summary_takes_medians_and_ratios_to_llama_server():
     table = runs_table([{"summary": summary}, {"summary": summarize_gaps({"2.0": {"llama-server": [2.0],
                                                                                    "ours": [3.0]}})}])
     assert "| 2 ms | 2.00 | 3.00–4.00; 1.50–2.00× |" in table
+    other_gaps = {"summary": summarize_gaps({"0.0": {"llama-server": [1.0], "ours": [1.0]}, **samples})}
+    assert runs_table([other_gaps, {"summary": summary}]).splitlines()[2:] == [
+        "| 2 ms | 2.00 | 4.00; 2.00× |"]  # only the gaps every run has

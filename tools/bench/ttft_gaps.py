@@ -104,9 +104,10 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
 
     first = runs[0]["summary"]
     names = list(next(iter(first.values())))
+    gaps = [g for g in first if all(g in r["summary"] for r in runs)]  # runs may differ in --gaps
     lines = ["| idle before each request | " + " | ".join(f"{k} (ms{'' if k == 'llama-server' else '; ratio'})"
                                                          for k in names) + " |", "|---|" + "---|" * len(names)]
-    for gap in first:
+    for gap in gaps:
         cells = []
         for k in names:
             cell = span([r["summary"][gap][k]["median"] for r in runs], ".2f")
