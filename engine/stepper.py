@@ -25,7 +25,7 @@ import numpy as np
 
 from .backend import BatchItem, ModelBackend
 from .chat.formats import generation_opens_reasoning
-from .checkpoints import Checkpoints
+from .checkpoints import END_OFFSET, Checkpoints
 from .jobs import BadInput, GenJob, GenRequest, TokenEvent
 from .prompt_cache import PromptCache
 from .reasoning_budget import BudgetTracker, tracker_for
@@ -272,7 +272,7 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
         _fill_batch(model, running, token_budget, ckpts, items, fed)
         if not items:
             break
-        had_prefill = any(len(c) > 1 or r.pending for r, c, _ in fed)
+        prefilling = [r for r, c, _ in fed if len(c) > 1 or r.pending]
         model.decode(items)
         if counters is not None:
             counters["n_decode"] += 1
@@ -280,7 +280,9 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
         _after_decode(model, fed, n_ctx_slot, shift_keep)
         iters += 1
         now = time.perf_counter()
-        if had_prefill or iters >= max_iters or now - t0 >= time_slice:
+        if iters >= max_iters or now - t0 >= time_slice:
+            break
+        if prefilling and not _checkpoint_tail_left(prefilling, ckpts):
             break
         if any(r.finished for r, _, _ in fed) or (should_yield is not None and should_yield()):
             break
@@ -292,6 +294,15 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
             if batch:
                 hand_over(batch)
     _refresh_state_sizes(model, running)
+
+
+def _checkpoint_tail_left(prefilling: list[Running], ckpts: Checkpoints | None) -> bool:
+    """Every prompt in the decode just done stopped at its last checkpoint, only the few tokens
+    held back after it still to come. A step ends after a prefill chunk, so that a long prompt
+    lets the actor in between its chunks; this tail goes in the same step instead, as
+    llama-server's loop goes on to it with no hand-off between: one hand-off to the event loop
+    and back less on the first token (docs/performance.md, "A step that kept the core")."""
+    return ckpts is not None and all(0 < len(r.pending) <= END_OFFSET for r in prefilling)
 
 
 def _admit_new(model: ModelBackend, running: list[Running], n_ctx_slot: int, cache: PromptCache,

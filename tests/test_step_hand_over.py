@@ -10,8 +10,10 @@ import pytest
 
 from engine import actor as actor_module
 from engine import stepper
+from engine.checkpoints import END_OFFSET
 from engine.jobs import GenRequest
 from tests.engine_env import scripted_engine
+from tests.scripted_backend import ScriptedFactory
 
 
 @pytest.mark.asyncio
@@ -132,3 +134,22 @@ async def test_the_step_after_a_first_token_gives_way_on_the_inference_thread(mo
             assert [(s, d) for _, s, d in mine] == [(1, 1)]
             assert mine[0][0].startswith("hydra-inference")
             await env.wait_for(lambda: env.watch.idle, "the actor idle, awaiting its mailbox")
+
+
+@pytest.mark.asyncio
+async def test_the_tokens_held_back_for_the_last_checkpoint_go_in_the_prefills_step():
+    """A model that takes context checkpoints (here a window cache that forgets) cuts a prompt
+    END_OFFSET tokens before its end. The step goes on to those few tokens instead of ending
+    after the first chunk: the first token comes one hand-off sooner. A longer prompt still ends
+    its step after each chunk before the last checkpoint."""
+    factory = ScriptedFactory(n_swa=48, kv_shareable=False)
+    async with scripted_engine(backend=factory, n_ctx_slot=64, time_slice=3600.0) as env:
+        actor, model = env.engine.actor, env.model
+        assert actor.cache.checkpoints.wanted(model)
+        steps, decodes = actor.stats["steps"], len(model.batches)
+        job = env.engine.submit(GenRequest(0, prompt="abcdefghijkl", n_predict=1))
+        result = await job.result()
+        assert result.tokens_generated == 1
+        chunks = [n for batch in model.batches[decodes:] for _, n in batch]
+        assert chunks[-1] == END_OFFSET and sum(chunks) == result.prompt_tokens  # cut at the checkpoint
+        assert actor.stats["steps"] - steps == 1  # both chunks, and the token, in one step
