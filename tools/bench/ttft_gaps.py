@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import groupby
 import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import machine_info, percentile
+from tools.bench.common import interleaved, machine_info, percentile
 from tools.bench.llama_server import build_info, find_or_build
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import start
@@ -78,9 +79,10 @@ def measure(ports: dict[str, int], gaps_ms: list[float], n: int, rounds: int) ->
     names = list(ports)
     samples: dict[str, dict[str, list[float]]] = {str(g): {k: [] for k in names} for g in gaps_ms}
     prompt = 0
-    for r in range(rounds):
+    for _, round_order in groupby(interleaved(rounds, names), key=lambda pair: pair[0]):
+        order = [k for _, k in round_order]
         for g in gaps_ms:
-            for k in names[r % len(names):] + names[:r % len(names)]:
+            for k in order:
                 samples[str(g)][k] += _block(ports[k], g / 1000, n, prompt)
                 prompt += n + 1
     return samples
