@@ -264,16 +264,21 @@ class EngineActor(SlotStateOps):
                     r.error = r.error or e
             self.stats["steps"] += 1
             first_tokens_out = any(r.n_generated == 1 for r in running)
+            ended = any(r.finished or r.job.cancelled for r in running)
             self.scheduler.after_step(running, self._serving())
             now = time.monotonic()
             self.step_rate.record(self.stats["steps"], now)
             self.token_rate.record(self.stats["tokens_generated"], now)
-            self._publish()
+            # A job's result is out: whoever it wakes reads the slot as the job left it.
+            if ended:
+                self._publish()
             # One turn of the loop for what the step woke (the streams' writers) before the next
             # step starts: done now, while the compute threads wait anyway, their sends do not
             # preempt a compute thread mid-graph — on a host whose cores all compute, that costs
             # twice (its partner spins at the next barrier). +6–13 % tok/s (docs/performance.md).
             await asyncio.sleep(0)
+            if not ended:  # tokens only: their writes did not wait for the snapshots
+                self._publish()
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
 
     def _require_actor(self) -> None:

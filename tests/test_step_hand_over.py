@@ -93,6 +93,25 @@ async def test_snapshots_answer_while_a_long_step_runs_and_catch_up_when_it_ends
         assert env.engine.snapshot(0).n_past == result.n_past > during.n_past
 
 
+@pytest.mark.asyncio
+async def test_a_steps_readers_run_before_its_snapshots_unless_a_job_ended_in_it():
+    """After a step the actor gives the readers its tokens woke their turn (a stream writes its
+    token there) and publishes the snapshots after it: a token's write does not wait for them.
+    A step in which a job ended publishes first: its result's readers see the slot it left."""
+    seen: list[tuple[int, int]] = []  # (steps run, steps published) when a token is read
+    async with scripted_engine() as env:  # time_slice 0: one decode per step, its token after it
+        actor = env.engine.actor
+        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=4))
+        async for _ in _events(job):
+            seen.append((actor.stats["steps"], env.watch.published_step))
+        result = await job.result()
+        assert env.watch.published_step == actor.stats["steps"] and not env.engine.snapshot(0).is_processing
+        assert env.engine.snapshot(0).n_past == result.n_past
+    assert len(seen) == 4
+    assert [published for _, published in seen[:3]] == [steps - 1 for steps, _ in seen[:3]]
+    assert seen[3][1] == seen[3][0]  # the job's last token: its step ended it
+
+
 async def _into_a_long_step(env, request: GenRequest):
     """Submit ``request`` with the decode gate closed and let its prefill's step through: the
     job's next step is held at its first decode (the step is in flight). Returns the job."""
