@@ -34,12 +34,15 @@ from .backend import ModelBackend
 
 #: tokens before a prompt's end where checkpoints are taken (and 4 + n_ubatch), as llama-server
 END_OFFSET = 4
+#: buffers of dropped checkpoints a slot keeps for the next ones it takes (a prompt takes two):
+#: a new buffer of tens of MiB costs ten times the copy into it, mostly the kernel's page faults
+SPARE_PER_SLOT = 2
 
 
 @dataclass
 class Checkpoint:
     tokens: list[int]  # the prefix the state is at: positions [0, len)
-    state: bytes
+    state: bytes | bytearray
 
     @property
     def n(self) -> int:
@@ -53,6 +56,7 @@ class Checkpoints:
     max_per_slot: int = 32  # llama-server's default n_ctx_checkpoints
     min_step: int = 8192  # llama-server's checkpoint_min_step
     per_slot: dict[int, list[Checkpoint]] = field(default_factory=dict)
+    spare: dict[int, list[bytearray]] = field(default_factory=dict)  # dropped ones' buffers, per slot
     created: int = 0
     restored: int = 0
 
@@ -85,11 +89,12 @@ class Checkpoints:
         kept = self.per_slot.setdefault(seq, [])
         if kept and kept[-1].tokens == tokens:
             return  # this very state is kept already (a restored checkpoint being re-fed)
-        kept[:] = [c for c in kept if c.n != len(tokens)]
+        self._drop(seq, kept, [c for c in kept if c.n == len(tokens)])
         while len(kept) >= self.max_per_slot:
             close = [i for i in range(1, len(kept)) if kept[i].n <= kept[i - 1].n + self.min_step]
-            del kept[close[0] if close else 0]
-        kept.append(Checkpoint(list(tokens), model.checkpoint_get(seq)))
+            self._drop(seq, kept, [kept[close[0] if close else 0]])
+        spare = self.spare.get(seq)
+        kept.append(Checkpoint(list(tokens), model.checkpoint_get(seq, spare.pop() if spare else None)))
         kept.sort(key=lambda c: c.n)
         self.created += 1
 
@@ -113,14 +118,29 @@ class Checkpoints:
         """The slot now holds ``tokens``: checkpoints that are not a prefix of them are stale."""
         kept = self.per_slot.get(seq)
         if kept:
-            kept[:] = [c for c in kept if c.n <= len(tokens) and tokens[:c.n] == c.tokens]
+            self._drop(seq, kept, [c for c in kept if not (c.n <= len(tokens) and tokens[:c.n] == c.tokens)])
 
     def forget(self, seq: int | None = None) -> None:
-        """Drop one slot's checkpoints (its state was replaced), or every slot's (a new model)."""
+        """Drop one slot's checkpoints (its state was replaced), or every slot's (a new model),
+        and their buffers."""
         if seq is None:
             self.per_slot.clear()
+            self.spare.clear()
         else:
             self.per_slot.pop(seq, None)
+            self.spare.pop(seq, None)
+
+    def _drop(self, seq: int, kept: list[Checkpoint], dropped: list[Checkpoint]) -> None:
+        """Take ``dropped`` out of ``kept`` (the slot's list, in place); their buffers become the
+        slot's spares, up to SPARE_PER_SLOT."""
+        if not dropped:
+            return
+        gone = {id(c) for c in dropped}
+        kept[:] = [c for c in kept if id(c) not in gone]
+        spare = self.spare.setdefault(seq, [])
+        for c in dropped:
+            if len(spare) < SPARE_PER_SLOT and isinstance(c.state, bytearray):
+                spare.append(c.state)
 
     # read from the event loop while the inference thread changes them: copy first (atomic
     # under the GIL), never iterate a live dict
@@ -128,7 +148,9 @@ class Checkpoints:
         return sum(len(v) for v in list(self.per_slot.values()))
 
     def n_bytes(self) -> int:
-        return sum(len(c.state) for v in list(self.per_slot.values()) for c in list(v))
+        """What checkpoints hold, their spare buffers included."""
+        kept = sum(len(c.state) for v in list(self.per_slot.values()) for c in list(v))
+        return kept + sum(len(b) for v in list(self.spare.values()) for b in list(v))
 
     def of_slot(self, seq: int) -> list[dict[str, int]]:
         """``/slots``: a slot's checkpoints, oldest first."""

@@ -220,7 +220,7 @@ def _atomic_generate(target: Path, params: Any, write: Callable[[Path, Any], Pat
 
 def ensure_tiny_model(variant: str = "a", cache_dir: Path | None = None) -> Path:
     """Return the path of the generated tiny model ``variant``: a llama one ("a", "b",
-    "small", "large") or another architecture kind ("hybrid", "moe", "swa";
+    "small", "large") or another architecture kind ("hybrid", "moe", "swa", "hybrid-wide";
     ``engine.model_kinds``).
 
     Generated on first use (atomically: temp file + rename), reused afterwards. The file
@@ -273,12 +273,12 @@ def ensure_gemma_270m(cache_dir: Path | None = None) -> Path:
 
 
 _SPECS = {"tiny": "a", "tiny-a": "a", "tiny-b": "b", "tiny-small": "small", "tiny-large": "large",
-          "tiny-hybrid": "hybrid", "tiny-moe": "moe", "tiny-swa": "swa"}
+          "tiny-hybrid": "hybrid", "tiny-moe": "moe", "tiny-swa": "swa", "tiny-hybrid-wide": "hybrid-wide"}
 
 
 def resolve_model(spec: str) -> Path:
     """"tiny"/"tiny-a", "tiny-b", "tiny-small", "tiny-large", the other kinds "tiny-hybrid",
-    "tiny-moe", "tiny-swa", "gemma-270m", or a path to an existing GGUF file."""
+    "tiny-moe", "tiny-swa", "tiny-hybrid-wide", "gemma-270m", or a path to an existing GGUF file."""
     if spec in _SPECS:
         return ensure_tiny_model(_SPECS[spec])
     if spec in ("gemma-270m", "gemma3-270m"):

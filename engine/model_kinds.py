@@ -12,6 +12,9 @@ tiny-moe     ``qwen35moe``: the same hybrid layers with a routed mixture of expe
              ``--cpu-moe`` and ``-ot`` patterns act on (``blk.N.ffn_*_exps``).
 tiny-swa     ``gemma3`` with a 16-token sliding window on every other layer: an iSWA cache
              whose window part forgets positions that left the window.
+tiny-hybrid-wide  ``qwen35`` with the delta net of Qwen 3.5 35B-A3B (16 K heads and 32 V heads
+             of 128, 30 recurrent layers of 40): a sequence's recurrent state, what every
+             context checkpoint copies, is the fleet model's ~63 MB, on tiny weights.
 
 The shapes follow each architecture's loader in llama.cpp (``src/models/<arch>.cpp``,
 ``load_arch_hparams`` / ``load_arch_tensors``); the sizes are the smallest that keep every
@@ -79,6 +82,8 @@ KIND_VARIANTS: dict[str, KindParams] = {
     "hybrid": KindParams(arch="qwen35", name="hydra-tiny-hybrid", seed=3535),
     "moe": KindParams(arch="qwen35moe", name="hydra-tiny-moe", seed=3536),
     "swa": KindParams(arch="gemma3", name="hydra-tiny-swa", n_layer=3, n_head_kv=1, seed=2700),
+    "hybrid-wide": KindParams(arch="qwen35", name="hydra-tiny-hybrid-wide", n_layer=40, full_attention_interval=4,
+                              ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32, seed=3537),
 }
 
 

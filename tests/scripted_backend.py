@@ -319,7 +319,7 @@ class ScriptedBackend:
         _, self.kv[seq] = parse_state(used)
         return len(used)
 
-    def checkpoint_get(self, seq: int) -> bytes:
+    def checkpoint_get(self, seq: int, reuse: bytearray | None = None) -> bytes:
         return self.state_seq_get(seq)  # scripted states are small: the whole of it
 
     def checkpoint_set(self, seq: int, data: bytes) -> bool:

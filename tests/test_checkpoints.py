@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.checkpoints import END_OFFSET, Checkpoints
+from engine.checkpoints import END_OFFSET, SPARE_PER_SLOT, Checkpoints
 
 
 @dataclass
@@ -15,12 +15,18 @@ class Recording:
     refuse_set: bool = False
     refuse_rm: bool = False
     taken: list[int] = field(default_factory=list)  # seq of each checkpoint_get
+    offered: list[bytearray | None] = field(default_factory=list)  # the buffer each was offered
     state_of: dict[int, bytes] = field(default_factory=dict)  # what checkpoint_get returns per seq
     calls: list[tuple] = field(default_factory=list)
 
-    def checkpoint_get(self, seq: int) -> bytes:
+    def checkpoint_get(self, seq: int, reuse: bytearray | None = None) -> bytearray:
         self.taken.append(seq)
-        return self.state_of.get(seq, b"state-%d" % len(self.taken))
+        self.offered.append(reuse)
+        state = self.state_of.get(seq, b"state-%d" % len(self.taken))
+        if reuse is not None and len(reuse) >= len(state):  # as LoadedModel: written into it
+            reuse[:] = state
+            return reuse
+        return bytearray(state)
 
     def checkpoint_set(self, seq: int, data: bytes) -> bool:
         self.calls.append(("set", seq, data))
@@ -119,3 +125,31 @@ def test_pruned_to_what_the_slot_holds_and_forgotten_with_its_state():
     fill(ck, model, [10], seq=2)
     ck.forget()  # a new model: every slot's go
     assert ck.count() == 0
+
+
+def test_a_dropped_checkpoints_buffer_takes_the_next_one():
+    """A new buffer of tens of MiB costs ten times the copy into it: the buffers of checkpoints
+    that go (evicted, replaced, pruned) are kept, at most SPARE_PER_SLOT a slot, for the slot's
+    next ones, and go with the slot's state or the model."""
+    ck, model = Checkpoints(max_per_slot=2, min_step=0), Recording()
+    fill(ck, model, [10, 20])
+    assert model.offered == [None, None]
+    oldest = ck.per_slot[0][0].state
+    fill(ck, model, [30])  # full: the oldest goes and its buffer holds the new one
+    assert model.offered[-1] is oldest and ck.per_slot[0][-1].state is oldest
+    assert [c["n_tokens"] for c in ck.of_slot(0)] == [20, 30]
+    ck.prune(0, [5] * 40)  # a new prompt shares nothing: both go, their buffers stay spare
+    assert ck.of_slot(0) == [] and len(ck.spare[0]) == SPARE_PER_SLOT
+    assert ck.n_bytes() == sum(len(b) for b in ck.spare[0])  # held memory is still counted
+    spare = list(ck.spare[0])
+    fill(ck, model, [10], seq=1)  # another slot's checkpoint gets a new buffer
+    assert model.offered[-1] is None
+    fill(ck, model, [50, 60])
+    assert all(any(b is s for s in spare) for b in model.offered[-2:]) and ck.spare[0] == []
+    fill(ck, model, [70])  # full again: evicted, reused
+    ck.prune(0, [])
+    assert len(ck.spare[0]) == 2
+    ck.forget(0)  # the slot's state replaced: its buffers go with it
+    assert 0 not in ck.spare and ck.n_bytes() == len(b"state-4")
+    ck.forget()
+    assert ck.spare == {} and ck.n_bytes() == 0

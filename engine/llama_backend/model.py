@@ -422,13 +422,14 @@ class LoadedModel(ModelText):
         seq = self._check_seq(seq)
         return seq_state.get_into(self._ctx_handle(), seq, buf)
 
-    def checkpoint_get(self, seq: int) -> bytes:
+    def checkpoint_get(self, seq: int, reuse: bytearray | None = None) -> bytearray:
         """``seq``'s partial state (``PARTIAL_ONLY``: the recurrent part of a hybrid memory, the
-        window part of an iSWA cache): a context checkpoint, as llama-server takes them."""
+        window part of an iSWA cache): a context checkpoint, as llama-server takes them; written
+        into ``reuse`` when it is large enough."""
         seq = self._check_seq(seq)
-        return seq_state.get_partial(self._ctx_handle(), seq)
+        return seq_state.get_partial(self._ctx_handle(), seq, reuse)
 
-    def checkpoint_set(self, seq: int, data: bytes) -> bool:
+    def checkpoint_set(self, seq: int, data: bytes | bytearray) -> bool:
         """Load a :meth:`checkpoint_get` capture into ``seq``; the cells it does not cover stay."""
         seq = self._check_seq(seq)
         self._logit_idx.pop(seq, None)

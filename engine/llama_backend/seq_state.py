@@ -35,38 +35,47 @@ def get_into(ctx: Any, seq: int, buf: bytearray | memoryview) -> int:
     return int(L.llama_state_seq_get_data(ctx, dst, len(mv), seq))
 
 
-def get_partial(ctx: Any, seq: int) -> bytes:
-    """``seq``'s ``PARTIAL_ONLY`` state (what a context checkpoint keeps)."""
+def get_partial(ctx: Any, seq: int, reuse: bytearray | None = None) -> bytearray:
+    """``seq``'s ``PARTIAL_ONLY`` state (what a context checkpoint keeps), written by llama.cpp
+    into the buffer that is kept: ``reuse`` when it is large enough (a dropped checkpoint's), else
+    a new one. A large hybrid's recurrent state is tens of MiB, taken with every prompt, and most
+    of a new buffer's cost is the kernel handing out its pages (docs/performance.md)."""
     n_max = int(L.llama_state_seq_get_size_ext(ctx, seq, _PARTIAL))
-    buf = (ctypes.c_uint8 * max(n_max, 1))()
-    n = int(L.llama_state_seq_get_data_ext(ctx, buf, n_max, seq, _PARTIAL))
-    return bytes(memoryview(buf).cast("B")[:n])
+    out = reuse if reuse is not None and len(reuse) >= n_max > 0 else bytearray(max(n_max, 1))
+    dst = (ctypes.c_uint8 * len(out)).from_buffer(out)
+    n = int(L.llama_state_seq_get_data_ext(ctx, dst, n_max, seq, _PARTIAL))
+    del dst  # ends the export: the buffer can be cut to the bytes written
+    del out[n:]
+    return out
 
 
-def set_partial(ctx: Any, seq: int, data: bytes) -> bool:
-    src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
+def set_partial(ctx: Any, seq: int, data: bytes | bytearray) -> bool:
+    src, n_bytes = _source(data)
     clear_llama_errors()
-    return int(L.llama_state_seq_set_data_ext(ctx, src, len(data), seq, _PARTIAL)) > 0
+    return n_bytes > 0 and int(L.llama_state_seq_set_data_ext(ctx, src, n_bytes, seq, _PARTIAL)) > 0
+
+
+def _source(data: bytes | bytearray | memoryview) -> tuple[Any, int]:
+    """``data`` as what a ctypes call reads in place, and its length in bytes."""
+    # No ctypes.cast of a ctypes object: it links the object and its cast in a reference cycle
+    # (each keeps the other in ``_objects``), and the cycle would keep the caller's buffer
+    # — hundreds of MiB — alive until the cyclic GC runs. A bytes object is cast by address
+    # (kept alive by ``data`` during the call); a c_uint8 array passes as the pointer itself.
+    if isinstance(data, bytes):
+        return ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8)), len(data)
+    mv = memoryview(data).cast("B")
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
+    return (ctypes.c_uint8 * mv.nbytes).from_buffer(mv), mv.nbytes
 
 
 def restore(ctx: Any, mem: Any, seq: int, data: bytes | bytearray | memoryview) -> int:
     """Clear ``seq`` and load ``data`` into it, read in place; returns the bytes read. Raises
     :class:`StateError` (``seq`` left empty) when llama.cpp rejects it."""
     L.llama_memory_seq_rm(mem, seq, -1, -1)
-    n_bytes = len(data) if not isinstance(data, memoryview) else data.nbytes
+    src, n_bytes = _source(data)
     if not n_bytes:
         return 0
-    # No ctypes.cast of a ctypes object: it links the object and its cast in a reference cycle
-    # (each keeps the other in ``_objects``), and the cycle would keep the caller's buffer
-    # — hundreds of MiB — alive until the cyclic GC runs. A bytes object is cast by address
-    # (kept alive by ``data`` during the call); a c_uint8 array passes as the pointer itself.
-    if isinstance(data, bytes):
-        src = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
-    else:
-        mv = memoryview(data).cast("B")
-        if mv.readonly:
-            mv = memoryview(bytearray(mv))  # rare: a read-only view must be copied once
-        src = (ctypes.c_uint8 * n_bytes).from_buffer(mv)
     clear_llama_errors()
     n = int(L.llama_state_seq_set_data(ctx, src, n_bytes, seq))
     if n == 0:

@@ -127,7 +127,7 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.ttft_gaps", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny", help="tiny (tiny-small), tiny-hybrid, tiny-moe or gemma-270m")
+    ap.add_argument("--model", default="tiny", help="tiny (tiny-small), tiny-hybrid, tiny-hybrid-wide, tiny-moe or gemma-270m")
     ap.add_argument("--gaps", default="0,1,2,5,10,20", help="ms of idle time before each request")
     ap.add_argument("--requests", type=int, default=25, help="counted requests per block")
     ap.add_argument("--rounds", type=int, default=4)

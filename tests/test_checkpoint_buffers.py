@@ -1,0 +1,50 @@
+"""Context checkpoints' buffers on a real hybrid model (tiny-hybrid, llama.cpp's ``qwen35``): a
+capture written into a dropped checkpoint's buffer is that buffer, holds what a new capture
+holds, and puts the recurrent state back (engine.checkpoints, seq_state.get_partial)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine.llama_backend import BatchItem, LoadedModel, SamplerParams, make_sampler
+from engine.model_files import resolve_model
+
+GREEDY = SamplerParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> Iterator[LoadedModel]:
+    with LoadedModel(str(resolve_model("tiny-hybrid")), n_ctx=512, n_seq_max=2, n_batch=512, n_threads=1) as m:
+        yield m
+
+
+def generate(m: LoadedModel, seq: int, pos: int, n: int) -> list[int]:
+    s, out = make_sampler(GREEDY, m), []
+    for _ in range(n):
+        out.append(s.sample(m, seq))
+        m.decode([BatchItem(seq, [out[-1]], pos, True)])
+        pos += 1
+    s.free()
+    return out
+
+
+def test_a_capture_into_a_dropped_checkpoints_buffer_is_that_buffer_and_restores(hybrid: LoadedModel):
+    m = hybrid
+    m.clear_all()
+    prompt = m.tokenize("The quick brown fox jumps over the lazy dog, and the river runs to the sea.")
+    head, tail = prompt[:-4], prompt[-4:]  # as the engine: a checkpoint 4 tokens before the end
+    m.decode([BatchItem(0, head, 0)])
+    fresh = m.checkpoint_get(0)
+    assert isinstance(fresh, bytearray) and len(fresh) > 0
+    dropped = bytearray(b"\xee" * (len(fresh) + 100))  # an earlier capture's, larger and stale
+    reused = m.checkpoint_get(0, dropped)
+    assert reused is dropped and reused == fresh  # written in place, cut to what was written
+    too_small = bytearray(len(fresh) - 1)
+    assert m.checkpoint_get(0, too_small) is not too_small and len(too_small) == len(fresh) - 1
+    m.decode([BatchItem(0, tail, len(head), True)])
+    reference = generate(m, 0, len(prompt), 6)
+
+    assert m.checkpoint_set(0, reused) and m.seq_rm(0, len(head), -1)  # back to the checkpoint
+    m.decode([BatchItem(0, tail, len(head), True)])
+    assert generate(m, 0, len(prompt), 6) == reference
