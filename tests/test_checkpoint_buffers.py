@@ -48,3 +48,12 @@ def test_a_capture_into_a_dropped_checkpoints_buffer_is_that_buffer_and_restores
     assert m.checkpoint_set(0, reused) and m.seq_rm(0, len(head), -1)  # back to the checkpoint
     m.decode([BatchItem(0, tail, len(head), True)])
     assert generate(m, 0, len(prompt), 6) == reference
+
+
+def test_the_checkpoint_copy_bench_measures_a_real_capture():
+    from tools.bench.checkpoint_copy import FIGURES, measure, runs_table
+
+    run = measure(str(resolve_model("tiny-hybrid")), reps=1)
+    assert run["state_bytes"] > 0 and all(run[key] >= 0 for key, _ in FIGURES)
+    table = runs_table([{**run, "model": "tiny-hybrid"}, {**run, "model": "tiny-hybrid"}])
+    assert table.splitlines()[0].startswith("| tiny-hybrid: a recurrent state of ") and len(table.splitlines()) == 6
