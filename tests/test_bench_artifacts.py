@@ -158,10 +158,12 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
 
 @pytest.mark.parametrize("folder, model", [
     ("tiny", "tiny"), ("tiny-hybrid", "tiny-hybrid"), ("gemma-270m", "gemma-270m"), ("give-way-ab", "tiny"),
-    ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m")])
+    ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m"),
+    ("snapshots-after-turn-ab", "tiny")])
 def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
-    milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core":
+    milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
+    snapshots-after-turn-ab/ those of "After a step: the streams' turn first":
     the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.ttft_gaps import load_runs, runs_table
 
@@ -169,6 +171,25 @@ def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder
     assert runs and all(r["model"] == model for r in runs)
     page = (REPO / "docs" / "performance.md").read_text()
     assert runs_table(runs) in page
+
+
+def test_the_checkpoint_copy_table_in_the_docs_is_made_of_its_committed_runs():
+    """docs/performance/checkpoints/run-N.json are the runs of "Checkpoints of the fleet model's
+    recurrent state"; ab-run-N.json its request-by-request A/B, whose medians the page quotes."""
+    import statistics
+
+    from tools.bench.checkpoint_copy import runs_table
+
+    folder = DOCS_RUNS / "checkpoints"
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("run-*.json"))]
+    assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
+    page = (REPO / "docs" / "performance.md").read_text()
+    assert runs_table(runs) in page
+    for i, path in enumerate(sorted(folder.glob("ab-run-*.json")), 1):
+        pairs = json.loads(path.read_text())["samples"]
+        old, new = (statistics.median(x["prompt_ms"] for x in pairs[k]) for k in ("old", "new"))
+        ratio = statistics.median(b["total_ms"] / a["total_ms"] for a, b in zip(pairs["old"], pairs["new"]))
+        assert f"| {i} | {old:.0f} | {new:.0f} | {ratio:.3f} |" in page
 
 
 def test_idle_gap_summary_takes_medians_and_ratios_to_llama_server():
