@@ -165,7 +165,8 @@ def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder
     milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
     snapshots-after-turn-ab/ those of "After a step: the streams' turn first":
     the table built from them (``ttft_gaps --table``) is the page's."""
-    from tools.bench.ttft_gaps import load_runs, runs_table
+    from tools.bench.common import load_runs
+    from tools.bench.ttft_gaps import runs_table
 
     runs = load_runs(DOCS_RUNS / "ttft-gaps" / folder)
     assert runs and all(r["model"] == model for r in runs)
@@ -179,9 +180,10 @@ def test_the_checkpoint_copy_table_in_the_docs_is_made_of_its_committed_runs():
     import statistics
 
     from tools.bench.checkpoint_copy import runs_table
+    from tools.bench.common import load_runs
 
     folder = DOCS_RUNS / "checkpoints"
-    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("run-*.json"))]
+    runs = load_runs(folder)
     assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
     page = (REPO / "docs" / "performance.md").read_text()
     assert runs_table(runs) in page

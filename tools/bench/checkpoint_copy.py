@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tools.bench.common import machine_info
+from tools.bench.common import add_run_args, machine_info, table_only, write_run
 
 
 def _median_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -82,22 +82,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.checkpoint_copy", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-hybrid-wide", help="a hybrid model: a name resolve_model knows, or a path")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--table", type=Path, metavar="DIR", help="print the table of the runs DIR/run-N.json and exit")
+    add_run_args(ap)
     args = ap.parse_args(argv)
-    if args.table:
-        runs = [json.loads(p.read_text()) for p in sorted(args.table.glob("run-*.json"))]
-        print(runs_table(runs))
-        return {"runs": len(runs)}
+    if (shown := table_only(args, runs_table)) is not None:
+        return shown
     from engine.model_files import resolve_model
 
     path = resolve_model(args.model)
     result = {"machine": machine_info(), "model": args.model, "model_file": path.name, "reps": args.reps,
               **measure(str(path), args.reps)}
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_run(args.out, result)
     return result
 
 

@@ -177,6 +177,34 @@ class Result:
         return path
 
 
+def load_runs(folder: Path) -> list[dict[str, Any]]:
+    """A standalone bench's runs, ``folder/run-N.json``, in order of N."""
+    paths = sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def add_run_args(ap: Any) -> None:
+    """A standalone bench's ``--out FILE`` and ``--table DIR`` (an ``argparse`` parser)."""
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--table", type=Path, metavar="DIR", help="print the table of the runs DIR/run-N.json and exit")
+
+
+def table_only(args: Any, runs_table: Any) -> dict[str, Any] | None:
+    """``--table DIR``: print ``runs_table`` of its runs and say how many; None without it."""
+    if args.table is None:
+        return None
+    runs = load_runs(args.table)
+    print(runs_table(runs))
+    return {"runs": len(runs)}
+
+
+def write_run(out: Path | None, result: dict[str, Any]) -> None:
+    """A standalone bench's ``--out``: the run's JSON (nothing without ``out``)."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def home_as_tilde(text: str, home: str | None = None) -> str:
     """JSON ``text`` with every string that starts in the home directory starting at ``~``
     instead: results are committed next to the docs, and a machine's paths do not belong there

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import interleaved, machine_info, percentile
+from tools.bench.common import add_run_args, interleaved, machine_info, percentile, table_only, write_run
 from tools.bench.llama_server import build_info, find_or_build
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import start
@@ -120,11 +120,6 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def load_runs(folder: Path) -> list[dict[str, Any]]:
-    paths = sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    return [json.loads(p.read_text()) for p in paths]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.ttft_gaps", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="tiny (tiny-small), tiny-hybrid, tiny-hybrid-wide, tiny-moe or gemma-270m")
@@ -132,13 +127,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--requests", type=int, default=25, help="counted requests per block")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--table", type=Path, metavar="DIR", help="print the table of the runs DIR/run-N.json and exit")
+    add_run_args(ap)
     args = ap.parse_args(argv)
-    if args.table:
-        runs = load_runs(args.table)
-        print(runs_table(runs))
-        return {"runs": len(runs)}
+    if (shown := table_only(args, runs_table)) is not None:
+        return shown
     binary, reason = find_or_build(False)
     if binary is None:
         raise SystemExit(f"no llama-server: {reason}")
@@ -159,9 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "rounds": args.rounds, "servers": {k: list(adds) for k, (_, adds) in SERVERS.items()},
               "summary": summary, "samples": samples}
     print(runs_table([result]))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_run(args.out, result)
     return result
 
 
