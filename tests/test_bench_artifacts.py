@@ -107,7 +107,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-tiny-0fbacc3", 17), ("vs-llama-server-75443f2", 21), ("vs-llama-server-tiny-75443f2", 21),
     ("vs-llama-server-tiny-75443f2-as-array", 21), ("vs-llama-server-9c29522", 21), ("vs-llama-server-2269a8d", 21),
     ("vs-llama-server-tiny-2269a8d", 21), ("vs-llama-server-ee20f51", 21), ("vs-llama-server-tiny-ee20f51", 21),
-    ("vs-llama-server-fbf3a83", 21), ("vs-llama-server-9af7eee", 21), ("vs-llama-server-tiny-9af7eee", 21)])
+    ("vs-llama-server-fbf3a83", 21), ("vs-llama-server-9af7eee", 21), ("vs-llama-server-tiny-9af7eee", 21),
+    ("vs-llama-server-aec5974", 21), ("vs-llama-server-tiny-aec5974", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -117,8 +118,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     llama-server against itself", the -9c29522 ones those of "Pooled: what the pairs
     resolve", the -2269a8d ones those of "At 2269a8d, on the faster host", the -ee20f51 ones
     and -fbf3a83 ones those of "At ee20f51: the step that hands its tokens over, kept", the -9af7eee
-    ones those of "At 9af7eee: the step after a first token gives way": the table built from them
-    is combined.md's, and each of its rows is in the page."""
+    ones those of "At 9af7eee: the step after a first token gives way", the -aec5974 ones those of
+    "At aec5974": the table built from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
@@ -141,9 +142,10 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-tiny-ee20f51", "vs-llama-server-fbf3a83",
                                          "kinds/tiny-hybrid/vs-llama-server-64ad51d",
                                          "kinds/tiny-moe/vs-llama-server-64ad51d", "vs-llama-server-9af7eee",
-                                         "vs-llama-server-tiny-9af7eee"])
+                                         "vs-llama-server-tiny-9af7eee", "vs-llama-server-aec5974",
+                                         "vs-llama-server-tiny-aec5974"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
-    """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51" and "At 9af7eee" quote
+    """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee" and "At aec5974" quote
     tools/bench/pooled.py on these sets, row for row."""
     from tools.bench import pooled
 
