@@ -178,7 +178,8 @@ def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder
 
 def test_the_checkpoint_copy_table_in_the_docs_is_made_of_its_committed_runs():
     """docs/performance/checkpoints/run-N.json are the runs of "Checkpoints of the fleet model's
-    recurrent state"; ab-run-N.json its request-by-request A/B, whose medians the page quotes."""
+    recurrent state"; ab-run-N.json its request-by-request A/B and agent-run-N.json its agent
+    turns, whose medians the page quotes."""
     import statistics
 
     from tools.bench.checkpoint_copy import runs_table
@@ -194,6 +195,12 @@ def test_the_checkpoint_copy_table_in_the_docs_is_made_of_its_committed_runs():
         old, new = (statistics.median(x["prompt_ms"] for x in pairs[k]) for k in ("old", "new"))
         ratio = statistics.median(b["total_ms"] / a["total_ms"] for a, b in zip(pairs["old"], pairs["new"]))
         assert f"| {i} | {old:.0f} | {new:.0f} | {ratio:.3f} |" in page
+    for i, path in enumerate(sorted(folder.glob("agent-run-*.json")), 1):  # the fleet's agent turns
+        turns = json.loads(path.read_text())["turns"]
+        ls, old, new = ([t["ttft_ms"] for t in turns[k]] for k in ("llama-server", "old", "new"))
+        ratios = [statistics.median(a / b for a, b in zip(x, y)) for x, y in ((old, ls), (new, ls), (new, old))]
+        medians = " | ".join(f"{statistics.median(v):.0f}" for v in (ls, old, new))
+        assert f"| {i} | {medians} | " + " | ".join(f"{r:.3f}" for r in ratios) + " |" in page
 
 
 def test_idle_gap_summary_takes_medians_and_ratios_to_llama_server():
