@@ -155,7 +155,7 @@ class PromptCache:
                 found = self.host.take(found[0])
             except OSError:  # its disk-tier file is gone: compute instead
                 source, n = "own", own
-        self._save_if_losing(model, slot, own if source == "own" else n if source == "checkpoint" else 0)
+        self._save_if_losing(model, slot, own if source == "own" else n if source == "checkpoint" else 0, common)
         n = self._load_from(model, slot, target, source, n, found, own, max_keep)
         slot.tokens = target[:n]
         self.checkpoints.prune(slot.id, slot.tokens)
@@ -221,20 +221,23 @@ class PromptCache:
                 best = (other.id, n)
         return best
 
-    def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int) -> None:
+    def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int, shared: int) -> None:
         """The slot is about to lose a part worth keeping: its state goes to RAM. Loading a state
         back costs a copy of a few KiB per token; recomputing a token costs a forward pass. Worth
         keeping: less than half of the slot stays (llama-server's rule, ``f_keep < 0.5``), or at
-        least SAVE_MIN_LOST tokens go (a conversation that shares a long system prompt with the
-        next one). A slot that keeps nearly all (the next question on the same document, a
-        retried turn) is not copied out for a few tokens on every request: each such save
-        copied the whole state (a 35B hybrid's recurrent part alone is tens of MiB) and left
-        the RAM tier one more entry that every later lookup compares with its prompt."""
+        least SAVE_MIN_LOST of its tokens are its own (a conversation that shares a long system
+        prompt with the next one). Its own part is what the next prompt does not share
+        (``shared``): a memory that cannot be cut back keeps less (``kept``: a checkpoint), but
+        what lies between comes back in the next prompt anyway. A slot that keeps nearly all
+        (the next question on the same document, a retried turn) is not copied out for a few
+        tokens on every request: each such save copied the whole state (a 35B hybrid's
+        recurrent part alone is tens of MiB) and left the RAM tier one more entry that every
+        later lookup compares with its prompt."""
         held = len(slot.tokens)
         lost = held - kept
         if self.host is None or not self.params.cache_prompt or lost < MIN_SHARED_PREFIX:
             return
-        if 2 * kept >= held and lost < SAVE_MIN_LOST:
+        if 2 * kept >= held and held - max(kept, shared) < SAVE_MIN_LOST:
             return
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
             return

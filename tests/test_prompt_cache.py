@@ -144,6 +144,27 @@ async def test_a_slot_that_keeps_most_of_its_tokens_saves_nothing_to_the_ram_tie
 
 
 @pytest.mark.asyncio
+async def test_a_question_cut_back_to_a_checkpoint_saves_nothing_when_its_own_part_is_short():
+    """A memory that cannot be cut back (here a window cache; a recurrent state alike) goes back
+    to a checkpoint n_ubatch tokens before the last prompt's end: ~130 tokens go, but all but
+    the last question's few come back in the new prompt. Like llama-server, nothing is saved
+    (on a large hybrid each save copied tens of MB). A conversation whose own part is long is
+    still saved."""
+    model = ModelParams("model-a", n_ctx=512, n_slots=1, n_batch=128)  # checkpoints 128 and 4 before the end
+    async with scripted_engine(n_slots=1, n_ctx_slot=512, model=model,
+                               backend=factory(n_swa=48, kv_shareable=False)) as env:
+        eng = env.engine
+        cache, host = eng.actor.cache, eng.actor.cache.host
+        doc = ("Line one of a document that every question shares. " * 6)[:280]
+        for i in range(3):
+            await gen(eng, 0, doc + f"Question {i}: which line?", n=2)
+        assert cache.checkpoints.restored == 2 and host.stats.saves == 0
+        await gen(eng, 0, doc + "Question 9: " + "x" * 100, n=2)
+        await gen(eng, 0, doc + "Question 10: which line?", n=2)  # the 100 own tokens go
+        assert cache.checkpoints.restored == 4 and host.stats.saves == 1
+
+
+@pytest.mark.asyncio
 async def test_ram_tier_entries_never_outlive_their_model():
     async with one_slot() as env:
         eng = env.engine
