@@ -264,8 +264,7 @@ class EngineActor(SlotStateOps):
                     r.error = r.error or e
             self.stats["steps"] += 1
             first_tokens_out = any(r.n_generated == 1 for r in running)
-            ended = any(r.finished or r.job.cancelled for r in running)
-            self.scheduler.after_step(running, self._serving())
+            ended = self.scheduler.after_step(running, self._serving())
             now = time.monotonic()
             self.step_rate.record(self.stats["steps"], now)
             self.token_rate.record(self.stats["tokens_generated"], now)

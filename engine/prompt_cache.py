@@ -237,7 +237,7 @@ class PromptCache:
         lost = held - kept
         if self.host is None or not self.params.cache_prompt or lost < MIN_SHARED_PREFIX:
             return
-        if 2 * kept >= held and held - max(kept, shared) < SAVE_MIN_LOST:
+        if 2 * kept >= held and held - shared < SAVE_MIN_LOST:  # shared >= kept: kept is at most the common prefix
             return
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
             return

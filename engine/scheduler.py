@@ -114,8 +114,9 @@ class Scheduler:
             r.job.events.put_nowait(ev)
         self.stats["tokens_generated"] += len(events)
 
-    def after_step(self, running: list[Running], serving: Serving) -> None:
-        """Deliver the step's tokens; finish the jobs that are done."""
+    def after_step(self, running: list[Running], serving: Serving) -> bool:
+        """Deliver the step's tokens; finish the jobs that are done. True when one was."""
+        ended = False
         for r in running:
             if r.events:
                 self._put(r, r.events)
@@ -124,6 +125,8 @@ class Scheduler:
                 self._count_prompt(r, r.t_prefill_done)
             if r.finished or r.job.cancelled:
                 self.finish(r, serving)
+                ended = True
+        return ended
 
     def stop_all(self, exc: BaseException, serving: Serving) -> None:
         """Engine stopping: fail what waits (first: finishing a job admits the next), cancel what runs."""

@@ -173,8 +173,13 @@ class Result:
 
     def write(self, out: Path) -> Path:
         path = out / f"{self.scenario}.json"
-        path.write_text(home_as_tilde(json.dumps(self.as_dict(), indent=1, default=_json_default)) + "\n")
+        path.write_text(result_json(self.as_dict()))
         return path
+
+
+def result_json(result: dict[str, Any]) -> str:
+    """A result as committed next to the docs: indented, the home directory as ``~``."""
+    return home_as_tilde(json.dumps(result, indent=1, default=_json_default)) + "\n"
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
@@ -202,7 +207,7 @@ def write_run(out: Path | None, result: dict[str, Any]) -> None:
     """A standalone bench's ``--out``: the run's JSON (nothing without ``out``)."""
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.write_text(result_json(result))
 
 
 def home_as_tilde(text: str, home: str | None = None) -> str:
