@@ -29,6 +29,9 @@ def test_a_chunk_is_counted_by_its_text_whichever_endpoint_sent_it():
     assert w._chunk_text({"text": "a"}) == "a"
     assert w._chunk_text({"delta": {"content": "b"}}) == "b"
     assert w._chunk_text({"delta": {"reasoning_content": "c"}}) == "c"
+    call = {"index": 0, "function": {"name": "read_file", "arguments": ""}}
+    assert w._chunk_text({"delta": {"tool_calls": [call]}}) == "read_file"
+    assert w._chunk_text({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"p"}}]}}) == '{"p'
     assert w._chunk_text({"delta": {"role": "assistant"}}) == "" and w._chunk_text({"text": ""}) == ""
 
 
@@ -147,3 +150,23 @@ def test_the_idle_gap_client_times_a_real_first_token(server):
     assert {gap: len(by["ours"]) for gap, by in samples.items()} == {"0.0": 2, "1.0": 2}
     assert all(ms > 0 for by in samples.values() for ms in by["ours"])
     assert summarize_gaps(samples, base="ours")["1.0"]["ours"]["ratio"] == 1.0
+
+
+@pytest.mark.asyncio
+async def test_the_agent_turns_bench_sends_growing_conversations_that_reuse_the_cache():
+    """tools/bench/agent_turns.py against a real server of ours on a fleet kind (tiny-hybrid,
+    Qwen 3.5's template): two agents at once, a reply each per turn, timed; from the second
+    counted turn on, most of each prompt is served from the cache (a checkpoint on this kind)."""
+    from tests.helpers import serving
+    from tools.bench import agent_turns as at
+
+    with serving("--model", "tiny-hybrid", "--parallel", "2", "--ctx-size", "16384",
+                 "--chat-template-file", str(at.TEMPLATE), "--log-level", "WARNING") as sp:
+        samples = await at.measure({"ours": f"http://127.0.0.1:{sp.http_port}"}, agents=2, turns=2, max_tokens=4)
+    turns = samples["ours"]
+    assert len(turns) == 2 and all(len(t["ttft_ms"]) == 2 and min(t["ttft_ms"]) > 0 for t in turns)
+    assert all(t["wall_ms"] >= max(t["ttft_ms"]) and t["tokens"] == [4, 4] for t in turns)
+    last = turns[-1]
+    assert all(0 < n < cached for n, cached in zip(last["prompt_n"], last["cache_n"])), last
+    summary = at.summarize_turns(samples, base="ours")
+    assert summary["wall_ms"]["ours"]["ratio"] == 1.0 and summary["prompt_n"][0] > 0

@@ -33,12 +33,14 @@ def chat_messages(n: int) -> list[dict[str, str]]:
 
 
 def _chunk_text(choice: dict[str, Any]) -> str:
-    """The generated text of one streamed choice: ``text`` (completions) or the delta's content
-    or reasoning (chat)."""
+    """The generated text of one streamed choice: ``text`` (completions) or the delta's content,
+    reasoning or tool call (chat)."""
     if choice.get("text"):
         return choice["text"]
     delta = choice.get("delta") or {}
-    return delta.get("content") or delta.get("reasoning_content") or ""
+    calls = "".join(f"{(c.get('function') or {}).get('name') or ''}{(c.get('function') or {}).get('arguments') or ''}"
+                    for c in delta.get("tool_calls") or [])
+    return delta.get("content") or delta.get("reasoning_content") or calls
 
 
 async def stream(http: Any, base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:

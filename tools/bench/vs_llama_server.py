@@ -87,9 +87,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_argv(model: str, port: int, slots: int, threads: int, template: Sequence[str] = ()) -> list[str]:
+def llama_argv(model: str, port: int, slots: int, threads: int, template: Sequence[str] = (), ctx: int = CTX
+               ) -> list[str]:
     """The one command line both servers get."""
-    return ["-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(CTX), "-np", str(slots),
+    return ["-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx), "-np", str(slots),
             "-t", str(threads), *template]
 
 
@@ -122,10 +123,11 @@ def _argv_shown(threads: int, template: tuple[str, ...]) -> list[str]:
 
 
 def start(variant: str, binary: str, model: str, slots: int, threads: int,
-          ours_adds: Sequence[str] = ()) -> OpenAIServer:
-    """One server on the shared argv; ours gets ``--rpc-port 0`` and ``ours_adds`` after it."""
+          ours_adds: Sequence[str] = (), *, ctx: int = CTX, template: Sequence[str] | None = None) -> OpenAIServer:
+    """One server on the shared argv; ours gets ``--rpc-port 0`` and ``ours_adds`` after it.
+    ``template``: the chat template arguments (default: :func:`chat_template_args`)."""
     port = free_port()
-    argv = llama_argv(model, port, slots, threads, chat_template_args(model))
+    argv = llama_argv(model, port, slots, threads, chat_template_args(model) if template is None else template, ctx)
     if variant in ("llama-server", CONTROL):
         return OpenAIServer([binary, *argv], port, "llama-server")
     return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0", *ours_adds],
