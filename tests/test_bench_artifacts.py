@@ -108,7 +108,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-tiny-75443f2-as-array", 21), ("vs-llama-server-9c29522", 21), ("vs-llama-server-2269a8d", 21),
     ("vs-llama-server-tiny-2269a8d", 21), ("vs-llama-server-ee20f51", 21), ("vs-llama-server-tiny-ee20f51", 21),
     ("vs-llama-server-fbf3a83", 21), ("vs-llama-server-9af7eee", 21), ("vs-llama-server-tiny-9af7eee", 21),
-    ("vs-llama-server-aec5974", 21), ("vs-llama-server-tiny-aec5974", 21)])
+    ("vs-llama-server-aec5974", 21), ("vs-llama-server-tiny-aec5974", 21),
+    ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -119,7 +120,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     resolve", the -2269a8d ones those of "At 2269a8d, on the faster host", the -ee20f51 ones
     and -fbf3a83 ones those of "At ee20f51: the step that hands its tokens over, kept", the -9af7eee
     ones those of "At 9af7eee: the step after a first token gives way", the -aec5974 ones those of
-    "At aec5974": the table built from them is combined.md's, and each of its rows is in the page."""
+    "At aec5974", kinds/tiny-hybrid-wide/…-f4e129f those of "Three runs on tiny-hybrid-wide": the
+    table built from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
@@ -143,10 +145,11 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "kinds/tiny-hybrid/vs-llama-server-64ad51d",
                                          "kinds/tiny-moe/vs-llama-server-64ad51d", "vs-llama-server-9af7eee",
                                          "vs-llama-server-tiny-9af7eee", "vs-llama-server-aec5974",
-                                         "vs-llama-server-tiny-aec5974"])
+                                         "vs-llama-server-tiny-aec5974",
+                                         "kinds/tiny-hybrid-wide/vs-llama-server-f4e129f"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
-    """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee" and "At aec5974" quote
-    tools/bench/pooled.py on these sets, row for row."""
+    """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974" and
+    "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
     from tools.bench import pooled
 
     samples = pooled.load([DOCS_RUNS / folder_name])
@@ -216,3 +219,34 @@ def test_idle_gap_summary_takes_medians_and_ratios_to_llama_server():
     other_gaps = {"summary": summarize_gaps({"0.0": {"llama-server": [1.0], "ours": [1.0]}, **samples})}
     assert runs_table([other_gaps, {"summary": summary}]).splitlines()[2:] == [
         "| 2 ms | 2.00 | 4.00; 2.00× |"]  # only the gaps every run has
+
+
+def test_agent_turn_summary_takes_per_turn_ratios_to_llama_server():
+    from tools.bench.agent_turns import runs_table, summarize_turns
+
+    def turn(wall: float, ttfts: list[float]) -> dict:
+        return {"wall_ms": wall, "ttft_ms": ttfts, "prompt_n": [300] * len(ttfts)}
+
+    samples = {"llama-server": [turn(100, [10, 30]), turn(200, [40, 40])],
+               "ours": [turn(90, [20, 20]), turn(240, [30, 50])]}
+    summary = summarize_turns(samples)
+    assert summary["wall_ms"]["ours"] == {"median": 165.0, "ratio": 1.05, "ratio_min": 0.9, "ratio_max": 1.2}
+    assert summary["ttft_ms"]["ours"]["ratio"] == 1.0  # the agents' median first token per turn: 20/20, 40/40
+    assert summary["prompt_n"] == [300, 300]
+    table = runs_table([{"summary": {"2": summary}}])
+    assert "| 2 | turn, send to last reply's end | 150 | 165 | 1.050 (0.90–1.20) |" in table
+
+
+def test_the_agent_turns_table_in_the_docs_is_made_of_its_committed_runs():
+    """docs/performance/agent-turns/tiny-hybrid-wide/run-N.json are the runs of "Agents' turns
+    against llama-server": the table built from them (``agent_turns --table``) is the page's, and
+    both servers computed the same prompts."""
+    from tools.bench.agent_turns import runs_table
+    from tools.bench.common import load_runs
+
+    runs = load_runs(DOCS_RUNS / "agent-turns" / "tiny-hybrid-wide")
+    assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
+    for run in runs:
+        for turns in run["samples"].values():
+            assert [t["prompt_n"] for t in turns["llama-server"]] == [t["prompt_n"] for t in turns["ours"]]
