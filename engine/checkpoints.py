@@ -114,6 +114,22 @@ class Checkpoints:
         self.restored += 1
         return True
 
+    def hand_over(self, seq: int, leaving: list[Checkpoint]) -> None:
+        """``leaving`` went with the slot's state to the RAM tier: out of the slot's list, and
+        not as spares (the entry holds their buffers now)."""
+        gone = {id(c) for c in leaving}
+        kept = self.per_slot.get(seq, [])
+        kept[:] = [c for c in kept if id(c) not in gone]
+
+    def adopt(self, seq: int, came: list[Checkpoint]) -> None:
+        """``came`` with a state the RAM tier put back in the slot (prefixes of what it now
+        holds); the oldest go past ``max_per_slot``."""
+        kept = self.per_slot.setdefault(seq, [])
+        have = {c.n for c in kept}
+        kept += [c for c in came if c.n not in have]
+        kept.sort(key=lambda c: c.n)
+        del kept[:max(0, len(kept) - self.max_per_slot)]
+
     def prune(self, seq: int, tokens: list[int]) -> None:
         """The slot now holds ``tokens``: checkpoints that are not a prefix of them are stale."""
         kept = self.per_slot.get(seq)

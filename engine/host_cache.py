@@ -15,7 +15,10 @@ sliding-window attention of ``n_swa`` positions the cache forgets older cells, s
 ``n`` tokens of an entry is only usable when the entry still has the cells from
 ``n - n_swa + 1`` on (``serves``). Without a window every cell is kept and ``pos_min`` is 0.
 A recurrent or hybrid model's state is that of its last token: an entry serves all its
-tokens or nothing (``recurrent``).
+tokens, or the prefix of one of the context checkpoints it carries (``checkpoints``: the
+slot's, handed over with its state, as llama-server's cache keeps them). A chat template
+re-renders the assistant's last turn, so an agent's next prompt diverges a few tokens before
+its previous prompt's end: only a checkpoint there brings the conversation back.
 
 With a disk tier (``engine.disk_tier``), an entry the RAM limit evicts is written to a file
 instead of dropped, under a limit of as many bytes again; lookups see both tiers.
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Hashable
 
+from .checkpoints import Checkpoint
 from .disk_tier import DiskTier
 
 MIB = 1 << 20
@@ -71,11 +75,27 @@ class CachedPrompt:
     tokens: list[int]
     state: bytes | memoryview
     pos_min: int = 0
-    size: int = 0  # bytes it takes (state + tokens), in RAM or on disk
+    size: int = 0  # bytes it takes (state + tokens + checkpoints), in RAM or on disk
     path: Path | None = None  # on the disk tier: the file holding the state
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # prefixes of ``tokens``, shortest first
 
     def __post_init__(self) -> None:
-        self.size = self.size or memoryview(self.state).nbytes + 4 * len(self.tokens)
+        self.size = self.size or memoryview(self.state).nbytes + 4 * len(self.tokens) + \
+            sum(len(c.state) for c in self.checkpoints)
+
+    def serves_all_of(self, n: int, n_swa: int, recurrent: bool) -> bool:
+        """Does the state itself serve its first ``n`` tokens (no checkpoint needed)?"""
+        return serves(self.pos_min, n, n_swa, len(self.tokens) if recurrent else None)
+
+    def usable(self, n: int, n_swa: int, recurrent: bool) -> int:
+        """How much of a common prefix of ``n`` tokens this entry can put in a slot: all of
+        it when its cells serve it, else the longest checkpoint within it, else nothing."""
+        if self.serves_all_of(n, n_swa, recurrent):
+            return n
+        return max((c.n for c in self.checkpoints if c.n <= n), default=0)
+
+    def checkpoint_at(self, n: int) -> Checkpoint | None:
+        return next((c for c in self.checkpoints if c.n == n), None)
 
 
 @dataclass
@@ -120,9 +140,8 @@ class HostCache:
             k = at_least if best is None else max(at_least, best[1] + 1)
             if e.model_key != model_key or not _shares(e.tokens, tokens, k):
                 continue
-            n = common_prefix(e.tokens, tokens)
-            held = len(e.tokens) if recurrent else None
-            if n and (best is None or n > best[1]) and serves(e.pos_min, n, n_swa, held):
+            n = e.usable(common_prefix(e.tokens, tokens), n_swa, recurrent)
+            if n >= at_least and (best is None or n > best[1]):
                 best = (eid, n)
         return best
 
@@ -142,10 +161,10 @@ class HostCache:
         return e
 
     def put(self, model_key: Hashable, tokens: list[int], state: bytes | memoryview, pos_min: int = 0,
-            n_swa: int = 0, recurrent: bool = False) -> bool:
-        """Keep a state (held as given: the caller hands it over); False when it is not kept
-        (already held, or larger than the limit)."""
-        entry = CachedPrompt(model_key, list(tokens), state, pos_min)
+            n_swa: int = 0, recurrent: bool = False, checkpoints: list[Checkpoint] | None = None) -> bool:
+        """Keep a state and the slot's ``checkpoints`` (held as given: the caller hands them
+        over); False when it is not kept (already held, or larger than the limit)."""
+        entry = CachedPrompt(model_key, list(tokens), state, pos_min, checkpoints=list(checkpoints or ()))
         for e in [*self.entries.values(), *self.spilled.values()]:
             if (e.model_key == model_key and _shares(e.tokens, tokens, len(tokens))
                     and serves(e.pos_min, len(tokens), n_swa, len(e.tokens) if recurrent else None)):
@@ -193,7 +212,10 @@ class HostCache:
             e.path = self.disk.write(e.tokens, e.state)
         except OSError:  # a full disk costs the entry, nothing else
             return
-        e.state = b""
+        # the disk tier keeps the state alone: checkpoints are tens of MiB each on the fleet's
+        # model, and a state read back from disk already costs more than most prompts
+        e.size -= sum(len(c.state) for c in e.checkpoints)
+        e.state, e.checkpoints = b"", []
         self.spilled[eid] = e
         self.disk_bytes += e.size
         self.stats.spilled += 1

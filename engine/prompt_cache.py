@@ -10,8 +10,9 @@ shared  another slot's KV (the same system prompt in another conversation): its 
         copied with ``llama_memory_seq_cp``, which with a unified KV cache only adds this
         slot's sequence id to the cells — no tensor data moves
 host    the RAM tier (``engine.host_cache``): the state a conversation left when its slot
-        was taken by another one, loaded back through ``kv_cache.restore_state`` (its header
-        checked against the live KV cache first, as a STATE_PUT's is)
+        was taken by another one, with the slot's checkpoints, loaded back through
+        ``kv_cache.restore_state`` (its header checked against the live KV cache first, as a
+        STATE_PUT's is) and cut back by its own cells or at one of those checkpoints
 
 checkpoint  a context checkpoint of the slot (``engine.checkpoints``), when its own KV
         cannot be cut back to the common prefix
@@ -34,7 +35,7 @@ import numpy as np
 from .backend import ModelBackend
 from .checkpoints import Checkpoints
 from .disk_tier import DiskTier
-from .host_cache import HostCache, common_prefix, limit_from_mib, serves
+from .host_cache import CachedPrompt, HostCache, common_prefix, limit_from_mib, serves
 from .jobs import BadInput
 from .kv_cache import restore_state
 from .model_params import ModelParams
@@ -155,7 +156,7 @@ class PromptCache:
                 found = self.host.take(found[0])
             except OSError:  # its disk-tier file is gone: compute instead
                 source, n = "own", own
-        self._save_if_losing(model, slot, own if source == "own" else n if source == "checkpoint" else 0, common)
+        self._save_if_losing(model, slot, own if source == "own" else n if source == "checkpoint" else 0, common, target)
         n = self._load_from(model, slot, target, source, n, found, own, max_keep)
         slot.tokens = target[:n]
         self.checkpoints.prune(slot.id, slot.tokens)
@@ -193,7 +194,7 @@ class PromptCache:
             model.seq_clear(slot.id)
             model.seq_copy_prefix(found[0], slot.id, n)
             return n
-        return self._restore(model, slot, found.state, n)  # found: the RAM-tier entry taken
+        return self._restore(model, slot, found, n)  # found: the RAM-tier entry taken
 
     def _count(self, target: list[int], source: str, n: int, common: int) -> None:
         """The lookup's statistics; BadInput when a prefix of unknown tokens must be recomputed."""
@@ -221,7 +222,7 @@ class PromptCache:
                 best = (other.id, n)
         return best
 
-    def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int, shared: int) -> None:
+    def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int, shared: int, target: list[int]) -> None:
         """The slot is about to lose a part worth keeping: its state goes to RAM. Loading a state
         back costs a copy of a few KiB per token; recomputing a token costs a forward pass. Worth
         keeping: less than half of the slot stays (llama-server's rule, ``f_keep < 0.5``), or at
@@ -232,7 +233,11 @@ class PromptCache:
         (the next question on the same document, a retried turn) is not copied out for a few
         tokens on every request: each such save copied the whole state (a 35B hybrid's
         recurrent part alone is tens of MiB) and left the RAM tier one more entry that every
-        later lookup compares with its prompt."""
+        later lookup compares with its prompt.
+
+        The slot's checkpoints that the next prompt will not keep go with the state (moved, not
+        copied): the conversation's next prompt diverges a few tokens before this one's end,
+        where only a checkpoint of a recurrent or window cache brings it back."""
         held = len(slot.tokens)
         lost = held - kept
         if self.host is None or not self.params.cache_prompt or lost < MIN_SHARED_PREFIX:
@@ -245,13 +250,18 @@ class PromptCache:
         if not self.host.fits(size + 4 * held):  # before copying it out
             self.host.stats.refused += 1
             return
+        leaving = [c for c in self.checkpoints.per_slot.get(slot.id, ())
+                   if not (c.n <= kept and target[:c.n] == c.tokens)]
+        if not self.host.fits(size + 4 * held + sum(len(c.state) for c in leaving)):
+            leaving = []
         # llama.cpp writes the state straight into the buffer the entry keeps, not zeroed first:
         # no pass over it but llama.cpp's on the way to the next request's prefill (a long
         # prompt's state is tens of MiB)
         buf = np.empty(size, dtype=np.uint8)
         state = memoryview(buf)[:model.state_seq_get_into(slot.id, buf)]
-        self.host.put(self.model_key, slot.tokens, state, pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa,
-                      recurrent=model.recurrent)
+        if self.host.put(self.model_key, slot.tokens, state, pos_min=model.seq_pos_min(slot.id), n_swa=model.n_swa,
+                         recurrent=model.recurrent, checkpoints=leaving):
+            self.checkpoints.hand_over(slot.id, leaving)
 
     def _keep_own(self, model: ModelBackend, slot: Slot, target: list[int], own: int, max_keep: int) -> int:
         n = own
@@ -271,17 +281,23 @@ class PromptCache:
         self.checkpoints.forget(slot.id)
         return 0
 
-    def _restore(self, model: ModelBackend, slot: Slot, state: bytes, n: int) -> int:
+    def _restore(self, model: ModelBackend, slot: Slot, entry: CachedPrompt, n: int) -> int:
+        """Load a RAM-tier entry into the slot, cut back to ``n`` tokens: by its own cells, or
+        by the checkpoint at ``n`` it carries (``HostCache.best`` chose one of the two)."""
         try:
-            restore_state(model, slot.id, state)
+            restore_state(model, slot.id, entry.state)
         except Exception as e:  # not the client's doing: the prompt is computed instead
             log.warning("the RAM tier's state for slot %d was refused (%s); computing the prompt", slot.id, e)
-            model.seq_clear(slot.id)
-            return 0
-        model.seq_rm(slot.id, n, -1)
-        if not prefix_intact(model, slot.id, n):
-            model.seq_clear(slot.id)
-            return 0
+            return self._clear(model, slot)
+        if entry.serves_all_of(n, model.n_swa, model.recurrent):
+            model.seq_rm(slot.id, n, -1)
+            if not prefix_intact(model, slot.id, n):
+                return self._clear(model, slot)
+        else:
+            ckpt = entry.checkpoint_at(n)
+            if ckpt is None or not self.checkpoints.restore(model, slot.id, ckpt):
+                return self._clear(model, slot)
+        self.checkpoints.adopt(slot.id, [c for c in entry.checkpoints if c.n <= n])
         return n
 
 

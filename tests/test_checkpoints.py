@@ -153,3 +153,20 @@ def test_a_dropped_checkpoints_buffer_takes_the_next_one():
     assert 0 not in ck.spare and ck.n_bytes() == len(b"state-4")
     ck.forget()
     assert ck.spare == {} and ck.n_bytes() == 0
+
+
+def test_handed_over_checkpoints_leave_no_spares_and_adopted_ones_join_in_order():
+    """Checkpoints that went to the RAM tier with their slot's state are the entry's now: their
+    buffers must not be written by the slot's next capture. Those that come back with an entry
+    join the slot's list, shortest first, at most ``max_per_slot``."""
+    ck, model = Checkpoints(max_per_slot=3, min_step=0), Recording()
+    fill(ck, model, [10, 20, 30])
+    leaving = ck.per_slot[0][1:]
+    ck.hand_over(0, leaving)
+    assert [c.n for c in ck.per_slot[0]] == [10] and ck.spare.get(0, []) == []
+    fill(ck, model, [40])
+    assert model.offered[-1] is None  # a new buffer, not one of the entry's
+    ck.adopt(1, leaving)
+    assert [c.n for c in ck.per_slot[1]] == [20, 30]
+    ck.adopt(0, leaving)  # four for three places: the oldest goes
+    assert [c.n for c in ck.per_slot[0]] == [20, 30, 40]

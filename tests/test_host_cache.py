@@ -90,3 +90,39 @@ def test_sliding_window_entries_serve_only_prefixes_whose_window_they_hold():
     # a shorter entry is not made obsolete by a longer one that no longer holds its window
     assert h.put("m", long[:50], b"p", pos_min=30, n_swa=16) and len(h) == 2
     assert h.best("m", long[:50] + [7], n_swa=16)[1] == 50
+
+
+def test_a_recurrent_entry_serves_the_prefix_of_a_checkpoint_it_carries():
+    """A recurrent state serves all its tokens only; with the slot's checkpoints it also serves
+    their prefixes (an agent's next turn diverges a few tokens before its last prompt's end).
+    The checkpoints count in the entry's bytes; the disk tier keeps the state alone."""
+    from engine.checkpoints import Checkpoint
+
+    tokens = list(range(100))
+    h = HostCache(limit_bytes=None)
+    cps = [Checkpoint(tokens[:40], bytearray(7)), Checkpoint(tokens[:96], bytearray(7))]
+    assert h.put("m", tokens, b"state", recurrent=True, checkpoints=cps)
+    (eid, entry), = h.entries.items()
+    assert entry.size == 5 + 4 * 100 + 14 and h.n_bytes == entry.size
+    assert h.best("m", tokens[:98] + [7], recurrent=True) == (eid, 96)
+    assert h.best("m", tokens[:60], recurrent=True) == (eid, 40)
+    assert h.best("m", tokens[:60], recurrent=True, at_least=41) is None
+    assert h.best("m", tokens + [7], recurrent=True) == (eid, 100)
+    assert entry.checkpoint_at(96) is cps[1] and entry.checkpoint_at(50) is None
+    bare = HostCache(limit_bytes=None)
+    bare.put("m", tokens, b"state", recurrent=True)
+    assert bare.best("m", tokens[:98] + [7], recurrent=True) is None  # what agents met before
+
+
+def test_a_spilled_entry_leaves_its_checkpoints_behind(tmp_path):
+    from engine.checkpoints import Checkpoint
+    from engine.disk_tier import DiskTier
+
+    tokens = list(range(50))
+    h = HostCache(limit_bytes=4 * 50 + 5 + 10, disk=DiskTier(tmp_path))
+    assert h.put("m", tokens, b"state", recurrent=True, checkpoints=[Checkpoint(tokens[:40], bytearray(10))])
+    assert h.put("m", [9] * 50, b"other", recurrent=True)  # evicts the first to disk
+    spilled = next(iter(h.spilled.values()))
+    assert spilled.checkpoints == [] and h.disk_bytes == spilled.size == 4 * 50 + 5
+    assert h.best("m", tokens[:45], recurrent=True) is None and h.best("m", tokens + [1], recurrent=True)[1] == 50
+    h.close()

@@ -305,6 +305,40 @@ async def test_an_agents_turns_reuse_all_but_the_last_tokens_of_the_previous_pro
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("kind", sorted(RECURRENT))
+async def test_agents_sharing_a_slot_come_back_from_the_ram_tier_at_their_checkpoint(kind):
+    """More agents than slots, as a fleet node has: each agent's turn takes the slot from the
+    other. The slot's state goes to the RAM tier with its checkpoints, and the agent's next
+    turn, which diverges 4 tokens before its previous prompt's end, is restored from there at
+    the checkpoint (without the checkpoints only the shared system prompt was reused); the
+    answer is the one a full computation on an empty slot gives."""
+    template = str(Path(__file__).parent / "templates" / "qwen35_xml.jinja")
+    with serving("--model", kind, "--parallel", "2", "--ctx-size", "16384", "--batch-size", "2048",
+                 "--chat-template-file", template, "--log-level", "WARNING") as sp:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
+            async def chat(messages: list[dict], slot: int) -> dict:
+                body = {"messages": messages, "tools": [READ], "max_tokens": N, "temperature": 0, "id_slot": slot}
+                async with http.post("/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            agents = [[{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
+                       {"role": "user", "content": f"Agent {a}: find where service {a} parses its port."}]
+                      for a in range(2)]
+            before = [(await chat(messages, 0))["usage"]["prompt_tokens"] for messages in agents]
+            for i in range(3):
+                for a, messages in enumerate(agents):
+                    messages += agent_turn(i)
+                    answer = await chat(messages, 0)
+                    if i:  # from the first step on, a slot's own part is worth a save (SAVE_MIN_LOST)
+                        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before[a] - 4, (i, a)
+                    before[a] = answer["usage"]["prompt_tokens"]
+            fresh = await chat(agents[1], 1)
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["choices"][0]["message"] == answer["choices"][0]["message"]
+
+
+@pytest.mark.asyncio
 async def test_slot_files_save_and_restore(pair):
     kind, a, _ = pair
     prompt = chat_tokens(kind, MSG)
