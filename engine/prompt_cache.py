@@ -48,6 +48,10 @@ log = logging.getLogger("engine.prompt_cache")
 # a slot holding fewer is not worth saving.
 MIN_SHARED_PREFIX = 16
 SAVE_MIN_LOST = 64  # tokens a slot that keeps most of its prefix must lose for a RAM-tier save
+# checkpoints that go with a saved state: the newest, its last prompt's two (4 + n_ubatch and 4
+# before its end). The next turn restores there; older ones would multiply the entry's size
+# (tens of MiB each on the fleet's model) for prompts that rewrite earlier turns.
+ENTRY_CHECKPOINTS = 2
 
 
 @dataclass
@@ -235,9 +239,10 @@ class PromptCache:
         recurrent part alone is tens of MiB) and left the RAM tier one more entry that every
         later lookup compares with its prompt.
 
-        The slot's checkpoints that the next prompt will not keep go with the state (moved, not
-        copied): the conversation's next prompt diverges a few tokens before this one's end,
-        where only a checkpoint of a recurrent or window cache brings it back."""
+        The newest of the slot's checkpoints that the next prompt will not keep go with the
+        state (moved, not copied; ENTRY_CHECKPOINTS): the conversation's next prompt diverges a
+        few tokens before this one's end, where only a checkpoint of a recurrent or window cache
+        brings it back."""
         held = len(slot.tokens)
         lost = held - kept
         if self.host is None or not self.params.cache_prompt or lost < MIN_SHARED_PREFIX:
@@ -252,6 +257,7 @@ class PromptCache:
             return
         leaving = [c for c in self.checkpoints.per_slot.get(slot.id, ())
                    if not (c.n <= kept and target[:c.n] == c.tokens)]
+        leaving = leaving[max(0, len(leaving) - ENTRY_CHECKPOINTS):]
         if not self.host.fits(size + 4 * held + sum(len(c.state) for c in leaving)):
             leaving = []
         # llama.cpp writes the state straight into the buffer the entry keeps, not zeroed first:

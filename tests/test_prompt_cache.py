@@ -165,6 +165,43 @@ async def test_a_question_cut_back_to_a_checkpoint_saves_nothing_when_its_own_pa
 
 
 @pytest.mark.asyncio
+async def test_a_conversation_comes_back_from_the_ram_tier_at_a_checkpoint_it_took_along():
+    """Agents taking turns on one slot: the slot's state goes to the RAM tier with its two newest
+    checkpoints, and the conversation's next prompt, which differs from the last one 4 tokens
+    before its end (a template re-rendering the last turn), is restored at the checkpoint there
+    instead of recomputed (a window cache here; a recurrent state alike). Same continuation as
+    a cold computation."""
+    from engine.prompt_cache import ENTRY_CHECKPOINTS
+
+    model = ModelParams("model-a", n_ctx=512, n_slots=1, n_batch=128)  # checkpoints 128 and 4 before the end
+
+    def engine(**cfg):
+        return scripted_engine(n_slots=1, n_ctx_slot=512, model=model,
+                               backend=factory(n_swa=48, kv_shareable=False), **cfg)
+
+    first = ("Agent A reads part one of the file and reports. " * 4)[:190] + "abcd"
+    async with engine() as env:
+        eng = env.engine
+        cache, host = eng.actor.cache, eng.actor.cache.host
+        reply = (await gen(eng, 0, first, n=2)).text.decode()
+        last = first + reply + " then part two of the file, which it also reads." + "wxyz"
+        await gen(eng, 0, last, n=2)  # more checkpoints than go with a saved state
+        taken = [c.n for c in cache.checkpoints.per_slot[0]]
+        assert len(taken) > ENTRY_CHECKPOINTS and taken[-1] == 1 + len(last) - 4
+        await gen(eng, 0, "Agent B works on another file entirely, long enough to count.", n=2)
+        (entry,) = host.entries.values()
+        assert [c.n for c in entry.checkpoints] == taken[-ENTRY_CHECKPOINTS:]
+        turn = last[:-4] + "QQQQ: the port is parsed in part two."
+        back = await gen(eng, 0, turn)
+        assert back.cached_tokens == 1 + len(last) - 4  # the BOS and all but the last 4 tokens
+        assert cache.stats.from_host == 1 and cache.checkpoints.restored >= 1
+    async with engine(cache_ram_mib=0) as env:
+        cold = await gen(env.engine, 0, turn)
+        assert cold.cached_tokens == 0
+    assert back.text == cold.text
+
+
+@pytest.mark.asyncio
 async def test_ram_tier_entries_never_outlive_their_model():
     async with one_slot() as env:
         eng = env.engine
