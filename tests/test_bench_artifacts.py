@@ -237,16 +237,27 @@ def test_agent_turn_summary_takes_per_turn_ratios_to_llama_server():
     assert "| 2 | turn, send to last reply's end | 150 | 165 | 1.050 (0.90–1.20) |" in table
 
 
-def test_the_agent_turns_table_in_the_docs_is_made_of_its_committed_runs():
-    """docs/performance/agent-turns/tiny-hybrid-wide/run-N.json are the runs of "Agents' turns
-    against llama-server": the table built from them (``agent_turns --table``) is the page's, and
-    both servers computed the same prompts."""
+@pytest.mark.parametrize("folder, same_prompts_from", [("tiny-hybrid-wide", 0), ("tiny-hybrid-wide-4-agents", 3)])
+def test_the_agent_turns_tables_in_the_docs_are_made_of_their_committed_runs(folder, same_prompts_from):
+    """docs/performance/agent-turns/FOLDER/run-N.json are the runs of "Agents' turns against
+    llama-server" (and of "More agents than slots" there): the table built from them
+    (``agent_turns --table``) is the page's, and both servers computed the same prompts (with
+    four agents, from the fourth turn on: llama-server recomputes some before)."""
     from tools.bench.agent_turns import runs_table
     from tools.bench.common import load_runs
 
-    runs = load_runs(DOCS_RUNS / "agent-turns" / "tiny-hybrid-wide")
+    runs = load_runs(DOCS_RUNS / "agent-turns" / folder)
     assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
     assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
     for run in runs:
         for turns in run["samples"].values():
-            assert [t["prompt_n"] for t in turns["llama-server"]] == [t["prompt_n"] for t in turns["ours"]]
+            ours, theirs = ([t["prompt_n"] for t in turns[k][same_prompts_from:]] for k in ("ours", "llama-server"))
+            assert ours == theirs
+
+
+def test_before_the_hand_over_four_agents_recomputed_from_the_system_prompt():
+    """The run quoted in "More agents than slots" from before checkpoints went to the RAM tier."""
+    run = json.loads((DOCS_RUNS / "agent-turns" / "tiny-hybrid-wide-4-agents" / "before-9d97c2f.json").read_text())
+    ours = run["samples"]["4"]["ours"]
+    assert {n for t in ours for n in t["cache_n"]} == {870}
+    assert run["summary"]["4"]["wall_ms"]["ours"]["ratio"] == 1.629

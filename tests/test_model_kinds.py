@@ -273,14 +273,10 @@ def agent_turn(i: int) -> list[dict]:
             {"role": "tool", "tool_call_id": f"call_{i}", "content": f"def parse_port_{i}(text):\n    return int(text)\n"}]
 
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("kind", sorted(RECURRENT))
-async def test_an_agents_turns_reuse_all_but_the_last_tokens_of_the_previous_prompt(kind):
-    """The fleet's traffic on its model kind: each turn sends the conversation back with the
-    assistant's call re-rendered by the template (Qwen 3.5's form, a think block and tools), so
-    the slot's tokens diverge where the previous answer began. The checkpoint 4 tokens before
-    the previous prompt's end is where it restores, as llama-server does (both reuse the same
-    count on this workload); a full computation on an empty slot gives the same answer."""
+@contextlib.asynccontextmanager
+async def agent_chat(kind: str):
+    """A server of ``kind`` with Qwen 3.5's template (two slots, 8 K tokens each), and
+    ``chat(messages, slot)``: a greedy completion of N tokens with a tool, on that slot."""
     template = str(Path(__file__).parent / "templates" / "qwen35_xml.jinja")
     with serving("--model", kind, "--parallel", "2", "--ctx-size", "16384", "--batch-size", "2048",
                  "--chat-template-file", template, "--log-level", "WARNING") as sp:
@@ -291,15 +287,27 @@ async def test_an_agents_turns_reuse_all_but_the_last_tokens_of_the_previous_pro
                     assert resp.status == 200, await resp.text()
                     return await resp.json()
 
-            messages = [{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
-                        {"role": "user", "content": "Find where the port is parsed."}]
+            yield chat
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", sorted(RECURRENT))
+async def test_an_agents_turns_reuse_all_but_the_last_tokens_of_the_previous_prompt(kind):
+    """The fleet's traffic on its model kind: each turn sends the conversation back with the
+    assistant's call re-rendered by the template (Qwen 3.5's form, a think block and tools), so
+    the slot's tokens diverge where the previous answer began. The checkpoint 4 tokens before
+    the previous prompt's end is where it restores, as llama-server does (both reuse the same
+    count on this workload); a full computation on an empty slot gives the same answer."""
+    async with agent_chat(kind) as chat:
+        messages = [{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
+                    {"role": "user", "content": "Find where the port is parsed."}]
+        answer = await chat(messages, 0)
+        for i in range(3):
+            messages += agent_turn(i)
+            before = answer["usage"]["prompt_tokens"]
             answer = await chat(messages, 0)
-            for i in range(3):
-                messages += agent_turn(i)
-                before = answer["usage"]["prompt_tokens"]
-                answer = await chat(messages, 0)
-                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before - 4, answer["usage"]
-            fresh = await chat(messages, 1)
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before - 4, answer["usage"]
+        fresh = await chat(messages, 1)
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert fresh["choices"][0]["message"] == answer["choices"][0]["message"]
 
@@ -312,28 +320,19 @@ async def test_agents_sharing_a_slot_come_back_from_the_ram_tier_at_their_checkp
     turn, which diverges 4 tokens before its previous prompt's end, is restored from there at
     the checkpoint (without the checkpoints only the shared system prompt was reused); the
     answer is the one a full computation on an empty slot gives."""
-    template = str(Path(__file__).parent / "templates" / "qwen35_xml.jinja")
-    with serving("--model", kind, "--parallel", "2", "--ctx-size", "16384", "--batch-size", "2048",
-                 "--chat-template-file", template, "--log-level", "WARNING") as sp:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
-            async def chat(messages: list[dict], slot: int) -> dict:
-                body = {"messages": messages, "tools": [READ], "max_tokens": N, "temperature": 0, "id_slot": slot}
-                async with http.post("/v1/chat/completions", json=body) as resp:
-                    assert resp.status == 200, await resp.text()
-                    return await resp.json()
-
-            agents = [[{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
-                       {"role": "user", "content": f"Agent {a}: find where service {a} parses its port."}]
-                      for a in range(2)]
-            before = [(await chat(messages, 0))["usage"]["prompt_tokens"] for messages in agents]
-            for i in range(3):
-                for a, messages in enumerate(agents):
-                    messages += agent_turn(i)
-                    answer = await chat(messages, 0)
-                    if i:  # from the first step on, a slot's own part is worth a save (SAVE_MIN_LOST)
-                        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before[a] - 4, (i, a)
-                    before[a] = answer["usage"]["prompt_tokens"]
-            fresh = await chat(agents[1], 1)
+    async with agent_chat(kind) as chat:
+        agents = [[{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
+                   {"role": "user", "content": f"Agent {a}: find where service {a} parses its port."}]
+                  for a in range(2)]
+        before = [(await chat(messages, 0))["usage"]["prompt_tokens"] for messages in agents]
+        for i in range(3):
+            for a, messages in enumerate(agents):
+                messages += agent_turn(i)
+                answer = await chat(messages, 0)
+                if i:  # from the first step on, a slot's own part is worth a save (SAVE_MIN_LOST)
+                    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before[a] - 4, (i, a)
+                before[a] = answer["usage"]["prompt_tokens"]
+        fresh = await chat(agents[1], 1)
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert fresh["choices"][0]["message"] == answer["choices"][0]["message"]
 

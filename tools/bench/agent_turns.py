@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from tools.bench.common import BenchError, add_run_args, machine_info, table_only, write_run
-from tools.bench.llama_server import build_info, find_or_build
+from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.openai_workload import stream
 from tools.bench.vs_llama_server import start
@@ -180,22 +181,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if (shown := table_only(args, runs_table)) is not None:
         return shown
-    binary, reason = find_or_build(False)
-    if binary is None:
-        raise SystemExit(f"no llama-server: {reason}")
+    binary = llama_server_or_exit()
     model = model_set(args.model).busy
     template = ("--chat-template-file", str(TEMPLATE))
-    servers = {k: start(k, str(binary), model, SLOTS, args.threads, ctx=CTX, template=template) for k in SERVERS}
-    for srv in servers.values():
-        srv.__enter__()
+    starts = {k: functools.partial(start, k, str(binary), model, SLOTS, args.threads, ctx=CTX, template=template)
+              for k in SERVERS}
     samples: dict[str, Any] = {}
-    try:
+    with servers_running(starts) as servers:
+        bases = {k: srv.base for k, srv in servers.items()}
         for agents in (int(a) for a in args.agents.split(",")):
-            bases = {k: srv.base for k, srv in servers.items()}
             samples[str(agents)] = asyncio.run(measure(bases, agents, args.turns, args.max_tokens))
-    finally:
-        for srv in servers.values():
-            srv.__exit__(None, None, None)
     result = {"machine": machine_info(), "model": args.model, "model_file": Path(model).name,
               "llama_server_build": build_info(binary), "threads": args.threads, "ctx": CTX, "slots": SLOTS,
               "template": str(TEMPLATE.relative_to(ROOT)), "turns": args.turns, "max_tokens": args.max_tokens,

@@ -15,12 +15,14 @@ Environment:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tools.spawn import ROOT, ChildProcess
@@ -84,6 +86,28 @@ def find_or_build(allow_build: bool, log_path: Path | None = None) -> tuple[Path
         return None, f"the build failed (exit {done.returncode}): {tail[:400]}"
     print(f"hydra-rpc bench: llama-server built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return path, ""
+
+
+def llama_server_or_exit() -> Path:
+    """A standalone bench's llama-server (built beside the wheel); exits saying why there is none."""
+    binary, reason = find_or_build(False)
+    if binary is None:
+        raise SystemExit(f"no llama-server: {reason}")
+    return binary
+
+
+@contextlib.contextmanager
+def servers_running(starts: dict[str, Callable[[], "OpenAIServer"]]) -> Iterator[dict[str, "OpenAIServer"]]:
+    """Start each server in turn (each is up when its start returns) and stop every one started,
+    also when a later one fails to start."""
+    up: dict[str, OpenAIServer] = {}
+    try:
+        for name, start in starts.items():
+            up[name] = start()
+        yield up
+    finally:
+        for srv in up.values():
+            srv.stop()
 
 
 def build_info(binary: Path) -> str:

@@ -23,6 +23,7 @@ sample) in the JSON that ``--out`` writes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from itertools import groupby
 import socket
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.bench.common import add_run_args, interleaved, machine_info, percentile, table_only, write_run
-from tools.bench.llama_server import build_info, find_or_build
+from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import start
 
@@ -131,19 +132,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if (shown := table_only(args, runs_table)) is not None:
         return shown
-    binary, reason = find_or_build(False)
-    if binary is None:
-        raise SystemExit(f"no llama-server: {reason}")
+    binary = llama_server_or_exit()
     model = model_set(args.model).busy
     gaps = [float(g) for g in args.gaps.split(",")]
-    servers = {k: start(variant, str(binary), model, 4, args.threads, adds) for k, (variant, adds) in SERVERS.items()}
-    for srv in servers.values():
-        srv.__enter__()
-    try:
+    starts = {k: functools.partial(start, variant, str(binary), model, 4, args.threads, adds)
+              for k, (variant, adds) in SERVERS.items()}
+    with servers_running(starts) as servers:
         samples = measure({k: srv.port for k, srv in servers.items()}, gaps, args.requests, args.rounds)
-    finally:
-        for srv in servers.values():
-            srv.__exit__(None, None, None)
     summary = summarize_gaps(samples)
     result = {"machine": machine_info(),
               "model": args.model, "model_file": Path(model).name, "llama_server_build": build_info(binary),
