@@ -164,15 +164,16 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
             ls = _span([c["llama-server"]["median"] for c in cells], ".0f")
             ours = _span([c["ours"]["median"] for c in cells], ".0f")
             ratio = _span([c["ours"]["ratio"] for c in cells], ".3f")
-            widest = f"{min(c['ours']['ratio_min'] for c in cells):.2f}–{max(c['ours']['ratio_max'] for c in cells):.2f}"
+            lo, hi = min(c["ours"]["ratio_min"] for c in cells), max(c["ours"]["ratio_max"] for c in cells)
+            widest = f"{lo:.2f}–{hi:.2f}"
             lines.append(f"| {agents} | {FIGURE_NAMES[figure]} | {ls} | {ours} | {ratio} ({widest}) |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.agent_turns", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny-hybrid-wide",
-                    help="tiny-hybrid-wide (the fleet model's recurrent state), tiny-moe, tiny-hybrid, tiny or gemma-270m")
+    ap.add_argument("--model", default="tiny-hybrid-wide", help="tiny-hybrid-wide (the fleet model's "
+                    "recurrent state), tiny-moe, tiny-hybrid, tiny or gemma-270m")
     ap.add_argument("--agents", default="1,2", help="conversations at once, one phase each")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=32)
