@@ -117,9 +117,7 @@ class Checkpoints:
     def hand_over(self, seq: int, leaving: list[Checkpoint]) -> None:
         """``leaving`` went with the slot's state to the RAM tier: out of the slot's list, and
         not as spares (the entry holds their buffers now)."""
-        gone = {id(c) for c in leaving}
-        kept = self.per_slot.get(seq, [])
-        kept[:] = [c for c in kept if id(c) not in gone]
+        _remove(self.per_slot.get(seq, []), leaving)
 
     def adopt(self, seq: int, came: list[Checkpoint]) -> None:
         """``came`` with a state the RAM tier put back in the slot (prefixes of what it now
@@ -151,8 +149,7 @@ class Checkpoints:
         slot's spares, up to SPARE_PER_SLOT."""
         if not dropped:
             return
-        gone = {id(c) for c in dropped}
-        kept[:] = [c for c in kept if id(c) not in gone]
+        _remove(kept, dropped)
         spare = self.spare.setdefault(seq, [])
         for c in dropped:
             if len(spare) < SPARE_PER_SLOT and isinstance(c.state, bytearray):
@@ -171,3 +168,9 @@ class Checkpoints:
     def of_slot(self, seq: int) -> list[dict[str, int]]:
         """``/slots``: a slot's checkpoints, oldest first."""
         return [{"n_tokens": c.n, "size": len(c.state)} for c in list(self.per_slot.get(seq, ()))]
+
+
+def _remove(kept: list[Checkpoint], gone: list[Checkpoint]) -> None:
+    """Take ``gone`` out of ``kept`` in place (by identity: two checkpoints may be equal)."""
+    ids = {id(c) for c in gone}
+    kept[:] = [c for c in kept if id(c) not in ids]

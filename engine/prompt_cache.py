@@ -252,13 +252,14 @@ class PromptCache:
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
             return
         size = model.state_seq_size(slot.id)
-        if not self.host.fits(size + 4 * held):  # before copying it out
+        entry_bytes = size + 4 * held
+        if not self.host.fits(entry_bytes):  # before copying it out
             self.host.stats.refused += 1
             return
         leaving = [c for c in self.checkpoints.per_slot.get(slot.id, ())
                    if not (c.n <= kept and target[:c.n] == c.tokens)]
         leaving = leaving[max(0, len(leaving) - ENTRY_CHECKPOINTS):]
-        if not self.host.fits(size + 4 * held + sum(len(c.state) for c in leaving)):
+        if not self.host.fits(entry_bytes + sum(len(c.state) for c in leaving)):
             leaving = []
         # llama.cpp writes the state straight into the buffer the entry keeps, not zeroed first:
         # no pass over it but llama.cpp's on the way to the next request's prefill (a long

@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from tools.bench.common import BenchError, add_run_args, machine_info, table_only, write_run
+from tools.bench.common import BenchError, add_run_args, machine_info, min_max_text, table_only, write_run
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.openai_workload import stream
@@ -148,11 +148,6 @@ def summarize_turns(samples: dict[str, list[dict[str, Any]]], base: str = "llama
     return out
 
 
-def _span(xs: list[float], fmt: str) -> str:
-    lo, hi = format(min(xs), fmt), format(max(xs), fmt)
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
 def runs_table(runs: list[dict[str, Any]]) -> str:
     """Several runs in one table: per number of agents and figure, the medians' and the per-turn
     ratios' medians min–max over runs, and the widest per-turn range."""
@@ -161,9 +156,9 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
     for agents in runs[0]["summary"]:
         for figure in FIGURES:
             cells = [r["summary"][agents][figure] for r in runs]
-            ls = _span([c["llama-server"]["median"] for c in cells], ".0f")
-            ours = _span([c["ours"]["median"] for c in cells], ".0f")
-            ratio = _span([c["ours"]["ratio"] for c in cells], ".3f")
+            ls = min_max_text([c["llama-server"]["median"] for c in cells], ".0f")
+            ours = min_max_text([c["ours"]["median"] for c in cells], ".0f")
+            ratio = min_max_text([c["ours"]["ratio"] for c in cells], ".3f")
             lo, hi = min(c["ours"]["ratio_min"] for c in cells), max(c["ours"]["ratio_max"] for c in cells)
             widest = f"{lo:.2f}–{hi:.2f}"
             lines.append(f"| {agents} | {FIGURE_NAMES[figure]} | {ls} | {ours} | {ratio} ({widest}) |")

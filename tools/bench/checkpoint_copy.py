@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tools.bench.common import add_run_args, machine_info, table_only, write_run
+from tools.bench.common import add_run_args, machine_info, min_max_text, table_only, write_run
 
 
 def _median_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -69,13 +69,10 @@ FIGURES = (("new_buffer_ms", "a capture into a new buffer"), ("reused_buffer_ms"
 
 def runs_table(runs: list[dict[str, Any]]) -> str:
     """Several runs in one Markdown table: each figure's min–max (ms)."""
-    def span(key: str) -> str:
-        lo, hi = (f"{f(r[key] for r in runs):.1f}" for f in (min, max))
-        return lo if lo == hi else f"{lo}–{hi}"
-
     sizes = sorted({r["state_bytes"] for r in runs})
     head = f"| {runs[0]['model']}: a recurrent state of {', '.join(f'{b / 1e6:.1f} MB' for b in sizes)} | ms ({len(runs)} runs) |"
-    return "\n".join([head, "|---|---|", *(f"| {label} | {span(key)} |" for key, label in FIGURES)])
+    return "\n".join([head, "|---|---|", *(f"| {label} | {min_max_text([r[key] for r in runs], '.1f')} |"
+                                                for key, label in FIGURES)])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

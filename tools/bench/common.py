@@ -73,6 +73,12 @@ def spread(values: Iterable[float | None]) -> dict[str, Any]:
     return {"median": _r(percentile(v, 50)), "min": _r(v[0]), "max": _r(v[-1]), "n": len(v)}
 
 
+def min_max_text(values: Iterable[float], fmt: str) -> str:
+    """``values``' min–max as a table cell shows it: one number when both print alike."""
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 

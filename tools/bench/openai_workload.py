@@ -38,8 +38,8 @@ def _chunk_text(choice: dict[str, Any]) -> str:
     if choice.get("text"):
         return choice["text"]
     delta = choice.get("delta") or {}
-    calls = "".join(f"{(c.get('function') or {}).get('name') or ''}{(c.get('function') or {}).get('arguments') or ''}"
-                    for c in delta.get("tool_calls") or [])
+    functions = ((c.get("function") or {}) for c in delta.get("tool_calls") or [])
+    calls = "".join(f"{f.get('name') or ''}{f.get('arguments') or ''}" for f in functions)
     return delta.get("content") or delta.get("reasoning_content") or calls
 
 

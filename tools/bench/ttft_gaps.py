@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import add_run_args, interleaved, machine_info, percentile, table_only, write_run
+from tools.bench.common import (add_run_args, interleaved, machine_info, min_max_text, percentile, table_only,
+                                write_run)
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import start
@@ -101,10 +102,6 @@ def summarize_gaps(samples: dict[str, dict[str, list[float]]], base: str = "llam
 
 def runs_table(runs: list[dict[str, Any]]) -> str:
     """Several runs' summaries in one table: per gap and server, the medians' and ratios' min–max."""
-    def span(xs: list[float], fmt: str) -> str:
-        lo, hi = format(min(xs), fmt), format(max(xs), fmt)
-        return lo if lo == hi else f"{lo}–{hi}"
-
     first = runs[0]["summary"]
     names = list(next(iter(first.values())))
     gaps = [g for g in first if all(g in r["summary"] for r in runs)]  # runs may differ in --gaps
@@ -113,9 +110,9 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
     for gap in gaps:
         cells = []
         for k in names:
-            cell = span([r["summary"][gap][k]["median"] for r in runs], ".2f")
+            cell = min_max_text([r["summary"][gap][k]["median"] for r in runs], ".2f")
             if k != "llama-server":
-                cell += f"; {span([r['summary'][gap][k]['ratio'] for r in runs], '.2f')}×"
+                cell += f"; {min_max_text([r['summary'][gap][k]['ratio'] for r in runs], '.2f')}×"
             cells.append(cell)
         lines.append(f"| {float(gap):g} ms | " + " | ".join(cells) + " |")
     return "\n".join(lines)
