@@ -2,7 +2,8 @@
 
 A private directory inside ``--slot-save-path`` (``.hydra-prompt-cache-<pid>-<random>``), one
 llama.cpp sequence state file per entry (``codec.slotfile``: the same format as a saved
-slot), deleted when the entry is taken back, evicted, invalidated by a reload, and all at
+slot) and one per context checkpoint it carries (the same format, holding the checkpoint's
+prefix), deleted when the entry is taken back, evicted, invalidated by a reload, and all at
 once when the engine stops. Entries are only ever loaded by the process and model instance
 that wrote them (the RAM tier's model keys), so nothing here outlives its model.
 
@@ -15,8 +16,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from codec.slotfile import HEAD_SIZE, encode_slot_file_head, parse_slot_file_head
+
+from .checkpoints import Checkpoint
 
 
 class DiskTier:
@@ -24,13 +28,21 @@ class DiskTier:
         self.dir = Path(tempfile.mkdtemp(prefix=f".hydra-prompt-cache-{os.getpid()}-", dir=parent))
         self._n = 0
 
-    def write(self, tokens: list[int], state: bytes) -> Path:
+    def write(self, tokens: list[int], state: bytes | memoryview,
+              checkpoints: Sequence[Checkpoint] = ()) -> list[Path]:
+        """The entry's files: its state's, then one per checkpoint. OSError: none is left."""
         self._n += 1
-        path = self.dir / f"{self._n}.ggsq"
-        with open(path, "wb") as f:
-            f.write(encode_slot_file_head(tokens))
-            f.write(state)
-        return path
+        paths: list[Path] = []
+        try:
+            for i, (prefix, data) in enumerate([(tokens, state), *((c.tokens, c.state) for c in checkpoints)]):
+                paths.append(self.dir / (f"{self._n}.ggsq" if i == 0 else f"{self._n}.{i}.ggsq"))
+                with open(paths[-1], "wb") as f:
+                    f.write(encode_slot_file_head(prefix))
+                    f.write(data)
+        except OSError:
+            self.remove(paths)
+            raise
+        return paths
 
     def read(self, path: Path, n_tokens: int) -> bytes:
         """The state of a file this tier wrote (its header is checked all the same)."""
@@ -41,9 +53,10 @@ class DiskTier:
             return f.read()
 
     @staticmethod
-    def remove(path: Path) -> None:
-        with contextlib.suppress(OSError):
-            path.unlink()
+    def remove(paths: Sequence[Path]) -> None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

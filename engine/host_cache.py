@@ -20,8 +20,10 @@ slot's, handed over with its state, as llama-server's cache keeps them). A chat 
 re-renders the assistant's last turn, so an agent's next prompt diverges a few tokens before
 its previous prompt's end: only a checkpoint there brings the conversation back.
 
-With a disk tier (``engine.disk_tier``), an entry the RAM limit evicts is written to a file
-instead of dropped, under a limit of as many bytes again; lookups see both tiers.
+With a disk tier (``engine.disk_tier``), an entry the RAM limit evicts is written to files
+(its state and its checkpoints) instead of dropped, under a limit of as many bytes again;
+lookups see both tiers. The checkpoints go along because without them the tier would serve
+an agent nothing: its next prompt never extends the saved tokens.
 
 Used from the inference thread only (admission happens there); the loop reads the counters.
 """
@@ -76,7 +78,7 @@ class CachedPrompt:
     state: bytes | memoryview
     pos_min: int = 0
     size: int = 0  # bytes it takes (state + tokens + checkpoints), in RAM or on disk
-    path: Path | None = None  # on the disk tier: the file holding the state
+    paths: list[Path] = field(default_factory=list)  # on the disk tier: the state's file, then the checkpoints'
     checkpoints: list[Checkpoint] = field(default_factory=list)  # prefixes of ``tokens``, shortest first
 
     def __post_init__(self) -> None:
@@ -155,9 +157,12 @@ class HostCache:
         e = self.spilled.pop(eid)
         self.disk_bytes -= e.size
         try:
-            e.state = self.disk.read(e.path, len(e.tokens))
+            e.state = self.disk.read(e.paths[0], len(e.tokens))
+            for c, path in zip(e.checkpoints, e.paths[1:]):
+                c.state = self.disk.read(path, c.n)
         finally:
-            self.disk.remove(e.path)
+            self.disk.remove(e.paths)
+            e.paths = []
         return e
 
     def put(self, model_key: Hashable, tokens: list[int], state: bytes | memoryview, pos_min: int = 0,
@@ -209,13 +214,12 @@ class HostCache:
         while self.spilled and self.disk_bytes + e.size > self.limit_bytes:
             self._drop(next(iter(self.spilled)))
         try:
-            e.path = self.disk.write(e.tokens, e.state)
+            e.paths = self.disk.write(e.tokens, e.state, e.checkpoints)
         except OSError:  # a full disk costs the entry, nothing else
             return
-        # the disk tier keeps the state alone: checkpoints are tens of MiB each on the fleet's
-        # model, and a state read back from disk already costs more than most prompts
-        e.size -= sum(len(c.state) for c in e.checkpoints)
-        e.state, e.checkpoints = b"", []
+        e.state = b""
+        for c in e.checkpoints:  # their prefixes stay in RAM: lookups ask them
+            c.state = b""
         self.spilled[eid] = e
         self.disk_bytes += e.size
         self.stats.spilled += 1
@@ -226,7 +230,7 @@ class HostCache:
         else:
             e = self.spilled.pop(eid)
             self.disk_bytes -= e.size
-            self.disk.remove(e.path)
+            self.disk.remove(e.paths)
 
 
 def limit_from_mib(mib: int) -> int | None:

@@ -95,7 +95,7 @@ def test_sliding_window_entries_serve_only_prefixes_whose_window_they_hold():
 def test_a_recurrent_entry_serves_the_prefix_of_a_checkpoint_it_carries():
     """A recurrent state serves all its tokens only; with the slot's checkpoints it also serves
     their prefixes (an agent's next turn diverges a few tokens before its last prompt's end).
-    The checkpoints count in the entry's bytes; the disk tier keeps the state alone."""
+    The checkpoints count in the entry's bytes."""
     from engine.checkpoints import Checkpoint
 
     tokens = list(range(100))
@@ -114,15 +114,44 @@ def test_a_recurrent_entry_serves_the_prefix_of_a_checkpoint_it_carries():
     assert bare.best("m", tokens[:98] + [7], recurrent=True) is None  # what agents met before
 
 
-def test_a_spilled_entry_leaves_its_checkpoints_behind(tmp_path):
+def test_a_spilled_entry_takes_its_checkpoints_to_disk_and_back(tmp_path):
+    """The disk tier keeps an entry's checkpoints too, each in a file of its own prefix: an
+    agent's next prompt is served at a checkpoint whichever tier holds its conversation."""
     from engine.checkpoints import Checkpoint
     from engine.disk_tier import DiskTier
 
     tokens = list(range(50))
-    h = HostCache(limit_bytes=4 * 50 + 5 + 10, disk=DiskTier(tmp_path))
-    assert h.put("m", tokens, b"state", recurrent=True, checkpoints=[Checkpoint(tokens[:40], bytearray(10))])
+    h = HostCache(limit_bytes=4 * 50 + 5 + 10 + 4 * 40, disk=DiskTier(tmp_path))
+    assert h.put("m", tokens, b"state", recurrent=True, checkpoints=[Checkpoint(tokens[:40], bytearray(b"c" * 10))])
     assert h.put("m", [9] * 50, b"other", recurrent=True)  # evicts the first to disk
-    spilled = next(iter(h.spilled.values()))
-    assert spilled.checkpoints == [] and h.disk_bytes == spilled.size == 4 * 50 + 5
-    assert h.best("m", tokens[:45], recurrent=True) is None and h.best("m", tokens + [1], recurrent=True)[1] == 50
+    (eid, spilled), = h.spilled.items()
+    assert h.disk_bytes == spilled.size == 4 * 50 + 5 + 10
+    assert spilled.state == b"" and spilled.checkpoints[0].state == b""  # RAM keeps the prefixes only
+    assert sorted(p.name for p in h.disk.dir.iterdir()) == ["1.1.ggsq", "1.ggsq"]
+    assert h.best("m", tokens[:45], recurrent=True) == (eid, 40)
+    back = h.take(eid)
+    assert back.state == b"state" and back.checkpoint_at(40).state == b"c" * 10 and back.paths == []
+    assert not list(h.disk.dir.iterdir()) and h.disk_bytes == 0
+    h.close()
+
+
+def test_a_disk_that_fails_mid_entry_leaves_no_file(tmp_path, monkeypatch):
+    from engine.checkpoints import Checkpoint
+    from engine.disk_tier import DiskTier
+
+    disk = DiskTier(tmp_path)
+    real_open, opened = open, []
+
+    def second_fails(path, mode="r", *a, **k):
+        opened.append(path)
+        if len(opened) == 2:
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", second_fails)
+    h = HostCache(limit_bytes=4 * 50 + 5 + 10 + 4 * 40, disk=disk)
+    assert h.put("m", list(range(50)), b"state", recurrent=True, checkpoints=[Checkpoint(list(range(40)), b"c" * 10)])
+    assert h.put("m", [9] * 50, b"other", recurrent=True)
+    monkeypatch.undo()
+    assert not h.spilled and h.disk_bytes == 0 and not list(disk.dir.iterdir()) and len(opened) == 2
     h.close()

@@ -273,21 +273,34 @@ def agent_turn(i: int) -> list[dict]:
             {"role": "tool", "tool_call_id": f"call_{i}", "content": f"def parse_port_{i}(text):\n    return int(text)\n"}]
 
 
+class AgentServer:
+    """``chat(messages, slot)``: a greedy completion of N tokens with a tool, on that slot;
+    ``metric(name)``: a value of the server's /metrics."""
+
+    def __init__(self, http: aiohttp.ClientSession):
+        self.http = http
+
+    async def chat(self, messages: list[dict], slot: int) -> dict:
+        body = {"messages": messages, "tools": [READ], "max_tokens": N, "temperature": 0, "id_slot": slot}
+        async with self.http.post("/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    async def metric(self, name: str) -> float:
+        async with self.http.get("/metrics") as resp:
+            lines = (await resp.text()).splitlines()
+        return next(float(line.split()[-1]) for line in lines if line.split(" ")[0] == name)
+
+
 @contextlib.asynccontextmanager
-async def agent_chat(kind: str):
-    """A server of ``kind`` with Qwen 3.5's template (two slots, 8 K tokens each), and
-    ``chat(messages, slot)``: a greedy completion of N tokens with a tool, on that slot."""
+async def agent_chat(kind: str, *extra: str):
+    """A server of ``kind`` with Qwen 3.5's template (two slots, 8 K tokens each; ``extra``:
+    more arguments), as an :class:`AgentServer`."""
     template = str(Path(__file__).parent / "templates" / "qwen35_xml.jinja")
     with serving("--model", kind, "--parallel", "2", "--ctx-size", "16384", "--batch-size", "2048",
-                 "--chat-template-file", template, "--log-level", "WARNING") as sp:
+                 "--chat-template-file", template, "--log-level", "WARNING", *extra) as sp:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{sp.http_port}") as http:
-            async def chat(messages: list[dict], slot: int) -> dict:
-                body = {"messages": messages, "tools": [READ], "max_tokens": N, "temperature": 0, "id_slot": slot}
-                async with http.post("/v1/chat/completions", json=body) as resp:
-                    assert resp.status == 200, await resp.text()
-                    return await resp.json()
-
-            yield chat
+            yield AgentServer(http)
 
 
 @pytest.mark.asyncio
@@ -298,7 +311,8 @@ async def test_an_agents_turns_reuse_all_but_the_last_tokens_of_the_previous_pro
     the slot's tokens diverge where the previous answer began. The checkpoint 4 tokens before
     the previous prompt's end is where it restores, as llama-server does (both reuse the same
     count on this workload); a full computation on an empty slot gives the same answer."""
-    async with agent_chat(kind) as chat:
+    async with agent_chat(kind) as server:
+        chat = server.chat
         messages = [{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
                     {"role": "user", "content": "Find where the port is parsed."}]
         answer = await chat(messages, 0)
@@ -320,19 +334,39 @@ async def test_agents_sharing_a_slot_come_back_from_the_ram_tier_at_their_checkp
     turn, which diverges 4 tokens before its previous prompt's end, is restored from there at
     the checkpoint (without the checkpoints only the shared system prompt was reused); the
     answer is the one a full computation on an empty slot gives."""
-    async with agent_chat(kind) as chat:
-        agents = [[{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
-                   {"role": "user", "content": f"Agent {a}: find where service {a} parses its port."}]
-                  for a in range(2)]
-        before = [(await chat(messages, 0))["usage"]["prompt_tokens"] for messages in agents]
-        for i in range(3):
-            for a, messages in enumerate(agents):
-                messages += agent_turn(i)
-                answer = await chat(messages, 0)
-                if i:  # from the first step on, a slot's own part is worth a save (SAVE_MIN_LOST)
-                    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before[a] - 4, (i, a)
-                before[a] = answer["usage"]["prompt_tokens"]
-        fresh = await chat(agents[1], 1)
+    async with agent_chat(kind) as server:
+        await agents_take_turns(server, 2)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", sorted(RECURRENT))
+async def test_agents_spilled_to_the_disk_tier_come_back_at_their_checkpoint(kind, tmp_path):
+    """Five agents on one slot and a 1 MiB RAM tier, which holds two or three of their ~0.3 MiB
+    conversations: the next agent's conversation is always the oldest, spilled to the disk
+    tier, and it comes back from there at its checkpoint (the checkpoints are written beside
+    the state)."""
+    async with agent_chat(kind, "--cache-ram", "1", "--slot-save-path", str(tmp_path)) as server:
+        await agents_take_turns(server, 5)
+        assert await server.metric("hydra_prompt_cache_disk_spills_total") >= 5 * 2
+        assert await server.metric("hydra_prompt_cache_ram_bytes") <= 1 << 20
+
+
+async def agents_take_turns(server: AgentServer, n_agents: int) -> None:
+    """``n_agents`` agents take three steps each, in turn on slot 0: from the second step on,
+    each comes back with all but the last 4 tokens of its previous prompt cached; the last
+    answer equals a full computation on an empty slot."""
+    agents = [[{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
+               {"role": "user", "content": f"Agent {a}: find where service {a} parses its port."}]
+              for a in range(n_agents)]
+    before = [(await server.chat(messages, 0))["usage"]["prompt_tokens"] for messages in agents]
+    for i in range(3):
+        for a, messages in enumerate(agents):
+            messages += agent_turn(i)
+            answer = await server.chat(messages, 0)
+            if i:  # from the first step on, a slot's own part is worth a save (SAVE_MIN_LOST)
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == before[a] - 4, (i, a)
+            before[a] = answer["usage"]["prompt_tokens"]
+    fresh = await server.chat(agents[-1], 1)
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert fresh["choices"][0]["message"] == answer["choices"][0]["message"]
 
