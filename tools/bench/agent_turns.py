@@ -2,7 +2,7 @@
 llama-server.
 
     python -m tools.bench.agent_turns [--model tiny-hybrid-wide] [--agents 1,2] [--turns 12]
-                                      [--max-tokens 32] [--out FILE]
+                                      [--max-tokens 32] [--cache-ram MIB] [--out FILE]
     python -m tools.bench.agent_turns --table DIR     # the runs DIR/run-N.json in one table
 
 An agent sends its whole conversation back every turn: the system prompt, its task, then each
@@ -31,6 +31,7 @@ import asyncio
 import functools
 import json
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ import aiohttp
 from tools.bench.common import BenchError, add_run_args, machine_info, min_max_text, table_only, write_run
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
-from tools.bench.openai_workload import stream
+from tools.bench.openai_workload import prompt_cache_metrics, stream
 from tools.bench.vs_llama_server import start
 from tools.spawn import ROOT
 
@@ -165,6 +166,16 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+async def our_cache_counters(base: str) -> list[str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as http:
+        return await prompt_cache_metrics(http, base)
+
+
+def cache_args(mib: int | None, slot_dir: str) -> tuple[str, ...]:
+    """The servers' RAM tier and (ours) disk tier; nothing: their defaults."""
+    return () if mib is None else ("--cache-ram", str(mib), "--slot-save-path", slot_dir)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.agent_turns", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-hybrid-wide", help="tiny-hybrid-wide (the fleet model's "
@@ -173,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-ram", type=int, metavar="MIB", help="both servers get --cache-ram MIB and "
+                    "--slot-save-path (a temporary directory: ours spills what the RAM tier evicts there)")
     add_run_args(ap)
     args = ap.parse_args(argv)
     if (shown := table_only(args, runs_table)) is not None:
@@ -180,16 +193,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     binary = llama_server_or_exit()
     model = model_set(args.model).busy
     template = ("--chat-template-file", str(TEMPLATE))
-    starts = {k: functools.partial(start, k, str(binary), model, SLOTS, args.threads, ctx=CTX, template=template)
-              for k in SERVERS}
     samples: dict[str, Any] = {}
-    with servers_running(starts) as servers:
+    counters: dict[str, list[str]] = {}  # ours' prompt-cache counters after each phase (they add up)
+    with tempfile.TemporaryDirectory(prefix="agent-turns-") as slot_dir, servers_running({
+            k: functools.partial(start, k, str(binary), model, SLOTS, args.threads, ctx=CTX, template=template,
+                                 shared=cache_args(args.cache_ram, slot_dir)) for k in SERVERS}) as servers:
         bases = {k: srv.base for k, srv in servers.items()}
         for agents in (int(a) for a in args.agents.split(",")):
             samples[str(agents)] = asyncio.run(measure(bases, agents, args.turns, args.max_tokens))
+            counters[str(agents)] = asyncio.run(our_cache_counters(bases["ours"]))
     result = {"machine": machine_info(), "model": args.model, "model_file": Path(model).name,
               "llama_server_build": build_info(binary), "threads": args.threads, "ctx": CTX, "slots": SLOTS,
               "template": str(TEMPLATE.relative_to(ROOT)), "turns": args.turns, "max_tokens": args.max_tokens,
+              "cache_ram_mib": args.cache_ram, "ours_prompt_cache": counters,
               "summary": {a: summarize_turns(s) for a, s in samples.items()}, "samples": samples}
     print(runs_table([result]))
     write_run(args.out, result)

@@ -43,6 +43,12 @@ def _chunk_text(choice: dict[str, Any]) -> str:
     return delta.get("content") or delta.get("reasoning_content") or calls
 
 
+async def prompt_cache_metrics(http: Any, base: str) -> list[str]:
+    """This server's prompt-cache lines of ``/metrics`` (its tiers' counters), as they read."""
+    async with http.get(f"{base}/metrics") as r:
+        return [ln for ln in (await r.text()).splitlines() if ln.startswith("hydra_prompt_cache")]
+
+
 async def stream(http: Any, base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed request: the arrival of each chunk with text, the text, TTFT, the server's
     counts and timings."""

@@ -105,9 +105,7 @@ async def run(ctx: BenchContext) -> Result:
                     runs.append({"variant": v, "rep": rep, **t})
         info = {}
         async with aiohttp.ClientSession() as http:
-            async with http.get(f"{bases['cache']}/metrics") as r:
-                info["metrics_tail"] = [ln for ln in (await r.text()).splitlines()
-                                        if ln.startswith("hydra_prompt_cache") and not ln.startswith("#")]
+            info["metrics_tail"] = await openai_workload.prompt_cache_metrics(http, bases["cache"])
     res.config = {"model": model, "slots": SLOTS, "conversations": len(CONVERSATIONS), "turns": turns,
                   "system_tokens_target": system_tokens, "system_words": n_words, "max_tokens": max_tokens,
                   "reps": ctx.reps, "threads": ctx.threads, "variants": VARIANTS}

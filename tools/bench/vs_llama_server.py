@@ -123,11 +123,14 @@ def _argv_shown(threads: int, template: tuple[str, ...]) -> list[str]:
 
 
 def start(variant: str, binary: str, model: str, slots: int, threads: int,
-          ours_adds: Sequence[str] = (), *, ctx: int = CTX, template: Sequence[str] | None = None) -> OpenAIServer:
+          ours_adds: Sequence[str] = (), *, ctx: int = CTX, template: Sequence[str] | None = None,
+          shared: Sequence[str] = ()) -> OpenAIServer:
     """One server on the shared argv; ours gets ``--rpc-port 0`` and ``ours_adds`` after it.
-    ``template``: the chat template arguments (default: :func:`chat_template_args`)."""
+    ``template``: the chat template arguments (default: :func:`chat_template_args`); ``shared``:
+    more arguments both servers get."""
     port = free_port()
-    argv = llama_argv(model, port, slots, threads, chat_template_args(model) if template is None else template, ctx)
+    argv = [*llama_argv(model, port, slots, threads, chat_template_args(model) if template is None else template, ctx),
+            *shared]
     if variant in ("llama-server", CONTROL):
         return OpenAIServer([binary, *argv], port, "llama-server")
     return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0", *ours_adds],
