@@ -108,6 +108,7 @@ class HostCacheStats:
     invalidated: int = 0  # entries dropped because their model was replaced
     refused: int = 0  # states larger than the whole limit
     spilled: int = 0  # evicted from RAM to the disk tier
+    disk_restores: int = 0  # of the restores, those read back from the disk tier
 
 
 @dataclass
@@ -156,6 +157,7 @@ class HostCache:
             return e
         e = self.spilled.pop(eid)
         self.disk_bytes -= e.size
+        self.stats.disk_restores += 1
         try:
             e.state = self.disk.read(e.paths[0], len(e.tokens))
             for c, path in zip(e.checkpoints, e.paths[1:]):

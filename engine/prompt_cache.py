@@ -126,7 +126,7 @@ class PromptCache:
             ram_limit_bytes=-1 if h.limit_bytes is None else h.limit_bytes, ram_entries=len(h), ram_bytes=h.n_bytes,
             ram_saves=h.stats.saves, ram_restores=h.stats.restores, ram_evictions=h.stats.evictions,
             ram_invalidated=h.stats.invalidated, disk_entries=len(h.spilled), disk_bytes=h.disk_bytes,
-            disk_spills=h.stats.spilled)
+            disk_spills=h.stats.spilled, disk_restores=h.stats.disk_restores)
         ck = self.checkpoints
         return PromptCacheInfo(cache_prompt=self.params.cache_prompt, cache_reuse=self.params.cache_reuse,
                                cache_reuse_refused=self.reuse_refused, **flat_fields(self.stats), **ram,

@@ -129,6 +129,7 @@ class PromptCacheInfo:
     disk_entries: int = 0  # the disk tier under slot_save_path (RAM evictions spilled there)
     disk_bytes: int = 0
     disk_spills: int = 0
+    disk_restores: int = 0  # of ram_restores, those read back from the disk tier
 
 
 @dataclass(frozen=True)

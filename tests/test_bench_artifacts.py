@@ -255,6 +255,26 @@ def test_the_agent_turns_tables_in_the_docs_are_made_of_their_committed_runs(fol
             assert ours == theirs
 
 
+def test_with_a_small_ram_tier_the_agents_come_back_from_the_disk_tier():
+    """The runs of "A RAM tier smaller than the agents' conversations": their table is the
+    page's; ours computed only each turn's new step, its conversations going through the disk
+    tier, while the run from before the checkpoints went to disk recomputed them."""
+    from tools.bench.agent_turns import runs_table
+    from tools.bench.common import load_runs
+
+    folder = DOCS_RUNS / "agent-turns" / "tiny-hybrid-wide-4-agents-cache-ram-300"
+    runs = load_runs(folder)
+    assert len(runs) == 3 and all(r["cache_ram_mib"] == 300 for r in runs)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
+    for run in runs:
+        assert {n for t in run["samples"]["4"]["ours"] for n in t["prompt_n"]} == {589, 597}
+        assert 'hydra_prompt_cache_disk_spills_total 32.0' in run["ours_prompt_cache"]["4"]
+    assert 'hydra_prompt_cache_disk_restores_total 31.0' in runs[2]["ours_prompt_cache"]["4"]
+    before = json.loads((folder / "before-ef38797.json").read_text())
+    assert max(n for t in before["samples"]["4"]["ours"] for n in t["prompt_n"]) == 6130
+    assert before["summary"]["4"]["wall_ms"]["ours"]["ratio"] == 1.727
+
+
 def test_before_the_hand_over_four_agents_recomputed_from_the_system_prompt():
     """The run quoted in "More agents than slots" from before checkpoints went to the RAM tier."""
     run = json.loads((DOCS_RUNS / "agent-turns" / "tiny-hybrid-wide-4-agents" / "before-9d97c2f.json").read_text())

@@ -130,6 +130,7 @@ def test_a_spilled_entry_takes_its_checkpoints_to_disk_and_back(tmp_path):
     assert sorted(p.name for p in h.disk.dir.iterdir()) == ["1.1.ggsq", "1.ggsq"]
     assert h.best("m", tokens[:45], recurrent=True) == (eid, 40)
     back = h.take(eid)
+    assert h.stats.disk_restores == h.stats.restores == 1
     assert back.state == b"state" and back.checkpoint_at(40).state == b"c" * 10 and back.paths == []
     assert not list(h.disk.dir.iterdir()) and h.disk_bytes == 0
     h.close()

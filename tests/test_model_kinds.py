@@ -348,6 +348,7 @@ async def test_agents_spilled_to_the_disk_tier_come_back_at_their_checkpoint(kin
     async with agent_chat(kind, "--cache-ram", "1", "--slot-save-path", str(tmp_path)) as server:
         await agents_take_turns(server, 5)
         assert await server.metric("hydra_prompt_cache_disk_spills_total") >= 5 * 2
+        assert await server.metric("hydra_prompt_cache_disk_restores_total") >= 5 * 2
         assert await server.metric("hydra_prompt_cache_ram_bytes") <= 1 << 20
 
 

@@ -216,6 +216,7 @@ def _prompt_cache(pc: Any) -> Iterable[Metric]:
             (G, "hydra_prompt_cache_ram_entries", pc.ram_entries, "States held by the RAM tier"),
             (G, "hydra_prompt_cache_ram_limit_bytes", pc.ram_limit_bytes, "The RAM tier's limit (-1: none, 0: off)"),
             (C, "hydra_prompt_cache_disk_spills", pc.disk_spills, "RAM tier evictions written to the disk tier"),
+            (C, "hydra_prompt_cache_disk_restores", pc.disk_restores, "Of the RAM tier's restores, those read from disk"),
             (G, "hydra_prompt_cache_disk_bytes", pc.disk_bytes, "Bytes held by the disk tier"),
             (G, "hydra_prompt_cache_disk_entries", pc.disk_entries, "States held by the disk tier")):
         m = family(name, doc)

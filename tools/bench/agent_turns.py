@@ -171,9 +171,10 @@ async def our_cache_counters(base: str) -> list[str]:
         return await prompt_cache_metrics(http, base)
 
 
-def cache_args(mib: int | None, slot_dir: str) -> tuple[str, ...]:
-    """The servers' RAM tier and (ours) disk tier; nothing: their defaults."""
-    return () if mib is None else ("--cache-ram", str(mib), "--slot-save-path", slot_dir)
+def shared_args(mib: int | None, slot_dir: str) -> tuple[str, ...]:
+    """``/metrics`` on (ours' prompt-cache counters are read there), and the servers' RAM tier
+    and (ours) disk tier, or their defaults."""
+    return ("--metrics",) + (() if mib is None else ("--cache-ram", str(mib), "--slot-save-path", slot_dir))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     counters: dict[str, list[str]] = {}  # ours' prompt-cache counters after each phase (they add up)
     with tempfile.TemporaryDirectory(prefix="agent-turns-") as slot_dir, servers_running({
             k: functools.partial(start, k, str(binary), model, SLOTS, args.threads, ctx=CTX, template=template,
-                                 shared=cache_args(args.cache_ram, slot_dir)) for k in SERVERS}) as servers:
+                                 shared=shared_args(args.cache_ram, slot_dir)) for k in SERVERS}) as servers:
         bases = {k: srv.base for k, srv in servers.items()}
         for agents in (int(a) for a in args.agents.split(",")):
             samples[str(agents)] = asyncio.run(measure(bases, agents, args.turns, args.max_tokens))

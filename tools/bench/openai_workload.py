@@ -46,6 +46,8 @@ def _chunk_text(choice: dict[str, Any]) -> str:
 async def prompt_cache_metrics(http: Any, base: str) -> list[str]:
     """This server's prompt-cache lines of ``/metrics`` (its tiers' counters), as they read."""
     async with http.get(f"{base}/metrics") as r:
+        if r.status != 200:
+            raise BenchError(f"/metrics answered {r.status} (is the server started with --metrics?)")
         return [ln for ln in (await r.text()).splitlines() if ln.startswith("hydra_prompt_cache")]
 
 
