@@ -12,12 +12,14 @@ Called on the inference thread only, like the RAM tier.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from codec.errors import CodecError
 from codec.slotfile import HEAD_SIZE, encode_slot_file_head, parse_slot_file_head
 
 from .checkpoints import Checkpoint
@@ -44,13 +46,31 @@ class DiskTier:
             raise
         return paths
 
-    def read(self, path: Path, n_tokens: int) -> bytes:
-        """The state of a file this tier wrote (its header is checked all the same)."""
+    def read(self, path: Path, n_tokens: int, *, mapped: bool = False) -> bytearray | memoryview:
+        """The state in a file this tier wrote (its header is checked all the same).
+
+        ``mapped``: a view of the file mapped copy-on-write, for a state that is loaded into a
+        slot once and dropped. llama.cpp then reads the page cache in place: a read into a new
+        buffer would first copy it all and fault every page in (200 MiB: ~110 ms against ~12).
+        The view outlives the file's removal. Otherwise a bytearray of its own, for a
+        checkpoint a slot keeps (it does not hold on to a removed file, and can become a spare
+        buffer)."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            parse_slot_file_head(f.read(HEAD_SIZE), size, n_tokens)
-            f.seek(HEAD_SIZE + 4 * n_tokens)
-            return f.read()
+            try:
+                parse_slot_file_head(f.read(HEAD_SIZE), size, n_tokens)
+            except CodecError as e:  # changed behind our back: as good as gone
+                raise OSError(f"{path.name}: {e}") from None
+            start = HEAD_SIZE + 4 * n_tokens
+            if size == start:
+                return bytearray()
+            if mapped:
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))[start:]
+            out = bytearray(size - start)
+            f.seek(start)
+            if f.readinto(out) != len(out):
+                raise OSError(f"{path.name}: cut short while being read")
+            return out
 
     @staticmethod
     def remove(paths: Sequence[Path]) -> None:

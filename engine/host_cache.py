@@ -159,7 +159,7 @@ class HostCache:
         self.disk_bytes -= e.size
         self.stats.disk_restores += 1
         try:
-            e.state = self.disk.read(e.paths[0], len(e.tokens))
+            e.state = self.disk.read(e.paths[0], len(e.tokens), mapped=True)
             for c, path in zip(e.checkpoints, e.paths[1:]):
                 c.state = self.disk.read(path, c.n)
         finally:

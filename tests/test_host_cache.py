@@ -2,6 +2,7 @@
 the byte limit, LRU eviction and model keys; and llama-server's --cache-reuse walk."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -156,3 +157,28 @@ def test_a_disk_that_fails_mid_entry_leaves_no_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert not h.spilled and h.disk_bytes == 0 and not list(disk.dir.iterdir()) and len(opened) == 2
     h.close()
+
+
+def test_the_disk_tier_maps_a_state_for_its_one_load_and_reads_checkpoints_into_buffers(tmp_path):
+    """A state comes back as a writable view of its file mapped copy-on-write (llama.cpp reads
+    it in place: ``seq_state._source`` copies only read-only views) that outlives the file's
+    removal; a checkpoint, which a slot keeps, as a bytearray of its own. A file cut short
+    is an OSError, which the prompt cache answers by computing the prompt."""
+    from engine.disk_tier import DiskTier
+
+    disk = DiskTier(tmp_path)
+    state, tokens = bytes(range(256)) * 64, list(range(30))
+    (path,) = disk.write(tokens, state)
+    view = disk.read(path, len(tokens), mapped=True)
+    disk.remove([path])
+    assert not path.exists() and isinstance(view, memoryview) and not view.readonly and view == state
+    (path,) = disk.write(tokens, state)
+    copy = disk.read(path, len(tokens))
+    assert isinstance(copy, bytearray) and copy == state
+    (empty,) = disk.write(tokens, b"")
+    assert disk.read(empty, len(tokens), mapped=True) == b""
+    with open(path, "r+b") as f:
+        f.truncate(50)  # into the tokens
+    with pytest.raises(OSError):
+        disk.read(path, len(tokens))
+    disk.close()
