@@ -273,6 +273,9 @@ def test_with_a_small_ram_tier_the_agents_come_back_from_the_disk_tier():
     before = json.loads((folder / "before-ef38797.json").read_text())
     assert max(n for t in before["samples"]["4"]["ours"] for n in t["prompt_n"]) == 6130
     assert before["summary"]["4"]["wall_ms"]["ours"]["ratio"] == 1.727
+    mapped = json.loads((folder / "mapped-bdf97fe.json").read_text())
+    assert mapped["summary"]["4"]["wall_ms"]["ours"]["ratio"] == 0.371
+    assert 'hydra_prompt_cache_disk_restores_total 31.0' in mapped["ours_prompt_cache"]["4"]
 
 
 def test_before_the_hand_over_four_agents_recomputed_from_the_system_prompt():
