@@ -284,3 +284,38 @@ def test_before_the_hand_over_four_agents_recomputed_from_the_system_prompt():
     ours = run["samples"]["4"]["ours"]
     assert {n for t in ours for n in t["cache_n"]} == {870}
     assert run["summary"]["4"]["wall_ms"]["ours"]["ratio"] == 1.629
+
+
+def test_a_swap_stall_round_counts_the_streams_gaps_inside_the_agents_window():
+    """Only tokens between the first turn's send and the last turn's end count: the gaps
+    before the agents begin (the stream's warm start) and after are not the agents' doing."""
+    from tools.bench.common import BenchError
+    from tools.bench.swap_stall import runs_table, summarize, window_figures
+
+    times = [0.0, 0.5, 1.0, 1.01, 1.02, 3.02, 3.03, 9.0]
+    got = window_figures(times, 0.9, 3.5, [100.0, 300.0, 200.0])
+    assert got["gap_max_ms"] == 2000.0 and got["gap_median_ms"] == 10.0 and got["tokens_in_window"] == 5
+    assert got["turn_ms"] == 200.0 and got["stream_covered"] and got["stream_tok_s"] == round(4 / 2.03, 2)
+    assert not window_figures(times[:7], 0.9, 9.0, [1.0])["stream_covered"]  # the stream ended first
+    with pytest.raises(BenchError):
+        window_figures(times, 4.0, 8.0, [1.0])  # no two tokens in the window
+    rounds = {"llama-server": [dict(got, gap_max_ms=4000.0)], "ours": [got]}
+    summary = summarize(rounds)
+    assert summary["gap_max_ms"]["ours"] == {"median": 2000.0, "ratio": 0.5}
+    assert "| stream: longest gap between tokens (ms) | 4000.0 | 2000.0 | 0.500 |" in runs_table([{"summary": summary}])
+
+
+def test_the_swap_stall_table_in_the_docs_is_made_of_its_committed_runs():
+    """The runs of "A stream while agents take turns on the other slot": the page's table, and
+    what it says of them: llama-server computes every agent from the system prompt on (1,295
+    tokens cached), ours restores each at its checkpoint."""
+    from tools.bench.common import load_runs
+    from tools.bench.swap_stall import runs_table
+
+    runs = load_runs(DOCS_RUNS / "agent-turns" / "swap-stall-tiny-hybrid-wide")
+    assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
+    for run in runs:
+        assert all(r["stream_covered"] for rs in run["rounds"].values() for r in rs)
+        assert {n for r in run["rounds"]["llama-server"] for n in r["cache_n"][1:]} == {1295}
+        assert {n for r in run["rounds"]["ours"] for n in r["cache_n"][1:]} == {874, 1386, 1991, 2596}
