@@ -170,3 +170,21 @@ async def test_the_agent_turns_bench_sends_growing_conversations_that_reuse_the_
     assert all(0 < n < cached for n, cached in zip(last["prompt_n"], last["cache_n"])), last
     summary = at.summarize_turns(samples, base="ours")
     assert summary["wall_ms"]["ours"]["ratio"] == 1.0 and summary["prompt_n"][0] > 0
+
+
+@pytest.mark.asyncio
+async def test_the_swap_stall_bench_times_a_stream_while_agents_take_the_other_slot():
+    """tools/bench/swap_stall.py's round against a real server of ours (tiny-hybrid, Qwen 3.5's
+    template, two slots): the stream's tokens keep coming through the agents' turns, which
+    come back from the RAM tier at their checkpoints from their second step on."""
+    from tests.helpers import serving
+    from tools.bench import agent_turns as at
+    from tools.bench.swap_stall import one_round
+
+    with serving("--model", "tiny-hybrid", "--parallel", "2", "--ctx-size", "32768",
+                 "--chat-template-file", str(at.TEMPLATE), "--log-level", "WARNING") as sp:
+        got = await one_round(f"http://127.0.0.1:{sp.http_port}", 100, agents=2, steps=3)
+    assert got["tokens_in_window"] > 2 and len(got["turns_ms"]) == 6
+    assert 0 < got["gap_median_ms"] <= got["gap_p99_ms"] <= got["gap_max_ms"]
+    later = got["cache_n"][2:]  # each agent's second and third steps
+    assert all(n > earlier for n, earlier in zip(later[2:], later)), got["cache_n"]

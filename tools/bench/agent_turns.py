@@ -37,7 +37,8 @@ from typing import Any
 
 import aiohttp
 
-from tools.bench.common import BenchError, add_run_args, machine_info, min_max_text, table_only, write_run
+from tools.bench.common import (MODEL_HELP, BenchError, machine_info, min_max_text, parse_against_llama_server,
+                                table_only, write_run)
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.openai_workload import prompt_cache_metrics, stream
@@ -166,6 +167,27 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class AgentServers:
+    """Ours and llama-server on the agents' argv: ``-c CTX -np SLOTS -t THREADS`` and Qwen 3.5's
+    template (the llama-server binary found, or the bench exits)."""
+
+    def __init__(self, model: str, threads: int):
+        self.name, self.threads = model, threads
+        self.binary, self.model = llama_server_or_exit(), model_set(model).busy
+
+    def starts(self, shared: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Each server's start, ``shared`` added to both argvs (for ``servers_running``)."""
+        return {k: functools.partial(start, k, str(self.binary), self.model, SLOTS, self.threads, ctx=CTX,
+                                     template=("--chat-template-file", str(TEMPLATE)), shared=shared)
+                for k in SERVERS}
+
+    def described(self) -> dict[str, Any]:
+        """What a run's JSON says of the machine and the servers."""
+        return {"machine": machine_info(), "model": self.name, "model_file": Path(self.model).name,
+                "llama_server_build": build_info(self.binary), "threads": self.threads, "ctx": CTX, "slots": SLOTS,
+                "template": str(TEMPLATE.relative_to(ROOT))}
+
+
 async def our_cache_counters(base: str) -> list[str]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as http:
         return await prompt_cache_metrics(http, base)
@@ -179,33 +201,25 @@ def shared_args(mib: int | None, slot_dir: str) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.agent_turns", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny-hybrid-wide", help="tiny-hybrid-wide (the fleet model's "
-                    "recurrent state), tiny-moe, tiny-hybrid, tiny or gemma-270m")
+    ap.add_argument("--model", default="tiny-hybrid-wide", help=MODEL_HELP)
     ap.add_argument("--agents", default="1,2", help="conversations at once, one phase each")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-ram", type=int, metavar="MIB", help="both servers get --cache-ram MIB and "
                     "--slot-save-path (a temporary directory: ours spills what the RAM tier evicts there)")
-    add_run_args(ap)
-    args = ap.parse_args(argv)
+    args = parse_against_llama_server(ap, argv)
     if (shown := table_only(args, runs_table)) is not None:
         return shown
-    binary = llama_server_or_exit()
-    model = model_set(args.model).busy
-    template = ("--chat-template-file", str(TEMPLATE))
+    agent_servers = AgentServers(args.model, args.threads)
     samples: dict[str, Any] = {}
     counters: dict[str, list[str]] = {}  # ours' prompt-cache counters after each phase (they add up)
-    with tempfile.TemporaryDirectory(prefix="agent-turns-") as slot_dir, servers_running({
-            k: functools.partial(start, k, str(binary), model, SLOTS, args.threads, ctx=CTX, template=template,
-                                 shared=shared_args(args.cache_ram, slot_dir)) for k in SERVERS}) as servers:
+    with tempfile.TemporaryDirectory(prefix="agent-turns-") as slot_dir, \
+            servers_running(agent_servers.starts(shared_args(args.cache_ram, slot_dir))) as servers:
         bases = {k: srv.base for k, srv in servers.items()}
         for agents in (int(a) for a in args.agents.split(",")):
             samples[str(agents)] = asyncio.run(measure(bases, agents, args.turns, args.max_tokens))
             counters[str(agents)] = asyncio.run(our_cache_counters(bases["ours"]))
-    result = {"machine": machine_info(), "model": args.model, "model_file": Path(model).name,
-              "llama_server_build": build_info(binary), "threads": args.threads, "ctx": CTX, "slots": SLOTS,
-              "template": str(TEMPLATE.relative_to(ROOT)), "turns": args.turns, "max_tokens": args.max_tokens,
+    result = {**agent_servers.described(), "turns": args.turns, "max_tokens": args.max_tokens,
               "cache_ram_mib": args.cache_ram, "ours_prompt_cache": counters,
               "summary": {a: summarize_turns(s) for a, s in samples.items()}, "samples": samples}
     print(runs_table([result]))

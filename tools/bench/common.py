@@ -200,6 +200,17 @@ def add_run_args(ap: Any) -> None:
     ap.add_argument("--table", type=Path, metavar="DIR", help="print the table of the runs DIR/run-N.json and exit")
 
 
+MODEL_HELP = "tiny (tiny-small), tiny-hybrid, tiny-hybrid-wide (the fleet model's recurrent state), tiny-moe or gemma-270m"
+
+
+def parse_against_llama_server(ap: Any, argv: list[str] | None) -> Any:
+    """The parsed command line of a standalone bench against llama-server: ``ap``'s own
+    arguments, then ``--threads`` and the run arguments (``add_run_args``)."""
+    ap.add_argument("--threads", type=int, default=2)
+    add_run_args(ap)
+    return ap.parse_args(argv)
+
+
 def table_only(args: Any, runs_table: Any) -> dict[str, Any] | None:
     """``--table DIR``: print ``runs_table`` of its runs and say how many; None without it."""
     if args.table is None:

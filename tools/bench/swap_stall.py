@@ -27,24 +27,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import statistics
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from tools.bench.agent_turns import CTX, SLOTS, TEMPLATE, TOOLS, opening, step_messages
-from tools.bench.common import (BenchError, add_run_args, interleaved, machine_info, min_max_text, now, percentile,
-                                table_only, write_run)
-from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
-from tools.bench.models import model_set
+from tools.bench.agent_turns import SERVERS, TOOLS, AgentServers, opening, step_messages
+from tools.bench.common import (MODEL_HELP, BenchError, interleaved, min_max_text, now, parse_against_llama_server,
+                                percentile, table_only, write_run)
+from tools.bench.llama_server import servers_running
 from tools.bench.openai_workload import stream
 from tools.bench.traffic import sse_events
-from tools.bench.vs_llama_server import start
-from tools.spawn import ROOT
 
-SERVERS = ("llama-server", "ours")
 STREAM_TOKENS = 8000  # more than a round needs: the stream is cut when the agents are done
 AGENT_TOKENS = 8
 REQUEST_TIMEOUT_S = 600.0
@@ -135,29 +129,21 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.swap_stall", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny-hybrid-wide", help="tiny-hybrid-wide (the fleet model's "
-                    "recurrent state), tiny-moe, tiny-hybrid, tiny or gemma-270m")
-    ap.add_argument("--agents", type=int, default=3, help="agents taking turns on slot 0 in a round")
+    ap.add_argument("--model", default="tiny-hybrid-wide", help=MODEL_HELP)
+    ap.add_argument("--agents", type=int, default=3, help="agents taking turns on the other slot in a round")
     ap.add_argument("--steps", type=int, default=4, help="turns per agent in a round")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per server, the order rotating")
-    ap.add_argument("--threads", type=int, default=2)
-    add_run_args(ap)
-    args = ap.parse_args(argv)
+    args = parse_against_llama_server(ap, argv)
     if (shown := table_only(args, runs_table)) is not None:
         return shown
-    binary = llama_server_or_exit()
-    model = model_set(args.model).busy
-    template = ("--chat-template-file", str(TEMPLATE))
+    agent_servers = AgentServers(args.model, args.threads)
     rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in SERVERS}
-    with servers_running({k: functools.partial(start, k, str(binary), model, SLOTS, args.threads, ctx=CTX,
-                                               template=template) for k in SERVERS}) as servers:
+    with servers_running(agent_servers.starts()) as servers:
         for rep, k in interleaved(args.rounds, list(SERVERS)):
             rounds[k].append(asyncio.run(one_round(servers[k].base, 100 * (rep + 1), args.agents, args.steps)))
     if not all(r["stream_covered"] for rs in rounds.values() for r in rs):
         raise BenchError("a stream ended before the agents' last turn: raise STREAM_TOKENS")
-    result = {"machine": machine_info(), "model": args.model, "model_file": Path(model).name,
-              "llama_server_build": build_info(binary), "threads": args.threads, "ctx": CTX, "slots": SLOTS,
-              "template": str(TEMPLATE.relative_to(ROOT)), "agents": args.agents, "steps": args.steps,
+    result = {**agent_servers.described(), "agents": args.agents, "steps": args.steps,
               "summary": summarize(rounds), "rounds": rounds}
     print(runs_table([result]))
     write_run(args.out, result)

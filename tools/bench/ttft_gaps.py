@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.bench.common import (add_run_args, interleaved, machine_info, min_max_text, percentile, table_only,
-                                write_run)
+from tools.bench.common import (MODEL_HELP, interleaved, machine_info, min_max_text, parse_against_llama_server,
+                                percentile, table_only, write_run)
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import start
@@ -120,13 +120,11 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.ttft_gaps", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny", help="tiny (tiny-small), tiny-hybrid, tiny-hybrid-wide, tiny-moe or gemma-270m")
+    ap.add_argument("--model", default="tiny", help=MODEL_HELP)
     ap.add_argument("--gaps", default="0,1,2,5,10,20", help="ms of idle time before each request")
     ap.add_argument("--requests", type=int, default=25, help="counted requests per block")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    add_run_args(ap)
-    args = ap.parse_args(argv)
+    args = parse_against_llama_server(ap, argv)
     if (shown := table_only(args, runs_table)) is not None:
         return shown
     binary = llama_server_or_exit()
