@@ -61,6 +61,9 @@ class ModelBackend(Protocol):
     @property
     def chat_syntax(self) -> "ChatFormat":
         """The chat template's tool-call and reasoning format."""
+    @property
+    def user_turn_tokens(self) -> list[int]:
+        """The tokens that open a user turn in the chat template's prompts (empty: unknown)."""
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         """Prompt text for ``messages`` with the generation prompt; ``extra``: template variables."""
     def chat_text_tokens(self, text: str) -> list[int]:

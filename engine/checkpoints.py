@@ -16,6 +16,9 @@ As llama-server does (server-context.cpp, ``create_checkpoint`` and its callers)
   chunks there (``chunk_len``), so those positions exist. The earlier one is what the next
   prompt on the same document with another question restores: it computes ~n_ubatch tokens
   instead of the whole document;
+* and, in a chat, before the chunk where the prompt's last user turn starts
+  (``engine.chat.turns``, llama-server's ``message_spans``): the next conversation with the
+  same system prompt and tools restores there;
 * at most ``max_per_slot`` per slot: when full, one within ``min_step`` tokens of the
   checkpoint before it goes first, else the oldest; one at the same position is replaced;
 * restored when a new prompt diverges inside the slot's tokens (``best`` + ``restore``):
@@ -66,10 +69,13 @@ class Checkpoints:
         return self.max_per_slot > 0 and (model.recurrent or (model.n_swa > 0 and not model.kv_shareable))
 
     @staticmethod
-    def points(end: int, n_batch: int, n_ubatch: int) -> tuple[int, ...]:
-        """Where checkpoints of a prompt of ``end`` tokens are taken, in order."""
-        before_end = sorted({min(n_batch, END_OFFSET + n_ubatch), min(n_batch, END_OFFSET)}, reverse=True)
-        return tuple(end - k for k in before_end if end - k > 0)
+    def points(end: int, n_batch: int, n_ubatch: int, user_turn: int | None = None) -> tuple[int, ...]:
+        """Where checkpoints of a prompt of ``end`` tokens are taken, in order: before its end,
+        and where its last user turn starts (``user_turn``, a chat's: engine.chat.turns)."""
+        at = {end - min(n_batch, END_OFFSET + n_ubatch), end - min(n_batch, END_OFFSET)}
+        if user_turn is not None:
+            at.add(user_turn)
+        return tuple(sorted(p for p in at if 0 < p < end))
 
     @staticmethod
     def chunk_len(held: int, want: int, points: tuple[int, ...]) -> int:

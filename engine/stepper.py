@@ -25,6 +25,7 @@ import numpy as np
 
 from .backend import BatchItem, ModelBackend
 from .chat.formats import generation_opens_reasoning
+from .chat.turns import last_turn_start
 from .checkpoints import END_OFFSET, Checkpoints
 from .jobs import BadInput, GenJob, GenRequest, TokenEvent
 from .prompt_cache import PromptCache
@@ -75,6 +76,7 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
         text = model.render_chat(job.request.messages, **(job.request.template_vars or {}))
         job.opens_reasoning = generation_opens_reasoning(text, model.chat_syntax)
         new = model.chat_text_tokens(text)
+        job.last_user_turn = last_turn_start(new, model.user_turn_tokens)
     elif job.request.prompt is not None:
         new = model.tokenize(job.request.prompt, add_special=not job.request.append or not slot_has_tokens)
     elif job.request.tokens is not None:
@@ -340,7 +342,7 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
             n = min(budget, len(r.pending))
             if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
                 held = len(r.slot.tokens)
-                points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch)
+                points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.job.last_user_turn)
                 ckpts.before_chunk(model, r.slot.id, r.slot.tokens, points)
                 n = ckpts.chunk_len(held, n, points)
             chunk = r.pending[:n]

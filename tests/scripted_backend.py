@@ -183,6 +183,7 @@ class ScriptedBackend:
         return self.chat_text_tokens(self.render_chat(messages))
 
     chat_syntax = detect_format(None)
+    user_turn_tokens: list[int] = []  # this format's turns are not marked by special tokens
 
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: "

@@ -305,17 +305,20 @@ def test_a_swap_stall_round_counts_the_streams_gaps_inside_the_agents_window():
     assert "| stream: longest gap between tokens (ms) | 4000.0 | 2000.0 | 0.500 |" in runs_table([{"summary": summary}])
 
 
-def test_the_swap_stall_table_in_the_docs_is_made_of_its_committed_runs():
-    """The runs of "A stream while agents take turns on the other slot": the page's table, and
+@pytest.mark.parametrize("folder, new_agent_cached", [("swap-stall-tiny-hybrid-wide", 874),
+                                                       ("swap-stall-tiny-hybrid-wide-user-turns", 1295)])
+def test_the_swap_stall_tables_in_the_docs_are_made_of_their_committed_runs(folder, new_agent_cached):
+    """The runs of "A stream while agents take turns on the other slot": the page's tables, and
     what it says of them: llama-server computes every agent from the system prompt on (1,295
-    tokens cached), ours restores each at its checkpoint."""
+    tokens cached), ours restores each at its checkpoint; a new agent from 874 tokens before
+    the checkpoint at the last user turn, from the system prompt's end (1,295) with it."""
     from tools.bench.common import load_runs
     from tools.bench.swap_stall import runs_table
 
-    runs = load_runs(DOCS_RUNS / "agent-turns" / "swap-stall-tiny-hybrid-wide")
+    runs = load_runs(DOCS_RUNS / "agent-turns" / folder)
     assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
     assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
     for run in runs:
         assert all(r["stream_covered"] for rs in run["rounds"].values() for r in rs)
         assert {n for r in run["rounds"]["llama-server"] for n in r["cache_n"][1:]} == {1295}
-        assert {n for r in run["rounds"]["ours"] for n in r["cache_n"][1:]} == {874, 1386, 1991, 2596}
+        assert {n for r in run["rounds"]["ours"] for n in r["cache_n"][1:]} == {new_agent_cached, 1386, 1991, 2596}

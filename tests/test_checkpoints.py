@@ -54,6 +54,11 @@ def test_positions_as_llama_server_takes_them_and_chunks_end_there():
     assert Checkpoints.points(100, 4, 32) == (100 - END_OFFSET,)  # both capped alike: one point
     assert Checkpoints.points(20, 2048, 32) == (20 - END_OFFSET,)  # the earlier one would be before 0
     assert Checkpoints.points(1215, 2048, 512) == (699, 1211)  # a document's last ubatch is computed again
+    # and where a chat's last user turn starts (engine.chat.turns), in order, once
+    assert Checkpoints.points(100, 2048, 32, 50) == (50, 64, 96)
+    assert Checkpoints.points(100, 2048, 32, 64) == (64, 96)
+    assert Checkpoints.points(100, 2048, 32, 0) == Checkpoints.points(100, 2048, 32, 100) == (64, 96)
+    assert Checkpoints.chunk_len(0, 80, Checkpoints.points(100, 2048, 32, 50)) == 50
     points = Checkpoints.points(100, 2048, 32)
     # a chunk from 0 of up to 80 tokens stops at the first point (64), the next at 96
     assert Checkpoints.chunk_len(0, 80, points) == 64

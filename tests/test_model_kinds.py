@@ -352,6 +352,30 @@ async def test_agents_spilled_to_the_disk_tier_come_back_at_their_checkpoint(kin
         assert await server.metric("hydra_prompt_cache_ram_bytes") <= 1 << 20
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", sorted(RECURRENT))
+async def test_a_new_agent_starts_from_the_system_prompt_it_shares_with_the_slots_last(kind):
+    """A checkpoint is taken where a chat prompt's last user turn starts, as llama-server
+    takes one (engine.chat.turns): the next agent, with the same system prompt and tools but
+    its own task, restores there instead of computing its whole prompt (the checkpoints
+    before a prompt's end lie past where the two differ). The answer is a full computation's."""
+    system = {"role": "system", "content": "You are a coding agent. Call one tool at a time."}
+    first, second = ([system, {"role": "user", "content": f"Agent {a}: find where the port is parsed."}]
+                     for a in (1, 2))
+    async with agent_chat(kind) as server:
+        async with server.http.post("/apply-template", json={"messages": second, "tools": [READ]}) as r:
+            text = (await r.json())["prompt"]
+        async with server.http.post("/tokenize", json={"content": text[:text.rfind("<|im_start|>user")],
+                                                       "add_special": True, "parse_special": True}) as r:
+            system_part = len((await r.json())["tokens"])
+        await server.chat(first, 0)
+        answer = await server.chat(second, 0)
+        fresh = await server.chat(second, 1)
+    assert 0 < system_part == answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["choices"][0]["message"] == answer["choices"][0]["message"]
+
+
 async def agents_take_turns(server: AgentServer, n_agents: int) -> None:
     """``n_agents`` agents take three steps each, in turn on slot 0: from the second step on,
     each comes back with all but the last 4 tokens of its previous prompt cached; the last

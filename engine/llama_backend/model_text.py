@@ -14,6 +14,7 @@ import numpy as np
 import llama_cpp.llama_cpp as L
 
 from ..chat.formats import ChatFormat, detect_format
+from ..chat.turns import user_turn_opening
 from ..utf8 import utf8_masks
 from . import vocab
 from .chat_template import ChatTemplate
@@ -44,6 +45,7 @@ class ModelText:
         if chat_template is not None:  # one given by the operator or a CONFIGURE (llama-server
             self._check_chat_template()  # refuses an unsupported --chat-template at start too)
         self._chat_syntax: ChatFormat | None = None
+        self._user_turn_tokens: list[int] | None = None
         self._utf8_masks: np.ndarray | None = None
         self._pieces: list[bytes] | None = None
         self._render_example()
@@ -135,6 +137,15 @@ class ModelText:
         if self._chat_syntax is None:
             self._chat_syntax = detect_format(self._builtin_template or self.chat.source)
         return self._chat_syntax
+
+    @property
+    def user_turn_tokens(self) -> list[int]:
+        """The tokens that open a user turn in this template's prompts (``engine.chat.turns``;
+        empty when the template does not show them): a checkpoint goes where the last starts."""
+        if self._user_turn_tokens is None:
+            opening = user_turn_opening(lambda messages, gen: self.apply_chat_template(messages, gen))
+            self._user_turn_tokens = self.tokenize(opening, add_special=False, parse_special=True) if opening else []
+        return self._user_turn_tokens
 
     def utf8_masks(self) -> np.ndarray:
         """bool[4, n_vocab]: row k says which tokens keep the text valid UTF-8 when it ends
