@@ -122,8 +122,10 @@ async def deferred(http) -> float:
 
 @pytest.mark.asyncio
 async def test_erase_of_a_busy_slot_is_answered_when_its_generation_ends(http):
-    """As llama-server: the erase is deferred, not refused (a coordinator tolerates only 404/501)."""
-    body = {"messages": HELLO, "max_tokens": 4000, "slot": 2, "stream": True}
+    """As llama-server: the erase is deferred, not refused (a coordinator tolerates only 404/501).
+    Greedy, so that the generation runs its 4,000 tokens: a sampled one may stop at an EOS a few
+    ms after the erase is deferred, between two polls."""
+    body = {"messages": HELLO, "max_tokens": 4000, "slot": 2, "stream": True, "temperature": 0}
     async with http.post("/v1/chat/completions", json=body) as stream:
         # Headers come after the first token: the slot is generating now.
         assert stream.status == 200
