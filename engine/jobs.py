@@ -116,9 +116,6 @@ class GenJob:
     # set when ``messages`` are rendered: the generation prompt ends inside an open think block,
     # so the output starts as reasoning (read by the wire side once the first token arrives)
     opens_reasoning: bool = False
-    # set when ``messages`` are rendered: where the prompt's last user turn starts (a context
-    # checkpoint is taken there, engine.chat.turns), None when unknown
-    last_user_turn: int | None = None
     cancelled: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent…, then None
     done: asyncio.Future | None = None

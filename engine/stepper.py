@@ -58,6 +58,7 @@ class Running:
     admitted: bool = False
     logits_given: bool = False  # the slot's last token came with its logits: sample without a decode
     budget: BudgetTracker | None = None  # the job's reasoning budget, while it has one
+    user_turn: int | None = None  # a chat prompt's last user turn starts here: a checkpoint (engine.chat.turns)
 
     @property
     def finished(self) -> bool:
@@ -76,7 +77,6 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
         text = model.render_chat(job.request.messages, **(job.request.template_vars or {}))
         job.opens_reasoning = generation_opens_reasoning(text, model.chat_syntax)
         new = model.chat_text_tokens(text)
-        job.last_user_turn = last_turn_start(new, model.user_turn_tokens)
     elif job.request.prompt is not None:
         new = model.tokenize(job.request.prompt, add_special=not job.request.append or not slot_has_tokens)
     elif job.request.tokens is not None:
@@ -145,6 +145,8 @@ def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) 
         target = [model.bos]
     if len(target) + (1 if job.request.n_predict > 0 else 0) > n_ctx_slot:
         raise BadInput(f"prompt of {len(target)} tokens does not fit the slot context of {n_ctx_slot}")
+    if job.request.messages is not None and cache.checkpoints.wanted(model):  # only where checkpoints are taken
+        r.user_turn = last_turn_start(target, model.user_turn_tokens)
     # the last token must be decoded (again) to get its logits — unless they came with the state
     given, slot.last_logits = slot.last_logits, None
     given = given if need_logits and not slot.tail and target == slot.tokens else None
@@ -342,7 +344,7 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
             n = min(budget, len(r.pending))
             if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
                 held = len(r.slot.tokens)
-                points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.job.last_user_turn)
+                points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.user_turn)
                 ckpts.before_chunk(model, r.slot.id, r.slot.tokens, points)
                 n = ckpts.chunk_len(held, n, points)
             chunk = r.pending[:n]
