@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import llama_cpp as L
+import llama_cpp.llama_cpp as L
 
 from .ggml_rpc_lib import libggml
 

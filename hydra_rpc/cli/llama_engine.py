@@ -140,8 +140,10 @@ def hydra_port(s: LlamaEngineSettings) -> int:
 
 
 def build_app(s: LlamaEngineSettings, loop_realtime: bool = True):
+    from engine.llama_cpp_import import defer_package_init
     from engine.model_files import resolve_model
 
+    defer_package_init()  # before App imports the binding: a server never uses the high-level API
     from hydra_rpc.app import App
 
     if not s.model:

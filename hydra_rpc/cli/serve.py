@@ -153,8 +153,10 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
 
 
 def build_app(args: argparse.Namespace):
+    from engine.llama_cpp_import import defer_package_init
     from engine.model_files import resolve_model
 
+    defer_package_init()  # before App imports the binding: a server never uses the high-level API
     from hydra_rpc.app import App
 
     if args.no_low_priority:
