@@ -333,11 +333,13 @@ def _admit_new(model: ModelBackend, running: list[Running], n_ctx_slot: int, cac
 def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, ckpts: Checkpoints | None,
                 items: list[BatchItem], fed: list[tuple[Running, list[int], bool]]) -> None:
     """Append to ``items`` (and ``fed``: job, tokens, logits wanted) one prefill chunk or the
-    next token of each live job, prefill chunks within ``token_budget`` tokens in all."""
-    budget = token_budget
-    for r in running:
-        if r.finished or r.job.cancelled:
-            continue
+    next token of each live job, ``token_budget`` tokens in all: every decoding job's token,
+    and prefill chunks in what is left (as llama-server fills a batch). A job admitted after
+    one whose prompt takes whole batches may be decoding already (a DECODE continuing a
+    PREFILL): its token must not push the batch past n_batch."""
+    live = [r for r in running if not (r.finished or r.job.cancelled)]
+    budget = token_budget - sum(1 for r in live if not r.pending and r.last is not None)
+    for r in live:
         if r.pending:
             if budget <= 0:
                 continue

@@ -172,3 +172,25 @@ async def test_the_tokens_held_back_for_the_last_checkpoint_go_in_the_prefills_s
         chunks = [n for batch in model.batches[decodes:] for _, n in batch]
         assert chunks[-1] == END_OFFSET and sum(chunks) == result.prompt_tokens  # cut at the checkpoint
         assert actor.stats["steps"] - steps == 1  # both chunks, and the token, in one step
+
+
+@pytest.mark.asyncio
+async def test_a_decode_beside_a_long_prefill_keeps_the_batch_within_n_batch():
+    """A job that decodes from its first step (a DECODE continuing a PREFILL, its logits kept)
+    admitted after a job whose prompt needs several full batches: every batch still holds at
+    most n_batch tokens, the decode's token first and the prompt's chunk in what is left."""
+    async with scripted_engine(n_ctx_slot=256) as env:
+        gate, model = env.factory.decode_gate, env.model
+        await env.engine.submit(GenRequest(1, prompt="hi", n_predict=0, capture_state=True)).result()
+        gate.close()
+        long = env.engine.submit(GenRequest(0, prompt="x" * 150, n_predict=1))
+        await gate.wait_held(1, "the long prompt's first chunk")
+        decode = env.engine.submit(GenRequest(1, n_predict=4))  # admitted while the prompt is fed
+        seen = len(model.batches)
+        gate.open()
+        assert (await decode.result()).tokens_generated == 4
+        assert (await long.result()).tokens_generated == 1
+    batches = model.batches[seen:]
+    assert max(sum(n for _, n in batch) for batch in batches) <= model.n_batch == 32
+    assert [n for batch in batches for seq, n in batch if seq == 1] == [1, 1, 1]  # one token a decode, each beside the chunk
+    assert sum(n for batch in batches for seq, n in batch if seq == 0) == 151  # the BOS and 150 bytes, the held chunk's too
