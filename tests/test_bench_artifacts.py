@@ -307,18 +307,20 @@ def test_a_swap_stall_round_counts_the_streams_gaps_inside_the_agents_window():
     assert "| stream: longest gap between tokens (ms) | 4000.0 | 2000.0 | 0.500 |" in runs_table([{"summary": summary}])
 
 
-@pytest.mark.parametrize("folder, new_agent_cached", [("swap-stall-tiny-hybrid-wide", 874),
-                                                       ("swap-stall-tiny-hybrid-wide-user-turns", 1295)])
-def test_the_swap_stall_tables_in_the_docs_are_made_of_their_committed_runs(folder, new_agent_cached):
+@pytest.mark.parametrize("folder, new_agent_cached, batch", [("swap-stall-tiny-hybrid-wide", 874, None),
+                                                              ("swap-stall-tiny-hybrid-wide-user-turns", 1295, None),
+                                                              ("swap-stall-tiny-hybrid-wide-batch-256", 1295, 256)])
+def test_the_swap_stall_tables_in_the_docs_are_made_of_their_committed_runs(folder, new_agent_cached, batch):
     """The runs of "A stream while agents take turns on the other slot": the page's tables, and
     what it says of them: llama-server computes every agent from the system prompt on (1,295
     tokens cached), ours restores each at its checkpoint; a new agent from 874 tokens before
-    the checkpoint at the last user turn, from the system prompt's end (1,295) with it."""
+    the checkpoint at the last user turn, from the system prompt's end (1,295) with it, and
+    with ``-b 256`` too."""
     from tools.bench.common import load_runs
     from tools.bench.swap_stall import runs_table
 
     runs = load_runs(DOCS_RUNS / "agent-turns" / folder)
-    assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
+    assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" and r.get("batch") == batch for r in runs)
     assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
     for run in runs:
         assert all(r["stream_covered"] for rs in run["rounds"].values() for r in rs)

@@ -1,7 +1,7 @@
 """A stream's pauses while agents take turns on another slot: ours against llama-server.
 
     python -m tools.bench.swap_stall [--model tiny-hybrid-wide] [--agents 3] [--steps 4]
-                                     [--rounds 2] [--out FILE]
+                                     [--rounds 2] [--batch N] [--out FILE]
     python -m tools.bench.swap_stall --table DIR     # the runs DIR/run-N.json in one table
 
 A fleet node holds more agents' conversations than it has slots, so a slot changes hands on
@@ -22,6 +22,11 @@ Per round and server, over the window from the first turn's send to the last tur
 gaps between the stream's tokens (median, 99th percentile, longest), its tokens per second,
 and the agents' turn times. Reports each server's medians over the rounds and ours' ratio to
 llama-server's: a Markdown table, and everything in the JSON that ``--out`` writes.
+
+``--batch N`` gives both servers ``-b N``: a step takes at most N tokens, the stream's next
+token among them, so an agent's new prompt is computed over several steps with a token of the
+stream in each (both servers fill a step that way). It bounds the stream's longest pause at the cost of the
+agents' turns.
 """
 from __future__ import annotations
 
@@ -133,17 +138,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--agents", type=int, default=3, help="agents taking turns on the other slot in a round")
     ap.add_argument("--steps", type=int, default=4, help="turns per agent in a round")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per server, the order rotating")
+    ap.add_argument("--batch", type=int, metavar="N", help="both servers get -b N: at most N tokens a step, so an "
+                    "agent's new prompt is computed in steps of N with the stream's next token in each")
     args = parse_against_llama_server(ap, argv)
     if (shown := table_only(args, runs_table)) is not None:
         return shown
     agent_servers = AgentServers(args.model, args.threads)
     rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in SERVERS}
-    with servers_running(agent_servers.starts()) as servers:
+    shared = () if args.batch is None else ("-b", str(args.batch))
+    with servers_running(agent_servers.starts(shared)) as servers:
         for rep, k in interleaved(args.rounds, list(SERVERS)):
             rounds[k].append(asyncio.run(one_round(servers[k].base, 100 * (rep + 1), args.agents, args.steps)))
     if not all(r["stream_covered"] for rs in rounds.values() for r in rs):
         raise BenchError("a stream ended before the agents' last turn: raise STREAM_TOKENS")
-    result = {**agent_servers.described(), "agents": args.agents, "steps": args.steps,
+    result = {**agent_servers.described(), "batch": args.batch, "agents": args.agents, "steps": args.steps,
               "summary": summarize(rounds), "rounds": rounds}
     print(runs_table([result]))
     write_run(args.out, result)
