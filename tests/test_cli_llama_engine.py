@@ -156,3 +156,14 @@ def test_serve_port_0_makes_the_http_port_free_too(tiny_model_path):
         assert len({*ports[0], *ports[1]}) == 4 and 8080 not in {*ports[0], *ports[1]}
         assert re.search(r"listening on [\d.]+:\d+ \(Hydra port, --port\)", first.log)
         assert re.search(r"http on [\d.]+:\d+ \(HTTP, --http-port\)", first.log)
+
+
+def test_a_batch_smaller_than_the_slots_is_refused_not_aborted(tiny_model_path):
+    """llama.cpp reserves an output row per sequence within n_batch and aborts the process when
+    they do not fit (llama-server dies of SIGABRT): the engine says which arguments, status 1."""
+    cmd = [sys.executable, "-m", "hydra_rpc.cli.llama_engine", "--host", "127.0.0.1", "-m", "tiny", "--port", "0",
+           "-np", "4", "-b", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "a batch of 2 tokens (--batch-size) cannot hold a token of each of the 4 slots" in done.stderr
+    assert "GGML_ASSERT" not in done.stderr
