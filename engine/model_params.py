@@ -113,6 +113,12 @@ class ModelParams:
         """Why llama.cpp would refuse to create this context whatever the model, or None."""
         if self.flash_attn == "off" and KV_TYPE_BLOCKS[self.cache_type_v][0] > 1:
             return f"a quantized V cache ({self.cache_type_v}) needs flash attention (flash_attn on or auto)"
+        # llama.cpp caps n_batch at n_ctx and aborts the process when a batch cannot hold a
+        # token of every sequence (engine/llama_backend/context.py: create_context)
+        batch = min(self.n_ctx, self.n_batch) if self.n_ctx > 0 else self.n_batch
+        if batch < self.n_slots:
+            return (f"a batch of {batch} tokens (n_ctx {self.n_ctx}, n_batch {self.n_batch}) cannot hold a token "
+                    f"of each of the {self.n_slots} slots")
         return None
 
     def as_dict(self) -> dict[str, Any]:

@@ -158,12 +158,29 @@ def test_serve_port_0_makes_the_http_port_free_too(tiny_model_path):
         assert re.search(r"http on [\d.]+:\d+ \(HTTP, --http-port\)", first.log)
 
 
-def test_a_batch_smaller_than_the_slots_is_refused_not_aborted(tiny_model_path):
-    """llama.cpp reserves an output row per sequence within n_batch and aborts the process when
-    they do not fit (llama-server dies of SIGABRT): the engine says which arguments, status 1."""
+@pytest.mark.parametrize("argv, said", [
+    (["-np", "4", "-b", "2"], "a batch of 2 tokens (--batch-size) cannot hold a token of each of the 4 slots"),
+    (["-np", "4", "-c", "1"], "a batch of 1 tokens (--ctx-size) cannot hold a token of each of the 4 slots"),
+])
+def test_a_batch_smaller_than_the_slots_is_refused_not_aborted(tiny_model_path, argv, said):
+    """llama.cpp caps n_batch at n_ctx, reserves an output row per sequence within it and aborts
+    the process when they do not fit (llama-server dies of SIGABRT): the engine says which
+    argument, status 1."""
     cmd = [sys.executable, "-m", "hydra_rpc.cli.llama_engine", "--host", "127.0.0.1", "-m", "tiny", "--port", "0",
-           "-np", "4", "-b", "2"]
+           *argv]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
-    assert "a batch of 2 tokens (--batch-size) cannot hold a token of each of the 4 slots" in done.stderr
-    assert "GGML_ASSERT" not in done.stderr
+    assert said in done.stderr and "GGML_ASSERT" not in done.stderr
+
+
+def test_a_configure_asking_for_a_context_too_small_for_the_slots_is_refused(tiny_model_path):
+    """The same limit on the Hydra port: a CONFIGURE of n_ctx 1 with four slots once killed the
+    process from the shadow model's build; it is refused with the reason and the old model serves."""
+    with engine("--port", "0", "--log-summary", "0", "-np", "4") as p:
+        hydra, http = _ports(p)
+        done = _call(hydra, "CONFIGURE", "--json", '{"n_ctx": 1}')
+        assert done.returncode == 1, done.stderr  # a CONFIGURE that applied none of its keys
+        meta = json.loads(done.stdout[done.stdout.index(b"{"):])
+        assert "cannot hold a token of each of the 4 slots" in meta["rejected_keys"]["n_ctx"], meta
+        assert meta["deferred_keys"] == [] and p.proc.poll() is None
+        assert _call(hydra, "INFO").returncode == 0 and _get(http, "/health") == 200

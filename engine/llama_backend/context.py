@@ -66,11 +66,14 @@ def context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, 
 
 def create_context(model: Any, cparams: Any, path: Path) -> Any:
     """``llama_init_from_model``: the context handle (free it)."""
-    if cparams.n_batch < cparams.n_seq_max:
-        # llama.cpp reserves an output row per sequence within n_batch, and aborts the process
-        # (GGML_ASSERT in output_reserve) when they do not fit: llama-server dies the same way
-        raise LlamaBackendError(f"a batch of {cparams.n_batch} tokens (--batch-size) cannot hold a token of each "
-                                f"of the {cparams.n_seq_max} slots (--parallel): give --batch-size >= {cparams.n_seq_max}")
+    # llama.cpp caps n_batch at n_ctx (causal attention), reserves an output row per sequence
+    # within it, and aborts the process (GGML_ASSERT in output_reserve) when they do not fit:
+    # llama-server dies the same way
+    n_batch = min(cparams.n_ctx, cparams.n_batch) if cparams.n_ctx > 0 else cparams.n_batch
+    if n_batch < cparams.n_seq_max:
+        given = "--batch-size" if n_batch == cparams.n_batch else "--ctx-size"
+        raise LlamaBackendError(f"a batch of {n_batch} tokens ({given}) cannot hold a token of each of the "
+                                f"{cparams.n_seq_max} slots (--parallel): give {given} >= {cparams.n_seq_max}")
     ctx = L.llama_init_from_model(model, cparams)
     if not ctx:
         raise LlamaBackendError(
