@@ -336,29 +336,40 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
     next token of each live job, ``token_budget`` tokens in all: every decoding job's token,
     and prefill chunks in what is left (as llama-server fills a batch). A job admitted after
     one whose prompt takes whole batches may be decoding already (a DECODE continuing a
-    PREFILL): its token must not push the batch past n_batch."""
+    PREFILL): its token must not push the batch past n_batch.
+
+    The chunks go to the shortest remaining prompts first. llama-server feeds its slots in
+    index order, and the first prompt takes whole batches until it is done: a short prompt
+    that arrives behind a long one waits for all of it (minutes, for an agent's first turn
+    on a large model). Shortest first, it is computed in the next batch and the long prompt
+    loses that batch's share of one step."""
     live = [r for r in running if not (r.finished or r.job.cancelled)]
     budget = token_budget - sum(1 for r in live if not r.pending and r.last is not None)
+    chunks: dict[int, int] = {}  # id(job) → its chunk's length
+    for r in sorted((r for r in live if r.pending), key=lambda r: len(r.pending)):
+        if budget <= 0:
+            break
+        n = min(budget, len(r.pending))
+        if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
+            held = len(r.slot.tokens)
+            points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.user_turn)
+            ckpts.before_chunk(model, r.slot.id, r.slot.tokens, points)
+            n = ckpts.chunk_len(held, n, points)
+        chunks[id(r)] = n
+        budget -= n
     for r in live:
         if r.pending:
-            if budget <= 0:
+            n = chunks.get(id(r), 0)
+            if not n:
                 continue
-            n = min(budget, len(r.pending))
-            if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
-                held = len(r.slot.tokens)
-                points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.user_turn)
-                ckpts.before_chunk(model, r.slot.id, r.slot.tokens, points)
-                n = ckpts.chunk_len(held, n, points)
             chunk = r.pending[:n]
             last_chunk = len(chunk) == len(r.pending)
             want = last_chunk and (r.job.request.n_predict > 0 or r.job.request.capture_state)
             items.append(BatchItem(r.slot.id, chunk, len(r.slot.tokens), want))
             fed.append((r, chunk, want))
-            budget -= len(chunk)
         elif r.last is not None:
             items.append(BatchItem(r.slot.id, [r.last], len(r.slot.tokens), True))
             fed.append((r, [r.last], True))
-            budget -= 1
 
 
 def _after_decode(model: ModelBackend, fed: list[tuple[Running, list[int], bool]], n_ctx_slot: int,

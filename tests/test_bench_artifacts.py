@@ -326,3 +326,27 @@ def test_the_swap_stall_tables_in_the_docs_are_made_of_their_committed_runs(fold
         assert all(r["stream_covered"] for rs in run["rounds"].values() for r in rs)
         assert {n for r in run["rounds"]["llama-server"] for n in r["cache_n"][1:]} == {1295}
         assert {n for r in run["rounds"]["ours"] for n in r["cache_n"][1:]} == {new_agent_cached, 1386, 1991, 2596}
+
+
+def test_the_behind_long_prompt_table_in_the_docs_is_made_of_its_committed_runs():
+    """The runs of "A short request behind a long prompt": the page's table, and what it says of
+    them: ours computes the short request beside the long prompt in every round, llama-server
+    after all of it in the rounds where the long prompt sat on the slot before the short one,
+    and this engine did too with the arrival order (the "before" run)."""
+    from tools.bench.behind_long_prompt import runs_table, summarize
+    from tools.bench.common import load_runs
+
+    folder = DOCS_RUNS / "agent-turns" / "behind-long-prompt-tiny-hybrid-wide-batch-512"
+    runs = load_runs(folder)
+    assert len(runs) == 3 and all(r["batch"] == 512 and r["model"] == "tiny-hybrid-wide" for r in runs)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
+    rounds = [r for run in runs for r in run["rounds"]["ours"]]
+    theirs = [r for run in runs for r in run["rounds"]["llama-server"]]
+    assert all(r["short_sent_before_long_ended"] for r in rounds + theirs)
+    assert all(r["short_ms"] < r["long_ms"] / 3 for r in rounds)  # beside the long prompt, not after it
+    assert any(r["short_ms"] > r["long_ms"] * 0.8 for r in theirs)
+    before = json.loads((folder / "before-a4ca09d.json").read_text())
+    assert all(r["short_ms"] > r["long_ms"] * 0.8 for r in before["rounds"]["ours"])
+    made = summarize(before["rounds"])
+    assert made["short_ms"]["llama-server"]["ratio"] == 1.0 and made["short_ms"]["ours"]["ratio"] > 3
+

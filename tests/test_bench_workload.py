@@ -3,6 +3,7 @@ server of ours: completions, chat completions and the prompt-cache phase are cou
 the bench reports them, and the scenario's chart draws from a scripted result."""
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -188,3 +189,18 @@ async def test_the_swap_stall_bench_times_a_stream_while_agents_take_the_other_s
     assert 0 < got["gap_median_ms"] <= got["gap_p99_ms"] <= got["gap_max_ms"]
     later = got["cache_n"][2:]  # each agent's second and third steps
     assert all(n > earlier for n, earlier in zip(later[2:], later)), got["cache_n"]
+
+
+@pytest.mark.asyncio
+async def test_the_behind_long_prompt_bench_times_a_short_request_sent_during_a_long_one():
+    """tools/bench/behind_long_prompt.py's round against a real server of ours (tiny-hybrid,
+    two slots, ``-b 64``): both requests answer, the long prompt is the length the round asked
+    for, and it was sent (and the short one after it) before either answered."""
+    from tests.helpers import serving
+    from tools.bench.behind_long_prompt import one_round
+
+    with serving("--model", "tiny-hybrid", "--parallel", "2", "--ctx-size", "16384", "--batch-size", "64",
+                 "--log-level", "WARNING") as sp:
+        got = await asyncio.wait_for(one_round(f"http://127.0.0.1:{sp.http_port}", 7, words=60, delay=0.0), 120)
+    assert got["long_prompt_tokens"] > 10 * 64 and got["short_ms"] > 0 and got["long_ms"] > 0
+    assert got["short_sent_before_long_ended"]

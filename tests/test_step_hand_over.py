@@ -194,3 +194,26 @@ async def test_a_decode_beside_a_long_prefill_keeps_the_batch_within_n_batch():
     assert max(sum(n for _, n in batch) for batch in batches) <= model.n_batch == 32
     assert [n for batch in batches for seq, n in batch if seq == 1] == [1, 1, 1]  # one token a decode, each beside the chunk
     assert sum(n for batch in batches for seq, n in batch if seq == 0) == 151  # the BOS and 150 bytes, the held chunk's too
+
+
+@pytest.mark.asyncio
+async def test_a_short_prompt_is_not_held_behind_a_long_one():
+    """The prompt chunks of a step go to the shortest remaining prompts first: a short prompt
+    admitted while a long one is fed is computed in the next batch, with the long one's chunk
+    in what it leaves, instead of after every chunk of the long one."""
+    async with scripted_engine(n_ctx_slot=256) as env:
+        gate, model = env.factory.decode_gate, env.model
+        gate.close()
+        long = env.engine.submit(GenRequest(0, prompt="x" * 150, n_predict=1))
+        await gate.wait_held(1, "the long prompt's first chunk")
+        short = env.engine.submit(GenRequest(1, prompt="hi", n_predict=1))
+        gate.release(1)  # the step ends after its chunk; the next one has the short prompt admitted
+        await gate.wait_held(1, "the next step's batch")
+        gate.open()
+        assert (await short.result()).tokens_generated == 1
+        assert (await long.result()).tokens_generated == 1
+    batches = model.batches
+    with_short = [i for i, batch in enumerate(batches) if any(seq == 1 for seq, _ in batch)]
+    with_long = [i for i, batch in enumerate(batches) if any(seq == 0 for seq, _ in batch)]
+    assert len(with_short) == 1 and sorted(batches[with_short[0]]) == [(0, 32 - 3), (1, 3)]  # BOS and "hi"
+    assert with_short[0] < with_long[-1] and all(sum(n for _, n in b) <= 32 for b in batches)
