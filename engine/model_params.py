@@ -28,6 +28,12 @@ _LOAD_BITS = {"auto": 1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio
 _LOAD_NAMES = {0: "none", 1: "mmap", 2: "mlock", 3: "mmap+mlock"}
 
 
+def decode_capacity(n_ctx: int, n_batch: int) -> int:
+    """The tokens one ``llama_decode`` takes: llama.cpp caps n_batch at n_ctx (0: the model's
+    training context, not known here) for causal attention."""
+    return min(n_ctx, n_batch) if n_ctx > 0 else n_batch
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """Everything a backend factory needs to build a model; a staged CONFIGURE derives a new one.
@@ -113,9 +119,9 @@ class ModelParams:
         """Why llama.cpp would refuse to create this context whatever the model, or None."""
         if self.flash_attn == "off" and KV_TYPE_BLOCKS[self.cache_type_v][0] > 1:
             return f"a quantized V cache ({self.cache_type_v}) needs flash attention (flash_attn on or auto)"
-        # llama.cpp caps n_batch at n_ctx and aborts the process when a batch cannot hold a
-        # token of every sequence (engine/llama_backend/context.py: create_context)
-        batch = min(self.n_ctx, self.n_batch) if self.n_ctx > 0 else self.n_batch
+        # llama.cpp aborts the process when a batch cannot hold a token of every sequence
+        # (engine/llama_backend/context.py: create_context)
+        batch = decode_capacity(self.n_ctx, self.n_batch)
         if batch < self.n_slots:
             return (f"a batch of {batch} tokens (n_ctx {self.n_ctx}, n_batch {self.n_batch}) cannot hold a token "
                     f"of each of the {self.n_slots} slots")

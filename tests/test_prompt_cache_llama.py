@@ -30,9 +30,9 @@ SYSTEM = " ".join(f"rule {i}: answer briefly and precisely." for i in range(22))
 
 
 @contextlib.asynccontextmanager
-async def real_engine(path: str, n_slots: int = 2, cache_prompt: bool = True, **cfg):
+async def real_engine(path: str, n_slots: int = 2, cache_prompt: bool = True, n_batch: int = 512, **cfg):
     # one KV pool of 1024 cells that each slot may fill (llama-server's unified KV)
-    eng = EngineApi(EngineConfig(model=ModelParams(path, n_ctx=1024, n_slots=n_slots, n_threads=1,
+    eng = EngineApi(EngineConfig(model=ModelParams(path, n_ctx=1024, n_slots=n_slots, n_threads=1, n_batch=n_batch,
                                                 cache_prompt=cache_prompt), low_priority=False, **cfg))
     await eng.start()
     try:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import llama_cpp.llama_cpp as L
 
+from ..model_params import decode_capacity
 from .runtime import LlamaBackendError, clear_llama_errors, ensure_backend, last_llama_errors
 
 
@@ -66,10 +67,9 @@ def context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, 
 
 def create_context(model: Any, cparams: Any, path: Path) -> Any:
     """``llama_init_from_model``: the context handle (free it)."""
-    # llama.cpp caps n_batch at n_ctx (causal attention), reserves an output row per sequence
-    # within it, and aborts the process (GGML_ASSERT in output_reserve) when they do not fit:
-    # llama-server dies the same way
-    n_batch = min(cparams.n_ctx, cparams.n_batch) if cparams.n_ctx > 0 else cparams.n_batch
+    # llama.cpp reserves an output row per sequence within the batch, and aborts the process
+    # (GGML_ASSERT in output_reserve) when they do not fit: llama-server dies the same way
+    n_batch = decode_capacity(cparams.n_ctx, cparams.n_batch)
     if n_batch < cparams.n_seq_max:
         given = "--batch-size" if n_batch == cparams.n_batch else "--ctx-size"
         raise LlamaBackendError(f"a batch of {n_batch} tokens ({given}) cannot hold a token of each of the "

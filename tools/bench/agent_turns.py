@@ -33,12 +33,13 @@ import json
 import statistics
 import tempfile
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 
-from tools.bench.common import (MODEL_HELP, BenchError, machine_info, min_max_text, parse_against_llama_server,
-                                table_only, write_run)
+from tools.bench.common import (MODEL_HELP, BenchError, interleaved, machine_info, min_max_text,
+                                parse_against_llama_server, table_only, write_run)
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.openai_workload import prompt_cache_metrics, stream
@@ -180,6 +181,17 @@ class AgentServers:
         return {k: functools.partial(start, k, str(self.binary), self.model, SLOTS, self.threads, ctx=CTX,
                                      template=("--chat-template-file", str(TEMPLATE)), shared=shared)
                 for k in SERVERS}
+
+    def rounds(self, n: int, batch: int | None,
+               one: Callable[[str, int, str], Awaitable[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+        """``n`` rounds a server, ``one(base URL, repetition, server)`` each, both up at once and
+        the order rotating; ``batch``: both servers get ``-b batch``."""
+        shared = () if batch is None else ("-b", str(batch))
+        out: dict[str, list[dict[str, Any]]] = {k: [] for k in SERVERS}
+        with servers_running(self.starts(shared)) as servers:
+            for rep, k in interleaved(n, list(SERVERS)):
+                out[k].append(asyncio.run(one(servers[k].base, rep, k)))
+        return out
 
     def described(self) -> dict[str, Any]:
         """What a run's JSON says of the machine and the servers."""

@@ -27,9 +27,7 @@ from typing import Any
 import aiohttp
 
 from tools.bench.agent_turns import SERVERS, AgentServers
-from tools.bench.common import (MODEL_HELP, interleaved, min_max_text, parse_against_llama_server, table_only,
-                                write_run)
-from tools.bench.llama_server import servers_running
+from tools.bench.common import MODEL_HELP, min_max_text, parse_against_llama_server, table_only, write_run
 from tools.bench.openai_workload import stream
 
 REQUEST_TIMEOUT_S = 900.0
@@ -97,12 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if (shown := table_only(args, runs_table)) is not None:
         return shown
     agent_servers = AgentServers(args.model, args.threads)
-    shared = () if args.batch is None else ("-b", str(args.batch))
-    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in SERVERS}
-    with servers_running(agent_servers.starts(shared)) as servers:
-        for rep, k in interleaved(args.rounds, list(SERVERS)):
-            salt = 1000 * (rep + 1) + SERVERS.index(k)
-            rounds[k].append(asyncio.run(one_round(servers[k].base, salt, args.long_words, args.delay)))
+    rounds = agent_servers.rounds(args.rounds, args.batch, lambda base, rep, k: one_round(
+        base, 1000 * (rep + 1) + SERVERS.index(k), args.long_words, args.delay))
     result = {**agent_servers.described(), "batch": args.batch, "long_words": args.long_words, "delay_s": args.delay,
               "summary": summarize(rounds), "rounds": rounds}
     print(runs_table([result]))

@@ -37,10 +37,9 @@ from typing import Any
 
 import aiohttp
 
-from tools.bench.agent_turns import SERVERS, TOOLS, AgentServers, opening, step_messages
-from tools.bench.common import (MODEL_HELP, BenchError, interleaved, min_max_text, now, parse_against_llama_server,
-                                percentile, table_only, write_run)
-from tools.bench.llama_server import servers_running
+from tools.bench.agent_turns import TOOLS, AgentServers, opening, step_messages
+from tools.bench.common import (MODEL_HELP, BenchError, min_max_text, now, parse_against_llama_server, percentile,
+                                table_only, write_run)
 from tools.bench.openai_workload import stream
 from tools.bench.traffic import sse_events
 
@@ -144,11 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if (shown := table_only(args, runs_table)) is not None:
         return shown
     agent_servers = AgentServers(args.model, args.threads)
-    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in SERVERS}
-    shared = () if args.batch is None else ("-b", str(args.batch))
-    with servers_running(agent_servers.starts(shared)) as servers:
-        for rep, k in interleaved(args.rounds, list(SERVERS)):
-            rounds[k].append(asyncio.run(one_round(servers[k].base, 100 * (rep + 1), args.agents, args.steps)))
+    rounds = agent_servers.rounds(args.rounds, args.batch,
+                                  lambda base, rep, _: one_round(base, 100 * (rep + 1), args.agents, args.steps))
     if not all(r["stream_covered"] for rs in rounds.values() for r in rs):
         raise BenchError("a stream ended before the agents' last turn: raise STREAM_TOKENS")
     result = {**agent_servers.described(), "batch": args.batch, "agents": args.agents, "steps": args.steps,
