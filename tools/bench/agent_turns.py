@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 
 from tools.bench.common import (MODEL_HELP, BenchError, interleaved, machine_info, min_max_text,
-                                parse_against_llama_server, table_only, write_run)
+                                parse_against_llama_server, report_run, table_only)
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.openai_workload import prompt_cache_metrics, stream
@@ -234,9 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {**agent_servers.described(), "turns": args.turns, "max_tokens": args.max_tokens,
               "cache_ram_mib": args.cache_ram, "ours_prompt_cache": counters,
               "summary": {a: summarize_turns(s) for a, s in samples.items()}, "samples": samples}
-    print(runs_table([result]))
-    write_run(args.out, result)
-    return result
+    return report_run(args.out, result, runs_table)
 
 
 if __name__ == "__main__":

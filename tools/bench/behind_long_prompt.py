@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from tools.bench.agent_turns import SERVERS, AgentServers
-from tools.bench.common import MODEL_HELP, min_max_text, parse_against_llama_server, table_only, write_run
+from tools.bench.common import MODEL_HELP, min_max_text, parse_against_llama_server, report_run, table_only
 from tools.bench.openai_workload import stream
 
 REQUEST_TIMEOUT_S = 900.0
@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base, 1000 * (rep + 1) + SERVERS.index(k), args.long_words, args.delay))
     result = {**agent_servers.described(), "batch": args.batch, "long_words": args.long_words, "delay_s": args.delay,
               "summary": summarize(rounds), "rounds": rounds}
-    print(runs_table([result]))
-    write_run(args.out, result)
-    return result
+    return report_run(args.out, result, runs_table)
 
 
 if __name__ == "__main__":

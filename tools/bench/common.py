@@ -227,6 +227,13 @@ def write_run(out: Path | None, result: dict[str, Any]) -> None:
         out.write_text(result_json(result))
 
 
+def report_run(out: Path | None, result: dict[str, Any], runs_table: Any) -> dict[str, Any]:
+    """A standalone bench's run done: its table printed, its JSON written (``--out``), and returned."""
+    print(runs_table([result]))
+    write_run(out, result)
+    return result
+
+
 def home_as_tilde(text: str, home: str | None = None) -> str:
     """JSON ``text`` with every string that starts in the home directory starting at ``~``
     instead: results are committed next to the docs, and a machine's paths do not belong there

@@ -39,7 +39,7 @@ import aiohttp
 
 from tools.bench.agent_turns import TOOLS, AgentServers, opening, step_messages
 from tools.bench.common import (MODEL_HELP, BenchError, min_max_text, now, parse_against_llama_server, percentile,
-                                table_only, write_run)
+                                report_run, table_only)
 from tools.bench.openai_workload import stream
 from tools.bench.traffic import sse_events
 
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise BenchError("a stream ended before the agents' last turn: raise STREAM_TOKENS")
     result = {**agent_servers.described(), "batch": args.batch, "agents": args.agents, "steps": args.steps,
               "summary": summarize(rounds), "rounds": rounds}
-    print(runs_table([result]))
-    write_run(args.out, result)
-    return result
+    return report_run(args.out, result, runs_table)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.bench.common import (MODEL_HELP, interleaved, machine_info, min_max_text, parse_against_llama_server,
-                                percentile, table_only, write_run)
+                                percentile, report_run, table_only)
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import start
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "threads": args.threads, "max_tokens": MAX_TOKENS, "requests_per_block": args.requests,
               "rounds": args.rounds, "servers": {k: list(adds) for k, (_, adds) in SERVERS.items()},
               "summary": summary, "samples": samples}
-    print(runs_table([result]))
-    write_run(args.out, result)
-    return result
+    return report_run(args.out, result, runs_table)
 
 
 if __name__ == "__main__":
