@@ -336,7 +336,8 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
     next token of each live job, ``token_budget`` tokens in all: every decoding job's token,
     and prefill chunks in what is left (as llama-server fills a batch). A job admitted after
     one whose prompt takes whole batches may be decoding already (a DECODE continuing a
-    PREFILL): its token must not push the batch past n_batch.
+    PREFILL): its token must not push the batch past n_batch. (The batch's rows are written
+    in sequence order whatever the order here: ``LlamaBatch.fill``.)
 
     The chunks go to the shortest remaining prompts first. llama-server feeds its slots in
     index order, and the first prompt takes whole batches until it is done: a short prompt
@@ -344,8 +345,11 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
     on a large model). Shortest first, it is computed in the next batch and the long prompt
     loses that batch's share of one step."""
     live = [r for r in running if not (r.finished or r.job.cancelled)]
-    budget = token_budget - sum(1 for r in live if not r.pending and r.last is not None)
-    chunks: dict[int, int] = {}  # id(job) → its chunk's length
+    decoding = [r for r in live if not r.pending and r.last is not None]
+    for r in decoding:
+        items.append(BatchItem(r.slot.id, [r.last], len(r.slot.tokens), True))
+        fed.append((r, [r.last], True))
+    budget = token_budget - len(decoding)
     for r in sorted((r for r in live if r.pending), key=lambda r: len(r.pending)):
         if budget <= 0:
             break
@@ -355,21 +359,11 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
             points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.user_turn)
             ckpts.before_chunk(model, r.slot.id, r.slot.tokens, points)
             n = ckpts.chunk_len(held, n, points)
-        chunks[id(r)] = n
+        chunk = r.pending[:n]
+        want = len(chunk) == len(r.pending) and (r.job.request.n_predict > 0 or r.job.request.capture_state)
+        items.append(BatchItem(r.slot.id, chunk, len(r.slot.tokens), want))
+        fed.append((r, chunk, want))
         budget -= n
-    for r in live:
-        if r.pending:
-            n = chunks.get(id(r), 0)
-            if not n:
-                continue
-            chunk = r.pending[:n]
-            last_chunk = len(chunk) == len(r.pending)
-            want = last_chunk and (r.job.request.n_predict > 0 or r.job.request.capture_state)
-            items.append(BatchItem(r.slot.id, chunk, len(r.slot.tokens), want))
-            fed.append((r, chunk, want))
-        elif r.last is not None:
-            items.append(BatchItem(r.slot.id, [r.last], len(r.slot.tokens), True))
-            fed.append((r, [r.last], True))
 
 
 def _after_decode(model: ModelBackend, fed: list[tuple[Running, list[int], bool]], n_ctx_slot: int,

@@ -207,8 +207,9 @@ class ScriptedBackend:
     def decode(self, items: Sequence[BatchItem]) -> None:
         self._check_open()
         self.decode_gate.pass_through()
-        if sum(len(it.tokens) for it in items) > self.n_batch:  # llama.cpp's batch holds n_batch tokens
-            raise ValueError(f"{sum(len(it.tokens) for it in items)} tokens in one decode exceed n_batch={self.n_batch}")
+        n_tokens = sum(len(it.tokens) for it in items)
+        if n_tokens > self.n_batch:  # llama.cpp's batch holds n_batch tokens
+            raise ValueError(f"{n_tokens} tokens in one decode exceed n_batch={self.n_batch}")
         self._with_logits = set()
         for it in items:
             kv = self.kv[it.seq]

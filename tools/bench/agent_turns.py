@@ -32,8 +32,8 @@ import functools
 import json
 import statistics
 import tempfile
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
