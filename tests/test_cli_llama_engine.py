@@ -184,3 +184,45 @@ def test_a_configure_asking_for_a_context_too_small_for_the_slots_is_refused(tin
         assert "cannot hold a token of each of the 4 slots" in meta["rejected_keys"]["n_ctx"], meta
         assert meta["deferred_keys"] == [] and p.proc.poll() is None
         assert _call(hydra, "INFO").returncode == 0 and _get(http, "/health") == 200
+
+
+YARN_TO_NOTHING = ["--rope-scaling", "yarn", "--rope-scale", "1e-6"]  # training context / 1e6: 0 tokens
+
+
+def test_a_rope_scale_that_leaves_slots_no_context_is_refused_at_start(tiny_model_path):
+    """llama.cpp divides the model's training context by the RoPE scale: an extreme one left
+    every slot 0 tokens, every prompt refused (llama-server aborts on its first request). The
+    engine refuses to start on it and says why."""
+    cmd = [sys.executable, "-m", "hydra_rpc.cli.llama_engine", "--host", "127.0.0.1", "-m", "tiny", "--port", "0",
+           *YARN_TO_NOTHING]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "a slot would hold 0 tokens" in done.stderr and "--rope-scale" in done.stderr
+
+
+def test_a_configure_whose_rope_scale_leaves_slots_no_context_fails_its_reload(tiny_model_path):
+    """The same settings by CONFIGURE: the shadow model is refused, the reload fails with the
+    reason, and the old model goes on answering prompts."""
+    with engine("--port", "0", "--log-summary", "0", "-np", "2") as p:
+        hydra, http = _ports(p)
+        done = _call(hydra, "CONFIGURE", "--json", '{"rope_scaling": "yarn", "rope_scale": 1e-6}')
+        assert done.returncode == 0, done.stderr
+        assert sorted(json.loads(done.stdout[done.stdout.index(b"{"):])["deferred_keys"]) == ["rope_scale",
+                                                                                            "rope_scaling"]
+        deadline = time.monotonic() + 60
+        while (health := _get_json(http, "/health"))["reload"] in ("loading", "draining"):  # pending
+            assert time.monotonic() < deadline, health
+            time.sleep(0.05)
+        assert health["reload"] == "failed" and health["config_generation"] == 1, health
+        info = _call(hydra, "INFO")
+        assert b"a slot would hold 0 tokens" in info.stdout, info.stdout[-2000:]
+        body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
+
+
+def _get_json(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return json.loads(r.read())

@@ -28,6 +28,8 @@ from .model_text import ModelText
 from .runtime import DecodeError, LlamaBackendError, clear_llama_errors, default_threads, last_llama_errors
 from .sampler import Sampler, accept_forced, make_sampler, sample_row, top_logprobs
 
+MIN_CTX_SLOT = 2  # a prompt's token and the one generated after it
+
 
 class LoadedModel(ModelText):
     """``n_ctx`` is the total context, ``n_seq_max`` the slots; with ``kv_unified`` (the
@@ -105,6 +107,15 @@ class LoadedModel(ModelText):
         if n_ctx_slot_cap > 0:
             n_slot = min(n_slot, int(n_ctx_slot_cap))
         self._n_ctx_slot = min(n_slot, int(L.llama_model_n_ctx_train(model)))
+        if self._n_ctx_slot < MIN_CTX_SLOT:
+            # llama.cpp scales the model's training context by the RoPE settings (YaRN's
+            # n_ctx_orig / rope_freq_scale): an extreme --rope-scale leaves it at 0, every prompt
+            # would be refused, and llama-server aborts on its first request
+            raise LlamaBackendError(
+                f"a slot would hold {self._n_ctx_slot} tokens (llama.cpp's n_ctx_seq {int(L.llama_n_ctx_seq(ctx))}, "
+                f"the model's training context {int(L.llama_model_n_ctx_train(model))} after RoPE scaling"
+                + (f", --kv-unified-per-slot {n_ctx_slot_cap}" if n_ctx_slot_cap > 0 else "")
+                + "): check --rope-scale / --rope-freq-scale and --ctx-size")
         self.n_threads = self._threads_now = n_threads
         # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
         self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
