@@ -168,11 +168,12 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
 @pytest.mark.parametrize("folder, model", [
     ("tiny", "tiny"), ("tiny-hybrid", "tiny-hybrid"), ("gemma-270m", "gemma-270m"), ("give-way-ab", "tiny"),
     ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m"),
-    ("snapshots-after-turn-ab", "tiny")])
+    ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny")])
 def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
     milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
-    snapshots-after-turn-ab/ those of "After a step: the streams' turn first":
+    snapshots-after-turn-ab/ those of "After a step: the streams' turn first", d521421/ that of
+    "A short request's path, stage by stage":
     the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.common import load_runs
     from tools.bench.ttft_gaps import runs_table
