@@ -80,3 +80,22 @@ def create_context(model: Any, cparams: Any, path: Path) -> Any:
             f"failed to create a context for {path}: {'; '.join(last_llama_errors()) or 'unknown error'}"
         )
     return ctx
+
+
+MIN_CTX_SLOT = 2  # a prompt's token and the one generated after it
+
+
+def slot_context_size(ctx: Any, model: Any, cap: int) -> int:
+    """What one slot may hold: llama-server's ``n_ctx_slot()``, under ``--kv-unified-per-slot``
+    (``cap``, 0: none) and the model's training context. Refused below ``MIN_CTX_SLOT``."""
+    n_seq, n_train, cap = int(L.llama_n_ctx_seq(ctx)), int(L.llama_model_n_ctx_train(model)), int(cap)
+    n_slot = min(n_seq, cap, n_train) if cap > 0 else min(n_seq, n_train)
+    if n_slot < MIN_CTX_SLOT:
+        # llama.cpp scales the training context by the RoPE settings (YaRN's n_ctx_orig /
+        # rope_freq_scale): an extreme --rope-scale leaves it at 0, every prompt would be
+        # refused, and llama-server aborts on its first request
+        raise LlamaBackendError(
+            f"a slot would hold {n_slot} tokens (llama.cpp's n_ctx_seq {n_seq}, the model's training context "
+            f"{n_train} after RoPE scaling" + (f", --kv-unified-per-slot {cap}" if cap > 0 else "")
+            + "): check --rope-scale / --rope-freq-scale and --ctx-size")
+    return n_slot

@@ -21,14 +21,12 @@ from ..kv_cache import KvCacheInfo
 from ..sampling import SamplerParams
 from . import seq_state
 from .batch import LlamaBatch
-from .context import context_params, create_context, load_model_file
+from .context import context_params, create_context, load_model_file, slot_context_size
 from .identity import read_identity
 from .kv_probe import describe
 from .model_text import ModelText
 from .runtime import DecodeError, LlamaBackendError, clear_llama_errors, default_threads, last_llama_errors
 from .sampler import Sampler, accept_forced, make_sampler, sample_row, top_logprobs
-
-MIN_CTX_SLOT = 2  # a prompt's token and the one generated after it
 
 
 class LoadedModel(ModelText):
@@ -103,19 +101,7 @@ class LoadedModel(ModelText):
         self._n_ctx = int(L.llama_n_ctx(ctx))
         self._n_batch, self._n_ubatch = int(L.llama_n_batch(ctx)), int(L.llama_n_ubatch(ctx))
         self._n_seq_max = int(L.llama_n_seq_max(ctx))
-        n_slot = int(L.llama_n_ctx_seq(ctx))  # llama-server's n_ctx_slot()
-        if n_ctx_slot_cap > 0:
-            n_slot = min(n_slot, int(n_ctx_slot_cap))
-        self._n_ctx_slot = min(n_slot, int(L.llama_model_n_ctx_train(model)))
-        if self._n_ctx_slot < MIN_CTX_SLOT:
-            # llama.cpp scales the model's training context by the RoPE settings (YaRN's
-            # n_ctx_orig / rope_freq_scale): an extreme --rope-scale leaves it at 0, every prompt
-            # would be refused, and llama-server aborts on its first request
-            raise LlamaBackendError(
-                f"a slot would hold {self._n_ctx_slot} tokens (llama.cpp's n_ctx_seq {int(L.llama_n_ctx_seq(ctx))}, "
-                f"the model's training context {int(L.llama_model_n_ctx_train(model))} after RoPE scaling"
-                + (f", --kv-unified-per-slot {n_ctx_slot_cap}" if n_ctx_slot_cap > 0 else "")
-                + "): check --rope-scale / --rope-freq-scale and --ctx-size")
+        self._n_ctx_slot = slot_context_size(ctx, model, n_ctx_slot_cap)
         self.n_threads = self._threads_now = n_threads
         # one reusable batch: n_batch tokens, each with room for n_seq_max seq ids
         self._batch = LlamaBatch(self._n_batch, self._n_seq_max)
