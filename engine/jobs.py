@@ -37,6 +37,18 @@ class ModelChanged(EngineUnavailable):
     """The model config a request named was swapped out before the request ran."""
 
 
+# The engine looks for stop sequences in the last 256 bytes it generated, on every token: longer
+# ones could never match, and each one more costs every token of the job.
+MAX_STOPS, MAX_STOP_BYTES = 16, 256
+
+
+def stops_refused(stops: list[str]) -> str | None:
+    """Why a request's stop sequences are refused, or None."""
+    if len(stops) > MAX_STOPS or any(len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES for s in stops):
+        return f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_BYTES} bytes each"
+    return None
+
+
 class BadInput(ValueError):
     """The request's content is unusable (e.g. token id out of range). Maps to BAD_REQUEST."""
 

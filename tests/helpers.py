@@ -63,6 +63,18 @@ async def poll_until(fetch, pred, timeout: float = 60.0):
             await asyncio.sleep(0.01)
 
 
+async def poll_decode(http, decode_id: int, timeout: float = 60.0) -> dict:
+    """A merged DECODE's result over HTTP, once it is no longer pending (200)."""
+
+    async def fetch() -> tuple[int, dict]:
+        async with http.get(f"/v1/decode/{decode_id}") as r:
+            return r.status, await r.json()
+
+    status, body = await poll_until(fetch, lambda sb: sb[0] != 202, timeout)
+    assert status == 200, body
+    return body
+
+
 async def log_shows(proc, *texts: str, timeout: float = 30.0) -> str:
     """A server process's log once it holds every one of ``texts`` (its output is read by a
     thread: a line the server wrote may not be in ``proc.log`` yet)."""

@@ -23,6 +23,7 @@ from codec.payloads import (
     decode_meta,
     decode_token_frames,
     decode_token_frames_construct,
+    dumps_compact,
     encode_e1_decode,
     encode_e1_tokens,
     encode_expert_mode,
@@ -80,6 +81,27 @@ def test_loads_json_is_strict(bad: bytes) -> None:
     with pytest.raises(MalformedPayload) as e:
         loads_json(bad, "some.rule")
     assert e.value.rule == "some.rule"
+
+
+@pytest.mark.parametrize("text", [r'{"a":"\ud800"}', r'{"\udc00":1}', r'["x",{"b":["\uDBFF tail"]}]',
+                                  r'{"a":"\ude00\ud83d"}'])
+def test_loads_json_refuses_an_unpaired_surrogate_escape(text: str) -> None:
+    """nlohmann refuses it; json.loads keeps a code point no UTF-8 can hold, which failed
+    later, in the tokenizer, as an internal error."""
+    with pytest.raises(MalformedPayload, match="unpaired UTF-16 surrogate") as e:
+        loads_json(text.encode(), "some.rule")
+    assert e.value.rule == "some.rule"
+
+
+def test_loads_json_keeps_surrogate_pairs_and_escaped_backslashes() -> None:
+    assert loads_json(rb'{"a":"\ud83d\ude00"}', "r") == {"a": "\U0001F600"}
+    assert loads_json(rb'{"a":"\\ud800"}', "r") == {"a": "\\ud800"}
+
+
+def test_dumps_compact_writes_a_lone_surrogate_as_its_escape() -> None:
+    """A model's JSON text may hold one (a tool call's arguments): the reply stays valid JSON."""
+    out = dumps_compact({"a": "\ud800", "b": "é"})
+    assert json.loads(out) == {"a": "\ud800", "b": "é"} and out.isascii()
 
 
 def test_parse_json_object() -> None:

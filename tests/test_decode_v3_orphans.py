@@ -22,7 +22,7 @@ from hydra_rpc.hydra.decode_results import DecodeEntry, DecodeResults
 from engine.jobs import EngineBusy, GenRequest
 from hydra_rpc.client import HydraClient
 from tests.engine_env import long_generation, scripted_engine
-from tests.helpers import log_shows, poll_until, serving
+from tests.helpers import log_shows, poll_decode, serving
 from tests.scripted_backend import until
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -39,16 +39,6 @@ def v3_frame(slot: int, n_predict: int | None = None) -> bytes:
 def send_and_vanish(host: str, port: int, frame: bytes) -> None:
     with socket.create_connection((host, port), timeout=10) as s:
         s.sendall(frame)
-
-
-async def poll_decode(http: aiohttp.ClientSession, decode_id: int, timeout: float = 60.0) -> dict:
-    async def fetch() -> tuple[int, dict]:
-        async with http.get(f"/v1/decode/{decode_id}") as r:
-            return r.status, await r.json()
-
-    status, body = await poll_until(fetch, lambda sb: sb[0] != 202, timeout)
-    assert status == 200, body
-    return body
 
 
 @pytest.mark.asyncio

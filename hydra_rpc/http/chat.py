@@ -17,7 +17,10 @@ from engine.chat.stream import ChatStream
 from engine.jobs import TokenEvent
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (a model's JSON text can hold one): keep its escape
+        return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
 # engine stop_reason → OpenAI finish_reason ("none" is a zero-token request; cancelled has none;

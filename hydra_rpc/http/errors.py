@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from codec.payloads import lone_surrogate
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable
 
 from hydra_rpc.http.chat import dumps
@@ -77,11 +78,14 @@ async def read_json_object(request: web.Request, max_body: int) -> dict[str, Any
         raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of {max_body}")
     raw = await request.read()  # aiohttp enforces client_max_size for chunked bodies → 413
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8")
+        body = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"invalid JSON body: {e}") from None
     except RecursionError:
         raise ApiError(400, "invalid JSON body: nested too deeply") from None
+    if (bad := lone_surrogate(text, body)) is not None:  # as llama-server's parser refuses it
+        raise ApiError(400, f"invalid JSON body: an unpaired UTF-16 surrogate \\u{ord(bad):04x} in a string")
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
     return body

@@ -8,15 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.chat.prompt import ChatPlan, ChatRequestError, normalize_messages, plan_chat, read_chat_options
-from engine.jobs import ReloadFailed
+from engine.jobs import ReloadFailed, stops_refused
 from engine.sampling import GrammarSpec
 from engine.status import ModelChoice
 
 from hydra_rpc.http.chat import is_int, is_number, read_logit_bias, read_logprobs
 from hydra_rpc.http.errors import ApiError
-
-MAX_STOPS, MAX_STOP_BYTES = 16, 256
-
 
 @dataclass
 class CompletionRequest:
@@ -100,11 +97,8 @@ def _read_stop(body: dict[str, Any]) -> list[str]:
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "'stop' must be a string or an array of strings", param="stop")
     stops = [s for s in (stop or []) if s]
-    # The engine looks for stops in the last 256 bytes it generated; longer ones could only
-    # be caught here, after the tokens were already spent.
-    if len(stops) > MAX_STOPS or any(len(s.encode("utf-8")) > MAX_STOP_BYTES for s in stops):
-        raise ApiError(400, f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_BYTES} bytes each",
-                       param="stop")
+    if (why := stops_refused(stops)) is not None:
+        raise ApiError(400, why, param="stop")
     return stops
 
 

@@ -19,7 +19,7 @@ from codec.enums import Status
 from codec.errors import MalformedPayload
 from codec.hashing import Xxh3Stream
 from engine.buffers import lazy_buffer
-from engine.jobs import EngineBusy, GenRequest
+from engine.jobs import EngineBusy, GenRequest, stops_refused
 from engine.kv_cache import BadDeclaration, KvStateMismatch
 from engine.model_params import ModelParams
 
@@ -75,6 +75,7 @@ class DecodeV3:
             raise
         decode_id = self.results.next_id()
         choice = await select_model(self.engine, hdr.model, None)
+        request = self._request(slot, prompt_obj, choice.params)  # every field checked before the KV changes
         match, valid, reason = gate_a(hdr.kv_metadata, identity_meta(self.engine.identity))
         if not valid:
             await resp.send(Status.ERROR, {"valid": False, "decode_request_id": decode_id, "match": match,
@@ -84,7 +85,7 @@ class DecodeV3:
         if kv and not await self._restore(resp, slot, kv, hdr, decode_id):
             return
         restore_ms = (time.perf_counter() - t0) * 1000
-        await self._start(req, resp, slot, prompt_obj, choice, hdr, decode_id, match, restore_ms)
+        await self._start(req, resp, slot, request, hdr, decode_id, match, restore_ms)
 
     async def _read_frame(self, req: Request, first: bytes) -> tuple[Any, bytes, bytearray]:
         """The whole frame, every rule checked: the header, the prompt, the KV segment and its hash."""
@@ -133,12 +134,12 @@ class DecodeV3:
             return False
         return True
 
-    async def _start(self, req: Request, resp: ResponseWriter, slot: int, prompt_obj: dict[str, Any], choice: Any,
-                     hdr: Any, decode_id: int, match: dict[str, Any], restore_ms: float) -> None:
+    async def _start(self, req: Request, resp: ResponseWriter, slot: int, request: GenRequest, hdr: Any,
+                     decode_id: int, match: dict[str, Any], restore_ms: float) -> None:
         """Submit the generation (never queued) and answer; the result is collected detached."""
         n_past = self.engine.snapshot(slot).n_past
         try:  # never queued: a busy slot answers BUSY, as the C++ does
-            job = await self.engine.submit_admitted(self._request(slot, prompt_obj, choice.params))
+            job = await self.engine.submit_admitted(request)
         except EngineBusy as e:
             await resp.send(Status.BUSY, {"valid": False, "decode_request_id": decode_id, "reason": str(e),
                                           "error_code": "BUSY", "retry_after_ms": e.retry_after_ms})
@@ -169,7 +170,11 @@ class DecodeV3:
         if not isinstance(n_predict, int) or isinstance(n_predict, bool) or n_predict < 0:
             n_predict = self.engine.default_n_predict
         stop = p.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)]
+        if not isinstance(stop, list):
+            stop = [stop] if isinstance(stop, str) else []  # lenient as the C++: other types are ignored
+        stop = [s for s in stop if isinstance(s, str)]
+        if (why := stops_refused(stop)) is not None:
+            raise MalformedPayload(why, rule="v3.stop")
         messages = p.get("messages")
         prompt = p.get("prompt") if isinstance(p.get("prompt"), str) else None
         if not isinstance(messages, list):

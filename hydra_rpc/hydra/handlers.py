@@ -423,6 +423,10 @@ async def stream_pin(req: Request, resp: ResponseWriter, job: JobHandle) -> None
                 break
         with contextlib.suppress(asyncio.CancelledError):
             await job.result()
+    except (BadInput, EngineBusy, EngineUnavailable) as e:
+        # the OK is out, so the close that ends every PIN stream is all the client gets (the
+        # C++ does no better, docs/protocol.md §9); the request's log line says why
+        resp.error_rule = f"the engine ended the stream: {e}"[:200]
     finally:
         job.cancel()
 
