@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from codec.enums import Op
+from codec.framing import encode_request
 from tools.fuzzer import schedule
-from tools.fuzzer.explain import describe_input, input_line, requested_growth, tracebacks
+from tools.fuzzer.explain import config_asked, describe_input, input_line, requested_growth, tracebacks
 from tools.fuzzer.progress import summary_table
 from tests.helpers import run_fuzz
 
@@ -158,3 +160,12 @@ def test_summary_of_restarts_by_a_still_running_target():
     assert "target restarted 1 time(s): 0 after it died, 1 by the fuzzer after a finding or during minimization" in text
     assert ("restart 1: after a hang finding in case 1/5: still running, stopped by SIGTERM, exit code 0, "
             "peak RSS 40 MiB") in text
+
+
+def test_a_request_carrying_a_hydra_config_asked_for_the_memory_its_rebuild_takes():
+    """A PREFILL with ``hydra_config`` {"n_ctx": 16777216} is answered only once the engine has
+    built that context (seconds, gigabytes): the growth is what it asked for, not a leak."""
+    asked = encode_request(Op.PREFILL, b"0", b'{"prompt":"x","hydra_config":{"n_ctx":16777216}}')
+    plain = encode_request(Op.PREFILL, b"0", b'{"prompt":"x"}')
+    assert "hydra_config asked for n_ctx" in config_asked([plain, asked])
+    assert config_asked([plain, b"\x00garbage", encode_request(Op.PREFILL, b"0", b'{"hydra_config": {}}')]) is None

@@ -192,6 +192,26 @@ def exception_type(exc_line: str) -> str:
 
 
 # ------------------------------------------------------------------------------ requested memory
+def config_asked(sent: list[bytes]) -> str | None:
+    """If a request of this case carried a ``hydra_config`` (PREFILL and DECODE may: the engine
+    rebuilds for it before it answers), say which keys: the memory is what it asked for."""
+    from codec.errors import CodecError
+    from codec.framing import REQUEST_HEADER_SIZE, decode_request_header
+
+    for frame in sent:
+        try:
+            h = decode_request_header(frame)
+            start = REQUEST_HEADER_SIZE + h.key_len + h.trace_len
+            body = json.loads(bytes(frame[start:start + h.payload_len]))
+        except (CodecError, ValueError):
+            continue
+        config = body.get("hydra_config") if isinstance(body, dict) else None
+        if isinstance(config, dict) and config:
+            return (f"the request's hydra_config asked for {', '.join(map(str, list(config)[:6]))}: "
+                    "the memory is what the request asked for")
+    return None
+
+
 def requested_growth(responses: list[dict[str, Any]]) -> str | None:
     """If a reply in this case accepted a setting that rebuilds the context or the model, say
     which: the memory it takes is what the client asked for."""

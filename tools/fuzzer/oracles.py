@@ -33,7 +33,7 @@ from codec.frames import split_frames
 from codec.framing import encode_request
 
 from .cases import Outcome
-from .explain import exception_type, requested_growth, tracebacks
+from .explain import config_asked, exception_type, requested_growth, tracebacks
 from .responses import Closed, Conn, Malformed, Resp, Stalled, read_response
 from .target import Target, exit_text
 
@@ -199,7 +199,8 @@ async def progressing(target: Target, frame: SentFrame, deadline: float, window:
             return None
         snap = {k: r.meta.get(k) for k in ("n_past", "tokens_processed", "is_processing", "operation")}
         if not snap.get("is_processing") and snap.get("operation") in (None, "idle"):
-            return None
+            # a request whose hydra_config the engine is loading waits for that reload, not a slot
+            return True if await _reloading(target, deadline) else None
         if first is None:
             first = snap
         elif snap != first:
@@ -207,6 +208,21 @@ async def progressing(target: Target, frame: SentFrame, deadline: float, window:
         if loop.time() >= end:
             return False
         await asyncio.sleep(interval)
+
+
+async def _reloading(target: Target, deadline: float) -> bool:
+    """Whether INFO shows a reload being built (a context of the size a request asked for can
+    take many seconds: slow, not a hang)."""
+    try:
+        conn = await Conn.open(target.host, target.port, deadline)
+        try:
+            r = await conn.request(encode_request(Op.INFO, b""), deadline)
+        finally:
+            await conn.close()
+    except (OSError, TimeoutError, Closed, Stalled, Malformed):
+        return False
+    reload = r.meta.get("reload") if r.status == Status.OK and r.meta else None
+    return isinstance(reload, dict) and reload.get("state") in ("loading", "draining")
 
 
 class Hang(Exception):
@@ -255,7 +271,7 @@ async def after_case(target: Target, baseline: Baseline, deadline: float, out: O
     if rss_before is not None and after is not None and after - rss_before > max_rss_growth_kb:
         grew = (f"the target's peak RSS grew by {(after - rss_before) // 1024} MiB during this case "
                 f"({rss_before // 1024} → {after // 1024} MiB)")
-        asked = requested_growth(out.responses)
+        asked = requested_growth(out.responses) or config_asked(out.sent)
         if asked:  # a CONFIGURE n_ctx=16777216 the target accepted: it did what it was told
             out.expected.append(f"requested-memory: {grew}; {asked}")
         else:
