@@ -27,14 +27,9 @@ from construct import ConstructError, Int32ul, Int64ul, Struct
 
 from .errors import CodecError, LocalProtocolError, MalformedPayload, Truncated
 from .hashing import Xxh3Stream, kv_hash_str, parse_hash_str, xxh3_64
+from .json_text import dumps_compact, loads_json
 from .kvblob import STATE_STREAM_PREFIX_LEN, KvBlobHeader, blob_version, kv_header_need, parse_kv_blob_header
-from .payloads import (
-    HYDRA_MAX_JSON_HEADER,
-    HYDRA_MAX_PROMPT_BYTES,
-    HYDRA_MAX_STATE_BYTES,
-    dumps_compact,
-    loads_json,
-)
+from .payloads import HYDRA_MAX_JSON_HEADER, HYDRA_MAX_PROMPT_BYTES, HYDRA_MAX_STATE_BYTES
 
 __all__ = [
     "HYDRA_MAX_JSON_HEADER", "HYDRA_MAX_PROMPT_BYTES", "HYDRA_MAX_STATE_BYTES", "DECODE_V3_PREFIX",

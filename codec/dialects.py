@@ -25,7 +25,8 @@ from typing import Any, Mapping
 from .enums import Status
 from .errors import MalformedPayload
 from .framing import ResponseHeader
-from .payloads import HYDRA_MAX_JSON_HEADER, Buffer, _first_non_ws, parse_json_object
+from .json_text import parse_json_object
+from .payloads import HYDRA_MAX_JSON_HEADER, Buffer, _first_non_ws
 
 
 class Dialect(enum.Enum):

@@ -19,7 +19,7 @@ from typing import Any
 from construct import Bytes, ConstructError, GreedyRange, Int32sl, Struct, Terminated, this
 
 from .errors import FrameTooLarge, LocalProtocolError, MalformedPayload, Truncated
-from .payloads import dumps_compact, loads_json, parse_json_object
+from .json_text import dumps_compact, loads_json, parse_json_object
 
 INDEXED_CHUNK_HEAD = Struct("index" / Int32sl, "size" / Int32sl)
 INDEXED_CHUNK = Struct("index" / Int32sl, "size" / Int32sl, "body" / Bytes(this.size))

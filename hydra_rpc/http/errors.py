@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from codec.payloads import lone_surrogate
+from codec.json_text import lone_surrogate
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable
 
 from hydra_rpc.http.chat import dumps
@@ -78,7 +78,7 @@ async def read_json_object(request: web.Request, max_body: int) -> dict[str, Any
         raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of {max_body}")
     raw = await request.read()  # aiohttp enforces client_max_size for chunked bodies → 413
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a BOM is skipped, as json.loads(bytes) and nlohmann do
         body = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"invalid JSON body: {e}") from None

@@ -18,6 +18,8 @@ import struct
 from typing import Any
 
 from codec.enums import op_name
+from codec.errors import CodecError
+from codec.framing import REQUEST_HEADER_SIZE, decode_request_header
 
 from .cases import Case
 
@@ -195,9 +197,6 @@ def exception_type(exc_line: str) -> str:
 def config_asked(sent: list[bytes]) -> str | None:
     """If a request of this case carried a ``hydra_config`` (PREFILL and DECODE may: the engine
     rebuilds for it before it answers), say which keys: the memory is what it asked for."""
-    from codec.errors import CodecError
-    from codec.framing import REQUEST_HEADER_SIZE, decode_request_header
-
     for frame in sent:
         try:
             h = decode_request_header(frame)
