@@ -37,6 +37,13 @@ class ModelChanged(EngineUnavailable):
     """The model config a request named was swapped out before the request ran."""
 
 
+class Unservable(Exception):
+    """This engine's own configuration cannot serve the request: not the client's input, not a
+    bug. So far one case: with ``--no-jinja`` a chat template llama.cpp's built-in renderer
+    does not know (llama-server starts on it too, and fails each chat). ERROR on the Hydra
+    port, HTTP 500, without a traceback."""
+
+
 # The engine looks for stop sequences in the last 256 bytes it generated, on every token: longer
 # ones could never match, and each one more costs every token of the job.
 MAX_STOPS, MAX_STOP_BYTES = 16, 256

@@ -226,3 +226,28 @@ def test_a_configure_whose_rope_scale_leaves_slots_no_context_fails_its_reload(t
 def _get_json(port: int, path: str) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
         return json.loads(r.read())
+
+
+def test_no_jinja_with_a_template_llama_cpp_does_not_know_fails_each_chat_as_llama_server_does():
+    """``--no-jinja`` leaves only llama.cpp's built-in formats, and tiny-hybrid's template is
+    none of them: llama-server starts and answers each chat 500 "this custom template is not
+    supported, try using --jinja". So does this engine, on both ports, with no traceback; a
+    plain completion is served."""
+    cmd = [sys.executable, "-m", "hydra_rpc.cli.llama_engine", "--host", "127.0.0.1", "-m", "tiny-hybrid",
+           "--port", "0", "--log-summary", "0", "--no-jinja"]
+    with ChildProcess(cmd, "hydra-llama-engine", keep_lines=None) as p:
+        hydra, http = _ports(p)
+        chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/chat/completions", chat,
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 500 and "try using --jinja" in json.loads(e.value.read())["error"]["message"]
+        done = _call(hydra, "PREFILL", "--key", "0", "--json", '{"messages": [{"role": "user", "content": "hi"}]}')
+        assert b"ERROR" in done.stderr and b"try using --jinja" in done.stdout, (done.stdout, done.stderr)
+        plain = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions",
+                                       json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                       {"Content-Type": "application/json"})
+        with urllib.request.urlopen(plain, timeout=30) as r:
+            assert r.status == 200
+        assert "Traceback" not in p.log and "internal error" not in p.log, p.log[-3000:]

@@ -8,8 +8,13 @@ from typing import Any
 
 import llama_cpp.llama_cpp as L
 
+from ..jobs import Unservable
 from .chat_template import content_text
 from .runtime import LlamaBackendError
+
+
+class UnknownTemplate(LlamaBackendError, Unservable):
+    """``llama_chat_apply_template`` recognises no built-in format in the template."""
 
 
 def is_jinja_source(text: str) -> bool:
@@ -29,7 +34,9 @@ def render_builtin(template: str, messages: list[dict[str, Any]], add_generation
         buf = ctypes.create_string_buffer(size)
         n = int(L.llama_chat_apply_template(tmpl, chat, len(keep), add_generation_prompt, buf, size))
         if n < 0:
-            raise LlamaBackendError(f"llama.cpp does not know the chat template {template[:80]!r}")
+            raise UnknownTemplate(f"llama.cpp does not know the chat template {template[:80]!r}: without --jinja "
+                                  "only its built-in formats render (this custom template is not supported, "
+                                  "try using --jinja)")
         if n <= size:
             return buf.raw[:n].decode("utf-8", "replace")
         size = n

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from codec.json_text import lone_surrogate
-from engine.jobs import BadInput, EngineBusy, EngineUnavailable
+from engine.jobs import BadInput, EngineBusy, EngineUnavailable, Unservable
 
 from hydra_rpc.http.chat import dumps
 
@@ -61,6 +61,8 @@ def engine_error(e: BaseException) -> ApiError:
         return ApiError(400, str(e))
     if isinstance(e, EngineUnavailable):
         return ApiError(503, str(e))
+    if isinstance(e, Unservable):  # the server's configuration, not the request: llama-server's 500
+        return ApiError(500, str(e))
     if type(e).__module__.startswith("jinja2"):  # the model's chat template refused the messages
         return ApiError(400, f"the chat template rejected the messages: {e}", param="messages")
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}")

@@ -21,7 +21,8 @@ from codec.limits import HYDRA_MAX_PROMPT_BYTES
 from codec.kvblob import KvBlobLayout, encode_kv_blob_header, max_kv_blob_size, parse_kv_blob, split_logits_tail
 from engine.api import EngineApi
 from engine.chat.prompt import ChatRequestError, normalize_messages, plan_chat, read_chat_options
-from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle, ReloadFailed
+from engine.jobs import (BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle, ReloadFailed,
+                         Unservable)
 from engine.kv_cache import BadDeclaration, KvStateMismatch
 from engine.reasoning_budget import ReasoningBudget
 from engine.sampling import GREEDY, GrammarSpec
@@ -374,7 +375,7 @@ def engine_errors(fn):
             if resp.started:
                 raise
             await resp.send(Status.BAD_REQUEST, e.as_meta() if isinstance(e, KvStateMismatch) else {"error": str(e)})
-        except EngineUnavailable as e:
+        except (EngineUnavailable, Unservable) as e:
             if resp.started:
                 raise
             await resp.send(Status.ERROR, {"error": str(e)})
@@ -423,7 +424,7 @@ async def stream_pin(req: Request, resp: ResponseWriter, job: JobHandle) -> None
                 break
         with contextlib.suppress(asyncio.CancelledError):
             await job.result()
-    except (BadInput, EngineBusy, EngineUnavailable) as e:
+    except (BadInput, EngineBusy, EngineUnavailable, Unservable) as e:
         # the OK is out, so the close that ends every PIN stream is all the client gets (the
         # C++ does no better, docs/protocol.md §9); the request's log line says why
         resp.error_rule = f"the engine ended the stream: {e}"[:200]
