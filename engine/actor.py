@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from typing import Any, Callable, Mapping
@@ -337,9 +338,10 @@ class EngineActor(SlotStateOps):
         # for a KV cache that cannot move positions, e.g. a sliding window)
         shift = self.params.context_shift and self.model.can_shift
         keep = int(self.t1.get("n_keep", 0)) + 1 if shift else None
+        free_idle = functools.partial(self._free_idle_slots, running) if self.params.kv_unified else None
         run_step(self.model, running, n_ctx_slot=self.n_ctx_slot, token_budget=budget, shift_keep=keep,
                  time_slice=self.cfg.time_slice, cache=self.cache, counters=self.stats,
-                 hand_over=self._hand_over, should_yield=self._has_mail)
+                 hand_over=self._hand_over, should_yield=self._has_mail, free_idle=free_idle)
 
     def _hand_over(self, batch: list[tuple[Running, list]]) -> None:
         """Inference thread: a running step's tokens, to be delivered on the loop while it goes on."""

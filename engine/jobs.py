@@ -38,10 +38,16 @@ class ModelChanged(EngineUnavailable):
 
 
 class Unservable(Exception):
-    """This engine's own configuration cannot serve the request: not the client's input, not a
-    bug. So far one case: with ``--no-jinja`` a chat template llama.cpp's built-in renderer
-    does not know (llama-server starts on it too, and fails each chat). ERROR on the Hydra
-    port, HTTP 500, without a traceback."""
+    """The engine, as configured and as full as it is, cannot serve the request: not the
+    client's input, not a bug. With ``--no-jinja`` a chat template llama.cpp's built-in
+    renderer does not know (llama-server starts on it too, and fails each chat); a KV cache
+    the running slots fill together (``--kv-unified``), llama-server's "Context size has been
+    exceeded.". ERROR on the Hydra port, HTTP 500, without a traceback."""
+
+
+class KvCacheFull(Unservable):
+    """A batch found no free KV cell: the slots together fill a unified cache. The step first
+    gives up the cache of slots no job runs on (llama-server's ``try_clear_idle_slots``)."""
 
 
 # The engine looks for stop sequences in the last 256 bytes it generated, on every token: longer

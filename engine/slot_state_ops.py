@@ -8,6 +8,7 @@ before anything changes (docs/architecture.md, "State transfer").
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ from .jobs import EngineBusy
 from .kv_cache import BadDeclaration, KvStateMismatch, restore_state
 from .messages import Erase, StateGet, StatePut
 from .slots import Slot
+
+log = logging.getLogger("engine.actor")
 
 
 def logits_tail(state: Any, consumed: int, model: Any) -> np.ndarray | None:
@@ -110,6 +113,22 @@ class SlotStateOps:
         self.cache.checkpoints.forget(slot.id)
         self._publish()
         return n
+
+    def _free_idle_slots(self, running: list[Any]) -> bool:
+        """Inference thread, inside a step whose batch found the unified KV cache full: the
+        slots no job runs on give up their cached prompts, as llama-server's
+        ``try_clear_idle_slots`` does (their next prompt is computed again). True if any did."""
+        busy = {r.slot.id for r in running}
+        freed = False
+        for slot in self.slots:
+            if slot.id in busy or slot.transferring or not (slot.tokens or slot.tail):
+                continue
+            log.info("the KV cache is full: idle slot %d gives up its %d cached tokens", slot.id, len(slot.tokens))
+            self.model.seq_clear(slot.id)
+            slot.tokens, slot.tail, slot.state_size, slot.last_logits = [], [], 0, None
+            self.cache.checkpoints.forget(slot.id)
+            freed = True
+        return freed
 
     async def _erase_deferred(self) -> None:
         """Erase the slots freed since an erase was deferred, then admit what they held back."""

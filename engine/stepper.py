@@ -27,7 +27,7 @@ from .backend import BatchItem, ModelBackend
 from .chat.formats import generation_opens_reasoning
 from .chat.turns import last_turn_start
 from .checkpoints import END_OFFSET, Checkpoints
-from .jobs import BadInput, GenJob, GenRequest, TokenEvent
+from .jobs import BadInput, GenJob, GenRequest, KvCacheFull, TokenEvent
 from .prompt_cache import PromptCache
 from .reasoning_budget import BudgetTracker, tracker_for
 from .sampling import GrammarExhausted, SamplerParams
@@ -260,12 +260,13 @@ HandOver = Callable[[list[tuple[Running, list]]], None]  # (job, its new token e
 def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, token_budget: int,
              time_slice: float, cache: PromptCache, max_iters: int = 256, shift_keep: int | None = None,
              counters: dict[str, float] | None = None, hand_over: HandOver | None = None,
-             should_yield: Callable[[], bool] | None = None) -> None:
+             should_yield: Callable[[], bool] | None = None, free_idle: Callable[[], bool] | None = None) -> None:
     """Advance every running job by one or more batched decodes (inference thread).
     ``counters`` (the engine's stats) gets ``n_decode`` and ``n_busy_slots`` per decode: what
     llama-server's ``llamacpp:n_decode_total`` / ``n_busy_slots_per_decode`` count.
     ``hand_over(batch)`` takes (job, its new token events) while the step goes on; the events
-    left when it ends stay in ``Running.events`` for the actor."""
+    left when it ends stay in ``Running.events`` for the actor. ``free_idle()`` gives up the KV
+    of slots no job runs on when a batch finds the cache full (True if it freed any)."""
     t0 = handed = time.perf_counter()
     _admit_new(model, running, n_ctx_slot, cache, shift_keep)
     iters = 0
@@ -277,7 +278,12 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
         if not items:
             break
         prefilling = [r for r, c, _ in fed if len(c) > 1 or r.pending]
-        model.decode(items)
+        try:
+            model.decode(items)
+        except KvCacheFull:
+            if free_idle is None or not free_idle():
+                raise  # every job of the step fails with it, as llama-server fails them
+            continue  # the same batch again, in the room the idle slots gave up
         if counters is not None:
             counters["n_decode"] += 1
             counters["n_busy_slots"] += len(items)

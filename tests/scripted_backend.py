@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.backend import BatchItem
 from engine.chat.formats import detect_format
+from engine.jobs import KvCacheFull
 from engine.kv_cache import KvCacheInfo
 from engine.model_params import ModelParams
 from engine.sampling import SamplerParams
@@ -144,6 +145,7 @@ class ScriptedBackend:
         self.closed = False
         self._with_logits: set[int] = set()
         self.given_logits: list[int] = []  # seqs set_logits was called for, in order
+        self.kv_cells: int | None = None  # a unified cache of this many cells: a batch past it finds no room
 
     # ---- identity and vocabulary
     @property
@@ -210,6 +212,8 @@ class ScriptedBackend:
         n_tokens = sum(len(it.tokens) for it in items)
         if n_tokens > self.n_batch:  # llama.cpp's batch holds n_batch tokens
             raise ValueError(f"{n_tokens} tokens in one decode exceed n_batch={self.n_batch}")
+        if self.kv_cells is not None and sum(map(len, self.kv)) + n_tokens > self.kv_cells:
+            raise KvCacheFull(f"{n_tokens} tokens do not fit the {self.kv_cells} cells")  # nothing changed
         self._with_logits = set()
         for it in items:
             kv = self.kv[it.seq]

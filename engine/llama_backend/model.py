@@ -25,7 +25,8 @@ from .context import context_params, create_context, load_model_file, slot_conte
 from .identity import read_identity
 from .kv_probe import describe
 from .model_text import ModelText
-from .runtime import DecodeError, LlamaBackendError, clear_llama_errors, default_threads, last_llama_errors
+from .runtime import (ContextExceeded, DecodeError, LlamaBackendError, clear_llama_errors, default_threads,
+                      last_llama_errors)
 from .sampler import Sampler, accept_forced, make_sampler, sample_row, top_logprobs
 
 
@@ -301,13 +302,12 @@ class LoadedModel(ModelText):
         clear_llama_errors()
         rc = int(L.llama_decode(ctx, self._batch.raw))
         if rc != 0:
-            raise DecodeError(rc, self._decode_error_message(rc, items))
+            raise (ContextExceeded if rc == 1 else DecodeError)(rc, self._decode_error_message(rc, items))
         self._logit_idx = out
 
     def _decode_error_message(self, rc: int, items: Sequence[BatchItem]) -> str:
-        what = {1: "no KV slot for the batch (context full)", 2: "aborted", -1: "invalid batch"}.get(
-            rc, "fatal error"
-        )
+        what = {1: "Context size has been exceeded: no KV cell left for the batch", 2: "aborted",
+                -1: "invalid batch"}.get(rc, "fatal error")
         detail = ", ".join(
             f"seq {it.seq}: {len(it.tokens)} tok at pos {it.pos0} (cache pos_max {self.seq_pos_max(it.seq)})"
             for it in items[:8]

@@ -14,6 +14,8 @@ import threading
 
 import llama_cpp.llama_cpp as L
 
+from ..jobs import KvCacheFull
+
 
 class LlamaBackendError(RuntimeError):
     """Base class of the llama backend's errors."""
@@ -29,6 +31,10 @@ class DecodeError(LlamaBackendError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class ContextExceeded(DecodeError, KvCacheFull):
+    """Code 1: the KV cache has no cell left for the batch."""
 
 
 class StateError(LlamaBackendError):
