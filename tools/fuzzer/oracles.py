@@ -84,6 +84,7 @@ class Baseline:
     status: int
     has_engine: bool
     config_generation: int | None = None  # what INFO said at the start (a live target's settings)
+    n_slots: int | None = None  # INFO's slots_total (fixed for the process: --parallel is a start flag)
 
     def matches(self, r: Resp) -> bool:
         return r.status == self.status and (not self.has_engine or bool(r.meta and "engine" in r.meta))
@@ -103,7 +104,16 @@ async def probe_info(target: Target, deadline: float) -> Resp:
 async def take_baseline(target: Target, deadline: float) -> Baseline:
     r = await probe_info(target, deadline)
     meta = r.meta if isinstance(r.meta, dict) else {}
-    return Baseline(r.status, "engine" in meta, meta.get("config_generation"))
+    slots = meta.get("slots_total")
+    return Baseline(r.status, "engine" in meta, meta.get("config_generation"),
+                    slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None)
+
+
+def slot_reached(key: bytes, n_slots: int | None) -> int | None:
+    """The slot a key names: an id at or past the slot count maps onto the slots modulo it, as
+    the C++ engine maps it (docs/protocol.md, keys)."""
+    slot = stoi(key)
+    return slot % n_slots if slot is not None and slot >= 0 and n_slots else slot
 
 
 def judge(resp: Resp, frame: SentFrame | None, baseline: Baseline, out: Outcome) -> None:
@@ -118,7 +128,7 @@ def judge(resp: Resp, frame: SentFrame | None, baseline: Baseline, out: Outcome)
     if frame.op == Op.INFO and baseline.has_engine and "engine" not in resp.meta:
         out.fail("desync", "an OK reply to INFO has no 'engine' key: it answers another request", rule="mismatch")
     if frame.op == Op.STATE_META and "slot_id" in resp.meta:
-        want = stoi(frame.key)
+        want = slot_reached(frame.key, baseline.n_slots)
         if want is not None and resp.meta["slot_id"] != want:
             out.fail("desync", f"STATE_META for slot {want} answered with slot_id {resp.meta['slot_id']}",
                      rule="mismatch")
