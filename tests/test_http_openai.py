@@ -148,7 +148,8 @@ async def test_sse_client_disconnect_cancels_generation_and_frees_slot(http):
     await erase(http, 1)
     async with http.get("/metrics") as r:
         cancelled_before = metric(await r.text(), "hydra_http_generations_total", endpoint="chat", reason="cancelled")
-    body = {"messages": HELLO, "max_tokens": 4000, "stream": True, "slot": 1}
+    # greedy: the tiny model never samples EOS so, and the stream is still running when META is read
+    body = {"messages": HELLO, "max_tokens": 4000, "stream": True, "slot": 1, "temperature": 0}
     async with http.post("/v1/chat/completions", json=body) as stream:
         assert stream.status == 200 and stream.headers["Content-Type"].startswith("text/event-stream")
         assert (await stream.content.readline()).startswith(b"data: ")
@@ -166,7 +167,7 @@ async def test_sse_client_disconnect_cancels_generation_and_frees_slot(http):
 @pytest.mark.asyncio
 async def test_disconnect_while_queued_behind_a_busy_slot_cancels_the_waiting_job(http):
     await erase(http, 2)
-    body = {"messages": HELLO, "max_tokens": 4000, "stream": True, "slot": 2}
+    body = {"messages": HELLO, "max_tokens": 4000, "stream": True, "slot": 2, "temperature": 0}
     async with http.post("/v1/chat/completions", json=body) as first:
         assert first.status == 200
         # A non-streamed request for the same slot waits in its queue; then its client gives up.
