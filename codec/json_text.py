@@ -60,16 +60,24 @@ def loads_json(data: Buffer | str, rule: str) -> Any:
     return obj
 
 
-# one encoder for every call: json.dumps with options builds a new JSONEncoder each time
-_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+# one encoder per flavour for every call: json.dumps with options builds a new JSONEncoder each time
+_COMPACT = {nan: json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=nan) for nan in (False, True)}
+_ESCAPED = {nan: json.JSONEncoder(separators=(",", ":"), allow_nan=nan) for nan in (False, True)}
+
+
+def compact_utf8(obj: Any, *, allow_nan: bool = False) -> bytes:
+    """Compact UTF-8 JSON. A lone surrogate (a model's JSON text can hold one) has no UTF-8:
+    the text is then written with escapes, so it keeps the ``\\udXXX`` the model wrote."""
+    try:
+        return _COMPACT[allow_nan].encode(obj).encode()
+    except UnicodeEncodeError:
+        return _ESCAPED[allow_nan].encode(obj).encode()
 
 
 def dumps_compact(obj: Any, *, rule: str = "json.encode") -> bytes:
     """Compact UTF-8 JSON, like nlohmann ``dump()`` with no indent (no spaces, raw UTF-8)."""
     try:
-        return _COMPACT.encode(obj).encode()
-    except UnicodeEncodeError:  # a lone surrogate (a model's JSON text can hold one): keep its escape
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        return compact_utf8(obj)
     except (TypeError, ValueError, RecursionError) as e:
         raise LocalProtocolError(f"cannot encode JSON: {e}", rule=rule) from None
 

@@ -31,7 +31,7 @@ from construct import (
 )
 
 from .errors import FrameTooLarge, LocalProtocolError, MalformedPayload, Truncated
-from .json_text import dumps_compact, loads_json, parse_json_object
+from .json_text import Buffer, dumps_compact, loads_json, parse_json_object
 
 # ---- engine caps (tools/server/server-rpc.h) -------------------------------------------------
 HYDRA_MAX_STATE_BYTES = 4 * 1024**3  # STATE_PUT payload, DECODE kv segment
@@ -39,7 +39,6 @@ HYDRA_MAX_JSON_HEADER = 32 * 1024  # DECODE v3 control header
 HYDRA_MAX_PROMPT_BYTES = 64 * 1024**2  # DECODE v3 prompt segment
 MAX_META_LEN = 0xFFFFFF  # u24 meta_len in the response header
 
-Buffer = bytes | bytearray | memoryview
 
 # ---- meta ----------------------------------------------------------------------------------
 

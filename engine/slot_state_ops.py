@@ -108,11 +108,15 @@ class SlotStateOps:
 
     async def _erase_now(self, slot: Slot) -> int:
         n = slot.n_past
-        await asyncio.get_running_loop().run_in_executor(self._infer, self.model.seq_clear, slot.id)
-        slot.tokens, slot.tail, slot.state_size, slot.last_logits = [], [], 0, None
-        self.cache.checkpoints.forget(slot.id)
+        await asyncio.get_running_loop().run_in_executor(self._infer, self._clear_slot, slot)
         self._publish()
         return n
+
+    def _clear_slot(self, slot: Slot) -> None:
+        """Inference thread: the slot's sequence, cached tokens and checkpoints are gone."""
+        self.model.seq_clear(slot.id)
+        slot.tokens, slot.tail, slot.state_size, slot.last_logits = [], [], 0, None
+        self.cache.checkpoints.forget(slot.id)
 
     def _free_idle_slots(self, running: list[Any]) -> bool:
         """Inference thread, inside a step whose batch found the unified KV cache full: the
@@ -124,9 +128,7 @@ class SlotStateOps:
             if slot.id in busy or slot.transferring or not (slot.tokens or slot.tail):
                 continue
             log.info("the KV cache is full: idle slot %d gives up its %d cached tokens", slot.id, len(slot.tokens))
-            self.model.seq_clear(slot.id)
-            slot.tokens, slot.tail, slot.state_size, slot.last_logits = [], [], 0, None
-            self.cache.checkpoints.forget(slot.id)
+            self._clear_slot(slot)
             freed = True
         return freed
 

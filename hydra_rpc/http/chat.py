@@ -7,20 +7,17 @@ far and only what changed goes out as a delta, so the deltas add up to the whole
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Callable, Iterable
 
+from codec.json_text import compact_utf8
 from engine.chat.parse import ChatMessage, parse_output
 from engine.chat.prompt import ChatPlan, ChatRequestError
 from engine.chat.stream import ChatStream
 from engine.jobs import TokenEvent
 
 def dumps(obj: Any) -> bytes:
-    try:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (a model's JSON text can hold one): keep its escape
-        return json.dumps(obj, separators=(",", ":")).encode("ascii")
+    return compact_utf8(obj, allow_nan=True)  # json.dumps' default: an infinity is written, not refused
 
 
 # engine stop_reason → OpenAI finish_reason ("none" is a zero-token request; cancelled has none;

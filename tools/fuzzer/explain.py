@@ -18,8 +18,7 @@ import struct
 from typing import Any
 
 from codec.enums import op_name
-from codec.errors import CodecError
-from codec.framing import REQUEST_HEADER_SIZE, decode_request_header
+from codec.frames import split_frames
 
 from .cases import Case
 
@@ -197,12 +196,10 @@ def exception_type(exc_line: str) -> str:
 def config_asked(sent: list[bytes]) -> str | None:
     """If a request of this case carried a ``hydra_config`` (PREFILL and DECODE may: the engine
     rebuilds for it before it answers), say which keys: the memory is what it asked for."""
-    for frame in sent:
+    for frame in split_frames(b"".join(sent)).frames:
         try:
-            h = decode_request_header(frame)
-            start = REQUEST_HEADER_SIZE + h.key_len + h.trace_len
-            body = json.loads(bytes(frame[start:start + h.payload_len]))
-        except (CodecError, ValueError):
+            body = json.loads(frame.payload)
+        except ValueError:
             continue
         config = body.get("hydra_config") if isinstance(body, dict) else None
         if isinstance(config, dict) and config:

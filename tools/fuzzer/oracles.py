@@ -224,11 +224,7 @@ async def _reloading(target: Target, deadline: float) -> bool:
     """Whether INFO shows a reload being built (a context of the size a request asked for can
     take many seconds: slow, not a hang)."""
     try:
-        conn = await Conn.open(target.host, target.port, deadline)
-        try:
-            r = await conn.request(encode_request(Op.INFO, b""), deadline)
-        finally:
-            await conn.close()
+        r = await probe_info(target, deadline)
     except (OSError, TimeoutError, Closed, Stalled, Malformed):
         return False
     reload = r.meta.get("reload") if r.status == Status.OK and r.meta else None
