@@ -153,6 +153,27 @@ def test_the_idle_gap_client_times_a_real_first_token(server):
     assert summarize_gaps(samples, base="ours")["1.0"]["ours"]["ratio"] == 1.0
 
 
+def test_the_http_floor_bench_times_health_on_ours_and_on_its_minimal_servers(server):
+    """tools/bench/http_floor.py: its blocking client against a real server of ours and each
+    minimal server (its own processes): a block of requests each, with the server's CPU per
+    request, summarized against one of them."""
+    from types import SimpleNamespace
+
+    from tools.bench import http_floor as hf
+    from tools.bench.llama_server import servers_running
+
+    ours = SimpleNamespace(port=server.http_port, pid=server.pid)  # what the bench reads of a server
+    assert hf.health_us(server.http_port) > 0
+    with servers_running({k: lambda k=k: hf._minimal(k) for k in hf.MINIMAL}) as minimal:
+        samples = hf.measure({"ours": ours, **minimal}, 3, 1)
+    assert {k: (len(s["wall_us"]), len(s["cpu_us"])) for k, s in samples.items()} == {
+        k: (3, 1) for k in ("ours", *hf.MINIMAL)}
+    assert all(min(s["wall_us"]) > 0 and s["cpu_us"][0] > 0 for s in samples.values())
+    summary = hf.summarize(samples, base="ours")
+    assert summary["ours"]["wall_ratio"] == summary["ours"]["cpu_ratio"] == 1.0
+    assert "| aiohttp + our plumbing |" in hf.runs_table([{"summary": summary}])
+
+
 @pytest.mark.asyncio
 async def test_the_agent_turns_bench_sends_growing_conversations_that_reuse_the_cache():
     """tools/bench/agent_turns.py against a real server of ours on a fleet kind (tiny-hybrid,
