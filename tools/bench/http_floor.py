@@ -4,7 +4,7 @@
     python -m tools.bench.http_floor --table DIR     # the runs DIR/run-N.json in one table
 
 A short completion's first token on tiny-small is a few hundred microseconds of decode and as
-much again of the request's path; this measures the HTTP part of that path alone, on five
+much again of the request's path; this measures the HTTP part of that path alone, on six
 servers up at once:
 
 * ``llama-server`` and ``ours`` (``hydra-llama-engine``) on the shared llama-server argv
@@ -12,9 +12,12 @@ servers up at once:
 * ``raw protocol``: an ``asyncio.Protocol`` on uvloop that reads the request head and writes a
   fixed answer — what Python on this loop costs with no HTTP library;
 * ``aiohttp``: a minimal aiohttp application on uvloop (``loop.create_server``, no access log);
-* ``aiohttp + our plumbing``: the same application behind this server's own HTTP plumbing
-  (``http.limits``: the budgeted accept loop and the read deadlines; ``http.app``'s error and
-  metrics middleware, the body middleware, the access log through ours), no engine.
+* ``aiohttp + our accept loop``: the same application served by ``http.limits``' site: the
+  accept loop that counts connections against the budget (``conn_budget.Acceptor``) and the
+  guard that keeps each connection's read deadlines;
+* ``aiohttp + our plumbing``: and the rest of this server's HTTP plumbing: ``http.app``'s error
+  and metrics middleware, ``http.limits``' body middleware, the access log through ours; no
+  engine.
 
 Each round gives each server a block of ``--requests`` requests (the servers' order rotates),
 each on a new connection (``Connection: close``) from a blocking socket, timed from before
@@ -42,7 +45,7 @@ from tools.bench.llama_server import OpenAIServer, build_info, llama_server_or_e
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import free_port, start
 
-MINIMAL = ("raw protocol", "aiohttp", "aiohttp + our plumbing")
+MINIMAL = ("raw protocol", "aiohttp", "aiohttp + our accept loop", "aiohttp + our plumbing")
 HEALTH_BODY = json.dumps({"status": "ok", "startup_stage": "ready", "has_model": True, "model_name": "m"}).encode()
 
 
@@ -125,14 +128,15 @@ class _RawHttp(asyncio.Protocol):
             self.transport.close()
 
 
-def _aiohttp_app(plumbing: bool) -> tuple[Any, Any]:
-    """The application and, with ``plumbing``, the HttpLimits whose site serves it."""
+def _aiohttp_app(kind: str) -> tuple[Any, Any]:
+    """The application of a minimal server ``kind`` and the HttpLimits whose site serves it
+    (None: aiohttp's own site)."""
     from aiohttp import web
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(body=HEALTH_BODY, content_type="application/json")
 
-    if not plumbing:
+    if kind == "aiohttp":
         app = web.Application()
         app.router.add_get("/health", health)
         return app, None
@@ -144,7 +148,8 @@ def _aiohttp_app(plumbing: bool) -> tuple[Any, Any]:
 
     cfg = ServerConfig()
     limits = HttpLimits(cfg, ConnectionBudget(cfg.max_connections, 4 * cfg.max_connections), 1 << 20)
-    app = web.Application(middlewares=[_middleware(cfg, Metrics()), limits.middleware])
+    plumbing = kind == "aiohttp + our plumbing"
+    app = web.Application(middlewares=[_middleware(cfg, Metrics()), limits.middleware] if plumbing else [])
     app.router.add_get("/health", health)
     return app, limits
 
@@ -157,9 +162,10 @@ async def _serve(kind: str, port: int) -> None:
     if kind == "raw protocol":
         await asyncio.get_running_loop().create_server(_RawHttp, "127.0.0.1", port)
     else:
-        app, limits = _aiohttp_app(kind == "aiohttp + our plumbing")
-        logging = access_log_options() if limits is not None else {"access_log": None}
-        runner = web.AppRunner(app, handle_signals=False, handler_cancellation=limits is not None, **logging)
+        app, limits = _aiohttp_app(kind)
+        plumbing = kind == "aiohttp + our plumbing"
+        logging = access_log_options() if plumbing else {"access_log": None}
+        runner = web.AppRunner(app, handle_signals=False, handler_cancellation=plumbing, **logging)
         await runner.setup()
         site = limits.site(runner, "127.0.0.1", port) if limits is not None else web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
