@@ -17,12 +17,13 @@ Connections that have not sent anything yet count like any other.
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import logging
 import os
 import resource
 import socket
-from typing import Callable
+from typing import Any, Callable
 
 log = logging.getLogger("hydra_rpc.connections")
 
@@ -95,21 +96,52 @@ class ConnectionBudget:
         self._paused.append(resume)
 
 
+class AcceptState(enum.Enum):
+    STARTING = "starting"    # uvloop: a native server on a new duplicate of the socket is on its way
+    ACCEPTING = "accepting"
+    PAUSED = "paused"        # at the ceiling, or out of descriptors: clients wait in the backlog
+    CLOSED = "closed"
+
+
+_NEXT_STATES = {
+    AcceptState.STARTING: {AcceptState.ACCEPTING, AcceptState.CLOSED},
+    AcceptState.ACCEPTING: {AcceptState.PAUSED, AcceptState.CLOSED},
+    AcceptState.PAUSED: {AcceptState.STARTING, AcceptState.ACCEPTING, AcceptState.CLOSED},
+    AcceptState.CLOSED: set(),
+}
+
+
+def _native_accepts(loop: asyncio.AbstractEventLoop) -> bool:
+    """uvloop's own accepts are used: libuv (≥ 1.45) takes one connection per loop turn, so a
+    flood of connects cannot hold the loop, and a pause decided in one turn holds before the
+    next accept. asyncio's accept loop takes up to the backlog at once, past the ceiling."""
+    return type(loop).__module__.startswith("uvloop")
+
+
 class Acceptor:
     """A listening socket whose accepts are counted against a :class:`ConnectionBudget`.
 
     ``factory`` makes the protocol of an accepted connection; whoever owns that protocol calls
     ``budget.closed()`` exactly once when the connection is gone. Looks enough like an
     ``asyncio.Server`` (``sockets``, ``close``, ``wait_closed``) for aiohttp's runner.
+
+    On uvloop the accepts are libuv's, in C (a Python accept and ``connect_accepted_socket``
+    cost ~35 µs more per connection: docs/performance.md, "The HTTP side alone"): a native server
+    listens on a duplicate of the socket. At the ceiling that server is closed — the socket,
+    and its backlog, stay open through the original — and a new one starts when a connection
+    closes. On another loop this class accepts itself, in bursts of 64.
     """
 
-    def __init__(self, sock: socket.socket, factory: Callable[[], asyncio.BaseProtocol], budget: ConnectionBudget):
+    def __init__(self, sock: socket.socket, factory: Callable[[], asyncio.BaseProtocol], budget: ConnectionBudget,
+                 backlog: int = 1024):
         self.sock = sock
         self.factory = factory
         self.budget = budget
+        self.backlog = backlog
+        self.state = AcceptState.PAUSED
         self._loop = asyncio.get_running_loop()
-        self._reading = False
-        self._closed = False
+        self._native = _native_accepts(self._loop)
+        self._server: asyncio.AbstractServer | None = None  # the native server, while accepting
         self._retry: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -119,32 +151,78 @@ class Acceptor:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((host, port), family=family, backlog=backlog)
         sock.setblocking(False)
-        acceptor = cls(sock, factory, budget)
+        acceptor = cls(sock, factory, budget, backlog)
         acceptor._resume()
         return acceptor
 
     @property
     def sockets(self) -> list[socket.socket]:
-        return [] if self._closed else [self.sock]
+        return [] if self.state is AcceptState.CLOSED else [self.sock]
 
+    def _move(self, to: AcceptState) -> None:
+        if to not in _NEXT_STATES[self.state]:
+            raise RuntimeError(f"acceptor: no transition {self.state.value} -> {to.value}")
+        self.state = to
+
+    # ---------------------------------------------------------------- accepting and pausing
     def _resume(self) -> None:
         self._retry = None
-        if not self._closed and not self._reading:
-            self._reading = True
+        if self.state is not AcceptState.PAUSED:
+            return
+        if self._native:
+            self._move(AcceptState.STARTING)
+            self._track(self._start_native())
+        else:
+            self._move(AcceptState.ACCEPTING)
             self._loop.add_reader(self.sock.fileno(), self._accept_ready)
 
-    def _pause(self) -> None:
-        if self._reading:
-            self._reading = False
+    async def _start_native(self) -> None:
+        if self.state is AcceptState.CLOSED:  # closed before this task's first step
+            return
+        server = await self._loop.create_server(self._accepted, sock=self.sock.dup(), backlog=self.backlog)
+        if self.state is AcceptState.CLOSED:
+            server.close()
+            return
+        self._server = server
+        self._move(AcceptState.ACCEPTING)
+
+    def _pause(self, why: str) -> None:
+        if self.state is not AcceptState.ACCEPTING:
+            return
+        self._move(AcceptState.PAUSED)
+        self._stop_accepting()
+        if why == "ceiling":
+            self.budget.wait_for_room(self._resume)
+            log.warning("%d connections open (engine port and HTTP): accepting resumes when one closes",
+                        self.budget.open)
+        else:
+            self._retry = self._loop.call_later(ACCEPT_RETRY_DELAY, self._resume)
+
+    def _stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()  # the duplicate's descriptor; the backlog stays on self.sock
+            self._server = None
+        elif not self._native:
             self._loop.remove_reader(self.sock.fileno())
+
+    def _accepted(self) -> asyncio.BaseProtocol:
+        """The native server's protocol factory: the connection is counted; at the ceiling
+        accepting pauses at the end of this loop turn — closing the server here would close
+        the descriptor libuv is about to hand over."""
+        self.budget.opened()
+        if not self.budget.has_room:
+            self._loop.call_soon(self._pause, "ceiling")
+        try:
+            return self.factory()
+        except Exception:
+            log.exception("dropped an accepted connection: its protocol could not be made")
+            self.budget.closed()
+            return _Dropped()
 
     def _accept_ready(self) -> None:
         for _ in range(64):  # a burst at a time, then the loop serves the others
             if not self.budget.has_room:
-                self._pause()
-                self.budget.wait_for_room(self._resume)
-                log.warning("%d connections open (engine port and HTTP): accepting resumes when one closes",
-                            self.budget.open)
+                self._pause("ceiling")
                 return
             try:
                 conn, _ = self.sock.accept()
@@ -154,14 +232,16 @@ class Acceptor:
                 if e.errno not in OUT_OF_FDS:
                     raise
                 log.warning("cannot accept a connection: %s; retrying in %.0f s", e.strerror, ACCEPT_RETRY_DELAY)
-                self._pause()
-                self._retry = self._loop.call_later(ACCEPT_RETRY_DELAY, self._resume)
+                self._pause("out of descriptors")
                 return
             conn.setblocking(False)
             self.budget.opened()
-            task = asyncio.ensure_future(self._connect(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._track(self._connect(conn))
+
+    def _track(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _connect(self, conn: socket.socket) -> None:
         try:
@@ -174,14 +254,22 @@ class Acceptor:
             log.warning("dropped an accepted connection: %s", e)
 
     def close(self) -> None:
-        if self._closed:
+        if self.state is AcceptState.CLOSED:
             return
-        self._pause()
+        if self.state is AcceptState.ACCEPTING:
+            self._stop_accepting()
         if self._retry is not None:
             self._retry.cancel()
-        self._closed = True
+        self._move(AcceptState.CLOSED)
         self.sock.close()
 
     async def wait_closed(self) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
+
+
+class _Dropped(asyncio.Protocol):
+    """The protocol of a connection whose own could not be made: closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.abort()
