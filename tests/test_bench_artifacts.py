@@ -110,7 +110,7 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-fbf3a83", 21), ("vs-llama-server-9af7eee", 21), ("vs-llama-server-tiny-9af7eee", 21),
     ("vs-llama-server-aec5974", 21), ("vs-llama-server-tiny-aec5974", 21),
     ("vs-llama-server-d665156", 21), ("vs-llama-server-tiny-d665156", 21),
-    ("vs-llama-server-b459344", 21), ("vs-llama-server-tiny-b459344", 21),
+    ("vs-llama-server-b459344", 21), ("vs-llama-server-tiny-b459344", 21), ("vs-llama-server-tiny-b241cd7", 21),
     ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
@@ -122,8 +122,10 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     resolve", the -2269a8d ones those of "At 2269a8d, on the faster host", the -ee20f51 ones
     and -fbf3a83 ones those of "At ee20f51: the step that hands its tokens over, kept", the -9af7eee
     ones those of "At 9af7eee: the step after a first token gives way", the -aec5974 ones those of
-    "At aec5974", the -d665156 and -b459344 ones those of "At d665156" and "At b459344", kinds/tiny-hybrid-wide/…-f4e129f those of "Three runs on tiny-hybrid-wide": the
-    table built from them is combined.md's, and each of its rows is in the page."""
+    "At aec5974", the -d665156 and -b459344 ones those of "At d665156" and "At b459344", -tiny-b241cd7
+    those of "The HTTP side alone, and libuv's own accepts", kinds/tiny-hybrid-wide/…-f4e129f those
+    of "Three runs on tiny-hybrid-wide": the table built from them is combined.md's, and each of
+    its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
@@ -149,7 +151,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-tiny-9af7eee", "vs-llama-server-aec5974",
                                          "vs-llama-server-tiny-aec5974", "vs-llama-server-d665156",
                                          "vs-llama-server-tiny-d665156", "vs-llama-server-b459344",
-                                         "vs-llama-server-tiny-b459344",
+                                         "vs-llama-server-tiny-b459344", "vs-llama-server-tiny-b241cd7",
                                          "kinds/tiny-hybrid-wide/vs-llama-server-f4e129f"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
@@ -168,12 +170,12 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
 @pytest.mark.parametrize("folder, model", [
     ("tiny", "tiny"), ("tiny-hybrid", "tiny-hybrid"), ("gemma-270m", "gemma-270m"), ("give-way-ab", "tiny"),
     ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m"),
-    ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny")])
+    ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny"), ("b241cd7", "tiny")])
 def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
     milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
     snapshots-after-turn-ab/ those of "After a step: the streams' turn first", d521421/ that of
-    "A short request's path, stage by stage":
+    "A short request's path, stage by stage", b241cd7/ those of "The HTTP side alone":
     the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.common import load_runs
     from tools.bench.ttft_gaps import runs_table
@@ -182,6 +184,18 @@ def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder
     assert runs and all(r["model"] == model for r in runs)
     page = (REPO / "docs" / "performance.md").read_text()
     assert runs_table(runs) in page
+
+
+@pytest.mark.parametrize("folder", ["41eb3a0", "b241cd7"])
+def test_the_http_floor_tables_in_the_docs_are_made_of_their_committed_runs(folder):
+    """docs/performance/http-floor/COMMIT/run-N.json are the runs of "The HTTP side alone, and
+    libuv's own accepts", before and after the change: ``http_floor --table`` of each is the page's."""
+    from tools.bench.common import load_runs
+    from tools.bench.http_floor import runs_table
+
+    runs = load_runs(DOCS_RUNS / "http-floor" / folder)
+    assert len(runs) == 3 and all(r["model"] == "tiny" and r["machine"]["git_commit"].startswith(folder) for r in runs)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
 
 
 def test_the_checkpoint_copy_table_in_the_docs_is_made_of_its_committed_runs():
