@@ -23,6 +23,7 @@ import logging
 import os
 import resource
 import socket
+import sys
 from typing import Any, Callable
 
 log = logging.getLogger("hydra_rpc.connections")
@@ -104,18 +105,24 @@ class AcceptState(enum.Enum):
 
 
 _NEXT_STATES = {
-    AcceptState.STARTING: {AcceptState.ACCEPTING, AcceptState.CLOSED},
+    AcceptState.STARTING: {AcceptState.ACCEPTING, AcceptState.PAUSED, AcceptState.CLOSED},
     AcceptState.ACCEPTING: {AcceptState.PAUSED, AcceptState.CLOSED},
     AcceptState.PAUSED: {AcceptState.STARTING, AcceptState.ACCEPTING, AcceptState.CLOSED},
     AcceptState.CLOSED: set(),
 }
 
 
+LIBUV_ONE_ACCEPT_PER_TURN = (1 << 16) | (45 << 8)  # libuv 1.45: "unix: don't accept() connections in a loop"
+
+
 def _native_accepts(loop: asyncio.AbstractEventLoop) -> bool:
-    """uvloop's own accepts are used: libuv (≥ 1.45) takes one connection per loop turn, so a
+    """uvloop's own accepts are used when its libuv takes one connection per loop turn: a
     flood of connects cannot hold the loop, and a pause decided in one turn holds before the
     next accept. asyncio's accept loop takes up to the backlog at once, past the ceiling."""
-    return type(loop).__module__.startswith("uvloop")
+    if not type(loop).__module__.startswith("uvloop"):
+        return False
+    libuv_version = getattr(sys.modules.get("uvloop.loop"), "libuv_get_version", lambda: 0)()
+    return libuv_version >= LIBUV_ONE_ACCEPT_PER_TURN
 
 
 class Acceptor:
@@ -179,24 +186,33 @@ class Acceptor:
     async def _start_native(self) -> None:
         if self.state is AcceptState.CLOSED:  # closed before this task's first step
             return
-        server = await self._loop.create_server(self._accepted, sock=self.sock.dup(), backlog=self.backlog)
+        try:
+            server = await self._loop.create_server(self._accepted, sock=self.sock.dup(), backlog=self.backlog)
+        except OSError as e:  # out of descriptors for the duplicate, say: clients wait in the backlog
+            if self.state is AcceptState.STARTING:
+                log.warning("cannot accept connections: %s; retrying in %.0f s", e.strerror, ACCEPT_RETRY_DELAY)
+                self._move(AcceptState.PAUSED)
+                self._retry = self._loop.call_later(ACCEPT_RETRY_DELAY, self._resume)
+            return
         if self.state is AcceptState.CLOSED:
             server.close()
             return
         self._server = server
         self._move(AcceptState.ACCEPTING)
 
-    def _pause(self, why: str) -> None:
-        if self.state is not AcceptState.ACCEPTING:
+    def _pause_at_ceiling(self) -> None:
+        # a connection may have closed since the accept that reached the ceiling: then no
+        # close is left to resume a pause
+        if self.state is not AcceptState.ACCEPTING or self.budget.has_room:
             return
+        self._pause()
+        self.budget.wait_for_room(self._resume)
+        log.warning("%d connections open (engine port and HTTP): accepting resumes when one closes",
+                    self.budget.open)
+
+    def _pause(self) -> None:
         self._move(AcceptState.PAUSED)
         self._stop_accepting()
-        if why == "ceiling":
-            self.budget.wait_for_room(self._resume)
-            log.warning("%d connections open (engine port and HTTP): accepting resumes when one closes",
-                        self.budget.open)
-        else:
-            self._retry = self._loop.call_later(ACCEPT_RETRY_DELAY, self._resume)
 
     def _stop_accepting(self) -> None:
         if self._server is not None:
@@ -211,7 +227,7 @@ class Acceptor:
         the descriptor libuv is about to hand over."""
         self.budget.opened()
         if not self.budget.has_room:
-            self._loop.call_soon(self._pause, "ceiling")
+            self._loop.call_soon(self._pause_at_ceiling)
         try:
             return self.factory()
         except Exception:
@@ -222,7 +238,7 @@ class Acceptor:
     def _accept_ready(self) -> None:
         for _ in range(64):  # a burst at a time, then the loop serves the others
             if not self.budget.has_room:
-                self._pause("ceiling")
+                self._pause_at_ceiling()
                 return
             try:
                 conn, _ = self.sock.accept()
@@ -232,7 +248,8 @@ class Acceptor:
                 if e.errno not in OUT_OF_FDS:
                     raise
                 log.warning("cannot accept a connection: %s; retrying in %.0f s", e.strerror, ACCEPT_RETRY_DELAY)
-                self._pause("out of descriptors")
+                self._pause()
+                self._retry = self._loop.call_later(ACCEPT_RETRY_DELAY, self._resume)
                 return
             conn.setblocking(False)
             self.budget.opened()

@@ -5,6 +5,7 @@ the acceptor's own on asyncio's loop."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 
 import pytest
@@ -68,6 +69,47 @@ async def pause_and_resume() -> None:
 @pytest.mark.parametrize("run", [uvloop.run, asyncio.run], ids=["uvloop", "asyncio"])
 def test_accepting_pauses_at_the_ceiling_and_resumes_when_a_connection_closes(run):
     run(pause_and_resume())
+
+
+def test_a_close_between_the_accept_at_the_ceiling_and_the_pause_keeps_accepting():
+    """libuv's accept that reaches the ceiling pauses at the end of the loop turn; a connection
+    that closes meanwhile leaves room — a pause then would wait for a close that may never come."""
+    async def main() -> None:
+        budget = ConnectionBudget(max_connections=1, ceiling=2)
+        acceptor = Acceptor.listen("127.0.0.1", 0, asyncio.Protocol, budget)
+        await until(lambda: acceptor.state is AcceptState.ACCEPTING, "accepting")
+        budget.opened()
+        acceptor._accepted()  # what the native server calls for the connection that fills it
+        assert budget.open == 2 and not budget.has_room
+        budget.closed()  # before the loop turn ends
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert acceptor.state is AcceptState.ACCEPTING
+        acceptor._accepted()  # full again, and nothing closes: now it pauses
+        await until(lambda: acceptor.state is AcceptState.PAUSED, "the pause")
+        acceptor.close()
+        await acceptor.wait_closed()
+
+    uvloop.run(main())
+
+
+def test_a_native_server_that_cannot_start_retries(monkeypatch):
+    """No descriptor for the duplicate: the acceptor waits and tries again (its retry timer),
+    instead of staying 'starting' with nothing accepting."""
+    async def main() -> None:
+        budget = ConnectionBudget(max_connections=4, ceiling=8)
+        with monkeypatch.context() as m:
+            m.setattr(socket.socket, "dup", lambda self: (_ for _ in ()).throw(OSError(errno.EMFILE, "Too many")))
+            acceptor = Acceptor.listen("127.0.0.1", 0, asyncio.Protocol, budget)
+            await until(lambda: acceptor.state is AcceptState.PAUSED, "the pause after the failed start")
+        assert acceptor._retry is not None
+        acceptor._retry.cancel()
+        acceptor._resume()  # what the timer does a second later
+        await until(lambda: acceptor.state is AcceptState.ACCEPTING, "accepting")
+        acceptor.close()
+        await acceptor.wait_closed()
+
+    uvloop.run(main())
 
 
 def test_the_acceptor_moves_only_along_its_transitions():
