@@ -185,8 +185,9 @@ async def progressing(target: Target, frame: SentFrame, deadline: float, window:
                       arrived=lambda: False, interval: float = 0.25) -> bool | None:
     """Is the engine still working on this (generation) request? STATE_META of its slot every
     ``interval`` for up to ``window`` seconds: True as soon as anything moved (or the reply
-    started to arrive), False if nothing moved for the whole window while the slot is busy,
-    None if META cannot tell or the slot is idle (an idle slot owes us a reply: a hang)."""
+    started to arrive, or while INFO shows a reload being built), False if nothing moved for the
+    whole window while the slot is busy, None if META cannot tell or the slot is idle (an idle
+    slot owes us a reply: a hang)."""
     slot = stoi(frame.key) if frame.key else 0
     if frame.op not in GENERATION_OPS or slot is None:
         return None
@@ -216,7 +217,8 @@ async def progressing(target: Target, frame: SentFrame, deadline: float, window:
         elif snap != first:
             return True
         if loop.time() >= end:
-            return False
+            # a job held while the engine builds the context a CONFIGURE asked for is slow, not hung
+            return True if await _reloading(target, deadline) else False
         await asyncio.sleep(interval)
 
 
