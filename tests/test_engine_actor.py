@@ -148,6 +148,26 @@ async def test_busy_slot_queues_in_order_then_answers_busy():
 
 
 @pytest.mark.asyncio
+async def test_a_cancelled_generation_leaves_its_last_sampled_token_to_a_continuation():
+    """A cancelled job's last sampled token is not in the KV yet: it stays as the slot's tail, as
+    after any other ending, and a continuation decodes just it. Dropped, the continuation had to
+    decode the slot's last token again for its logits — which a recurrent memory cannot give
+    back: the whole sequence was computed again (22k tokens, ~9 s, on tiny-hybrid)."""
+    async with scripted_engine(stepped=True) as env:
+        eng = env.engine
+        env.model.recurrent = True
+        job = eng.submit(GenRequest(0, prompt="hi", n_predict=1000))
+        await env.step(4)
+        job.cancel()
+        res = await env.finish(job)
+        assert res.stop_reason == "cancelled" and res.tokens_generated >= 3
+        seen = len(env.model.batches)
+        again = await env.run(GenRequest(0, n_predict=2))
+        assert again.cached_tokens == res.n_past == len(env.model.kv[0]) - 2
+        assert [n for batch in env.model.batches[seen:] for seq, n in batch if seq == 0] == [1, 1]
+
+
+@pytest.mark.asyncio
 async def test_a_state_put_with_its_logits_continues_without_decoding_its_last_token():
     """The C++ STATE_PUT rule: n_vocab float32 after the state are its last token's logits. A
     continuation samples its first token from them; without them that token is decoded again."""

@@ -125,6 +125,30 @@ async def _every_dialect(kind: str, c: HydraClient, prompt: list[int], want: lis
 
 
 @pytest.mark.asyncio
+async def test_a_decode_whose_client_left_is_continued_without_computing_the_sequence_again(pair):
+    """A DECODE cancelled mid-generation (its client closed) leaves the slot as far as it got,
+    its last sampled token still to be fed: the next DECODE decodes that token and goes on —
+    nothing computed again (a recurrent memory cannot give back its last token to recompute its
+    logits: it was the whole sequence again), and the tokens are the model's own continuation."""
+    kind, a, _ = pair
+    prompt = chat_tokens(kind, MSG)
+    async with connected(a) as c:
+        assert (await c.request(Op.PREFILL, "1", struct.pack(f"<{len(prompt)}i", *prompt))).ok
+        left = await HydraClient.connect(a.host, a.port)
+        await left.send(Op.DECODE, "1", json.dumps({"n_predict": 3000, "stream": False, "temperature": 0}).encode())
+        await poll_until(lambda: c.request(Op.STATE_META, "1"), lambda r: r.meta["n_past"] >= len(prompt) + 40, 60)
+        await left.close()
+        idle = await poll_until(lambda: c.request(Op.STATE_META, "1"), lambda r: not r.meta["is_processing"], 60)
+        held = idle.meta["n_past"]  # the prompt and the tokens decoded; one more was sampled
+        before = await prompt_cache(c)
+        got, meta = await greedy_decode(c, "1")
+        assert meta["cache_tokens"] == held, meta
+        assert (await prompt_cache(c))["from_checkpoint"] == before["from_checkpoint"]
+    generated = held - len(prompt) + 1
+    assert got == greedy_reference(kind, prompt, generated + N)[generated:]
+
+
+@pytest.mark.asyncio
 async def test_state_moves_between_slots_and_servers(pair):
     kind, a, b = pair
     prompt = chat_tokens(kind, MSG)
