@@ -218,7 +218,7 @@ async def progressing(target: Target, frame: SentFrame, deadline: float, window:
             return True
         if loop.time() >= end:
             # a job held while the engine builds the context a CONFIGURE asked for is slow, not hung
-            return True if await _reloading(target, deadline) else False
+            return await _reloading(target, deadline)
         await asyncio.sleep(interval)
 
 
