@@ -111,7 +111,7 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-aec5974", 21), ("vs-llama-server-tiny-aec5974", 21),
     ("vs-llama-server-d665156", 21), ("vs-llama-server-tiny-d665156", 21),
     ("vs-llama-server-b459344", 21), ("vs-llama-server-tiny-b459344", 21), ("vs-llama-server-tiny-b241cd7", 21),
-    ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21)])
+    ("vs-llama-server-13479e7", 21), ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -123,7 +123,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     and -fbf3a83 ones those of "At ee20f51: the step that hands its tokens over, kept", the -9af7eee
     ones those of "At 9af7eee: the step after a first token gives way", the -aec5974 ones those of
     "At aec5974", the -d665156 and -b459344 ones those of "At d665156" and "At b459344", -tiny-b241cd7
-    those of "The HTTP side alone, and libuv's own accepts", kinds/tiny-hybrid-wide/…-f4e129f those
+    those of "The HTTP side alone, and libuv's own accepts", -13479e7 those of "Gemma 3 270M at
+    13479e7", kinds/tiny-hybrid-wide/…-f4e129f those
     of "Three runs on tiny-hybrid-wide": the table built from them is combined.md's, and each of
     its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -152,6 +153,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-tiny-aec5974", "vs-llama-server-d665156",
                                          "vs-llama-server-tiny-d665156", "vs-llama-server-b459344",
                                          "vs-llama-server-tiny-b459344", "vs-llama-server-tiny-b241cd7",
+                                         "vs-llama-server-13479e7",
                                          "kinds/tiny-hybrid-wide/vs-llama-server-f4e129f"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
