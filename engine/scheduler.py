@@ -140,10 +140,11 @@ class Scheduler:
     def finish(self, r: Running, serving: Serving) -> None:
         slot, job = r.slot, r.job
         self.running.pop(slot.id, None)
-        if job.cancelled and r.last is not None and r.error is None:
-            # sampled (and streamed) but not in the KV yet: the slot's tail, as after any other
-            # ending. Dropped, a continuation would decode the slot's last token again for its
-            # logits, which a recurrent memory can only do from a checkpoint or from the start
+        if r.last is not None and r.error is None:
+            # the last token sampled (and streamed), not in the KV yet, whatever ended the job (its
+            # length, a stop, a full context, a cancel): a continuation of the slot feeds it first.
+            # Dropped, it would decode the slot's last token again for its logits, which a
+            # recurrent memory can only do from a checkpoint or from the start
             slot.tail = [r.last]
         slot.finish()
         if r.sampler is not None:

@@ -196,6 +196,7 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
     if model.is_eog(tok):
         r.stop_reason = "eos"
         return
+    r.last = tok  # not in the KV yet: fed at the next step, or the slot's tail if the job ends (Scheduler.finish)
     piece = model.token_to_piece(tok)
     slot.has_new_line = b"\n" in piece
     r.generated.append(tok)
@@ -205,18 +206,13 @@ def _after_logits(model: ModelBackend, r: Running, n_ctx_slot: int, shift_keep: 
         r.budget.observe(r.text, piece)
     if job.request.stop and _hit_stop(r, job.request.stop):
         r.stop_reason = "stop"
-        slot.tail = [tok]
         return
     if r.n_generated >= job.request.n_predict:
         r.stop_reason = "length"
-        slot.tail = [tok]  # sampled but not yet in the KV cache; a continuation feeds it
         return
     if len(slot.tokens) + 1 >= n_ctx_slot:
         if shift_keep is None or not _shift_context(model, slot, shift_keep):
             r.stop_reason = "ctx_full"
-            slot.tail = [tok]
-            return
-    r.last = tok
 
 
 def _prefill_done(model: ModelBackend, r: Running) -> None:
