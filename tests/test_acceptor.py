@@ -12,6 +12,7 @@ import pytest
 import uvloop
 
 from hydra_rpc.conn_budget import Acceptor, AcceptState, ConnectionBudget
+from tests.helpers import poll_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,12 +31,9 @@ class Counted(asyncio.Protocol):
         self.budget.closed()
 
 
-async def until(predicate, what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+async def until(predicate, what: str) -> None:
+    """Until ``predicate()`` holds (``what`` names it where the test waits)."""
+    await poll_until(lambda: asyncio.sleep(0), lambda _: predicate(), 10)
 
 
 async def pause_and_resume() -> None:

@@ -92,12 +92,7 @@ async def start_http(services: Services, host: str, port: int) -> HttpSide:
     webapp = build_web_app(services, metrics, max_body)
     limits = HttpLimits(cfg, services.budget, max_body)  # connections, deadlines, body size
     webapp.middlewares.append(limits.middleware)
-    grace = cfg.shutdown_timeout
-    # handler_cancellation: a client that disconnects while its request waits (in a slot's
-    # queue, or for a non-streamed result) gets its handler cancelled, which cancels its job.
-    runner = web.AppRunner(webapp, **access_log_options(), handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=grace, logger=_OneLineErrors(log, {}),
-                           keepalive_timeout=cfg.http_timeout)
+    runner = http_runner(webapp, cfg)
     await runner.setup()
     site = limits.site(runner, host, port)
     try:
@@ -110,6 +105,15 @@ async def start_http(services: Services, host: str, port: int) -> HttpSide:
     return side
 
 
+def http_runner(webapp: web.Application, cfg: ServerConfig) -> web.AppRunner:
+    """The runner of this server's HTTP side (tools.bench.http_floor measures the same)."""
+    # handler_cancellation: a client that disconnects while its request waits (in a slot's
+    # queue, or for a non-streamed result) gets its handler cancelled, which cancels its job.
+    return web.AppRunner(webapp, **access_log_options(), handle_signals=False, handler_cancellation=True,
+                         shutdown_timeout=cfg.shutdown_timeout, logger=_OneLineErrors(log, {}),
+                         keepalive_timeout=cfg.http_timeout)
+
+
 class _OneLineErrors(logging.LoggerAdapter):
     """aiohttp logs every request it cannot parse (bad method, oversized header line, …)
     with a traceback; for a peer's malformed bytes one warning line says all there is."""
@@ -120,8 +124,13 @@ class _OneLineErrors(logging.LoggerAdapter):
         self.logger.warning(f"{msg}: %s: %s", *args, type(exc).__name__, detail)
 
 
+def plumbed_app(cfg: ServerConfig, metrics: Metrics, max_body: int) -> web.Application:
+    """An application with this server's error and metrics middleware and body limit, no routes."""
+    return web.Application(client_max_size=max_body, middlewares=[_middleware(cfg, metrics)])
+
+
 def build_web_app(services: Services, metrics: Metrics, max_body: int) -> web.Application:
-    webapp = web.Application(client_max_size=max_body, middlewares=[_middleware(services.settings, metrics)])
+    webapp = plumbed_app(services.settings, metrics, max_body)
     routes = Routes(services, metrics, max_body)
     r = webapp.router
     r.add_get("/health", routes.health)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import socket
@@ -44,6 +43,7 @@ from tools.bench.common import (MODEL_HELP, interleaved, machine_info, min_max_t
 from tools.bench.llama_server import OpenAIServer, build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import free_port, start
+from tools.spawn import thread_cpu_seconds
 
 MINIMAL = ("raw protocol", "aiohttp", "aiohttp + our accept loop", "aiohttp + our plumbing")
 HEALTH_BODY = json.dumps({"status": "ok", "startup_stage": "ready", "has_model": True, "model_name": "m"}).encode()
@@ -63,22 +63,13 @@ def health_us(port: int) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` in ns (``schedstat``: finer than ``stat``'s ticks)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
-
-
 def _block(srv: OpenAIServer, n: int) -> tuple[list[float], float]:
     """``n`` timed requests after a few uncounted ones; the server's CPU µs per request."""
     for _ in range(20):
         health_us(srv.port)
-    cpu0 = cpu_ns(srv.pid)
+    cpu0 = sum(thread_cpu_seconds(srv.pid).values())
     walls = [health_us(srv.port) for _ in range(n)]
-    return walls, (cpu_ns(srv.pid) - cpu0) / n / 1000
+    return walls, (sum(thread_cpu_seconds(srv.pid).values()) - cpu0) / n * 1e6
 
 
 def measure(servers: dict[str, OpenAIServer], n: int, rounds: int) -> dict[str, dict[str, list[float]]]:
@@ -128,44 +119,40 @@ class _RawHttp(asyncio.Protocol):
             self.transport.close()
 
 
-def _aiohttp_app(kind: str) -> tuple[Any, Any]:
-    """The application of a minimal server ``kind`` and the HttpLimits whose site serves it
-    (None: aiohttp's own site)."""
+def _aiohttp_runner(kind: str) -> tuple[Any, Any]:
+    """The runner of a minimal aiohttp server ``kind`` and the HttpLimits whose site serves it
+    (None: aiohttp's own site). The plumbing is the server's own (``http.app``, ``http.limits``)."""
     from aiohttp import web
+
+    from hydra_rpc.config import ServerConfig
+    from hydra_rpc.conn_budget import ConnectionBudget
+    from hydra_rpc.http.app import http_runner, plumbed_app
+    from hydra_rpc.http.limits import HttpLimits
+    from hydra_rpc.observability.metrics import Metrics
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(body=HEALTH_BODY, content_type="application/json")
 
-    if kind == "aiohttp":
-        app = web.Application()
-        app.router.add_get("/health", health)
-        return app, None
-    from hydra_rpc.config import ServerConfig
-    from hydra_rpc.conn_budget import ConnectionBudget
-    from hydra_rpc.http.app import _middleware
-    from hydra_rpc.http.limits import HttpLimits
-    from hydra_rpc.observability.metrics import Metrics
-
     cfg = ServerConfig()
     limits = HttpLimits(cfg, ConnectionBudget(cfg.max_connections, 4 * cfg.max_connections), 1 << 20)
-    plumbing = kind == "aiohttp + our plumbing"
-    app = web.Application(middlewares=[_middleware(cfg, Metrics()), limits.middleware] if plumbing else [])
+    if kind == "aiohttp + our plumbing":
+        app = plumbed_app(cfg, Metrics(), limits.max_body)
+        app.middlewares.append(limits.middleware)
+        runner = http_runner(app, cfg)
+    else:
+        app = web.Application()
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
     app.router.add_get("/health", health)
-    return app, limits
+    return runner, None if kind == "aiohttp" else limits
 
 
 async def _serve(kind: str, port: int) -> None:
     from aiohttp import web
 
-    from hydra_rpc.observability.logs import access_log_options
-
     if kind == "raw protocol":
         await asyncio.get_running_loop().create_server(_RawHttp, "127.0.0.1", port)
     else:
-        app, limits = _aiohttp_app(kind)
-        plumbing = kind == "aiohttp + our plumbing"
-        logging = access_log_options() if plumbing else {"access_log": None}
-        runner = web.AppRunner(app, handle_signals=False, handler_cancellation=plumbing, **logging)
+        runner, limits = _aiohttp_runner(kind)
         await runner.setup()
         site = limits.site(runner, "127.0.0.1", port) if limits is not None else web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
