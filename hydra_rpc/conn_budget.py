@@ -130,7 +130,7 @@ class Acceptor:
 
     ``factory`` makes the protocol of an accepted connection; whoever owns that protocol calls
     ``budget.closed()`` exactly once when the connection is gone. Looks enough like an
-    ``asyncio.Server`` (``sockets``, ``close``, ``wait_closed``) for aiohttp's runner.
+    ``asyncio.Server`` (``sockets``, ``close``, ``wait_closed``) for both ports' servers.
 
     On uvloop the accepts are libuv's, in C (a Python accept and ``connect_accepted_socket``
     cost ~35 µs more per connection: docs/performance.md, "The HTTP side alone"): a native server

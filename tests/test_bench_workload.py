@@ -171,7 +171,7 @@ def test_the_http_floor_bench_times_health_on_ours_and_on_its_minimal_servers(se
     assert all(min(s["wall_us"]) > 0 and s["cpu_us"][0] > 0 for s in samples.values())
     summary = hf.summarize(samples, base="ours")
     assert summary["ours"]["wall_ratio"] == summary["ours"]["cpu_ratio"] == 1.0
-    assert "| aiohttp + our plumbing |" in hf.runs_table([{"summary": summary}])
+    assert "| our HTTP server |" in hf.runs_table([{"summary": summary}])
 
 
 @pytest.mark.asyncio

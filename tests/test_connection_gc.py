@@ -20,7 +20,7 @@ import pytest
 from codec.enums import Op, Status
 from codec.framing import encode_request
 from hydra_rpc.hydra import connection as connection_module
-from hydra_rpc.http import limits as http_limits
+from hydra_rpc.http.server import connection as http_connection
 from hydra_rpc.client import HydraClient
 from tests.scripted_backend import until
 from tests.test_state_put_memory import in_process_app
@@ -99,8 +99,8 @@ async def test_connections_refused_at_the_limit_are_freed_without_the_cyclic_gc(
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_finished_http_connections_are_freed_without_the_cyclic_gc(tiny_model_path, monkeypatch):
-    # the guard holds aiohttp's RequestHandler (which takes no weak reference) and its transport
-    made = track(monkeypatch, "hydra_rpc.http.limits._Guard", http_limits._Guard)
+    # the connection holds its transport, its timer, its parser and its requests' bodies
+    made = track(monkeypatch, "hydra_rpc.http.server.serve.HttpConnection", http_connection.HttpConnection)
     async with in_process_app(tiny_model_path, http=True) as app:
         host, port = app.http.address
         with collector_off():

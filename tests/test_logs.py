@@ -14,12 +14,14 @@ import time
 import urllib.request
 
 import pytest
-from aiohttp import web
 
 from codec.enums import Op
 from hydra_rpc.client import HydraClient
-from hydra_rpc.observability.logs import (JsonFormatter, TextFormatter, Throttle, access_log_options, escape,
-                                          log_request)
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.conn_budget import ConnectionBudget
+from hydra_rpc.http.server.messages import Request, Response
+from hydra_rpc.http.server.serve import HttpServer
+from hydra_rpc.observability.logs import JsonFormatter, TextFormatter, Throttle, escape, log_request
 from hydra_rpc.observability.metrics import Metrics
 from tests.helpers import start_server
 
@@ -115,24 +117,22 @@ def test_metrics_unknown_opcodes_share_one_label():
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(30)
 async def test_http_access_log_goes_through_our_formatter():
     buf, restore = _capture("hydra_rpc.http", TextFormatter())
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
-    app = web.Application()
-    app.router.add_get(r"/{tail:[\s\S]*}", ok)
-    runner = web.AppRunner(app, **access_log_options())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    async def ok(request: Request) -> Response:
+        return Response(b"ok")
+
+    server = HttpServer(ok, ServerConfig(), ConnectionBudget(8, 32))
+    server.listen("127.0.0.1", 0)
+    port = server.address[1]
     try:
         url = f"http://127.0.0.1:{port}/a%0A2030-01-01%20ERROR%20forged?q=%00"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
         assert body == b"ok"
     finally:
-        await runner.cleanup()
+        await server.close()
         restore()
     lines = buf.getvalue().splitlines()
     assert len(lines) == 1 and " http " in lines[0] and "method=GET" in lines[0] and "status=200" in lines[0], lines

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiohttp import web
 
+from hydra_rpc.config import ServerConfig
+from hydra_rpc.conn_budget import ConnectionBudget
+from hydra_rpc.http.server.messages import Request, StreamResponse
+from hydra_rpc.http.server.serve import HttpServer
 from hydra_rpc.http.sse import SseStream
 
 
@@ -31,7 +34,7 @@ async def _first_stream() -> list[bytes]:
     """One stream of two events through a real server; each write its transport got."""
     writes: list[bytes] = []
 
-    async def handler(request: web.Request) -> web.StreamResponse:
+    async def handler(request: Request) -> StreamResponse:
         transport = request.transport
         write, writelines = transport.write, transport.writelines
         transport.write = lambda data: (writes.append(bytes(data)), write(data))[1]
@@ -43,19 +46,15 @@ async def _first_stream() -> list[bytes]:
         stream.event({"n": 2})
         return await stream.end()
 
-    app = web.Application()
-    app.router.add_get("/s", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    server = HttpServer(handler, ServerConfig(), ConnectionBudget(8, 32))
+    server.listen("127.0.0.1", 0)
+    port = server.address[1]
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         body = await reader.read()
         writer.close()
     finally:
-        await runner.cleanup()
+        await server.close()
     assert body.startswith(b"HTTP/1.1 200") and b'data: {"n":2}' in body
     return writes

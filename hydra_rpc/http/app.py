@@ -1,4 +1,4 @@
-"""The engine's HTTP side (docs/http.md), served by aiohttp on the RPC server's event loop.
+"""The engine's HTTP side (docs/http.md), served by ``http.server`` on the RPC server's event loop.
 
 Routes (the contract is written down in ``docs/http.md``)::
 
@@ -25,26 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from typing import Any
-
-from aiohttp import web
 
 from engine.jobs import EngineBusy
 
 from hydra_rpc.hydra.engine_meta import ENGINE_NAME, ENGINE_VERSION, slot_entry, slot_meta
-from hydra_rpc.http.limits import HttpLimits, max_body_for
+from hydra_rpc.http.limits import max_body_for, read_body
 from hydra_rpc.http.chat import FINISH_REASON
 from hydra_rpc.http.errors import ApiError, error_body, json_response, require_ready
 from hydra_rpc.http.openai import OpenAIRoutes, completion_object, cut_at_stop, timings_of
 from hydra_rpc.http.models import ModelRoutes
+from hydra_rpc.http.server.messages import MatchInfo, Request, Response, StreamResponse
+from hydra_rpc.http.server.router import NoRoute, Router
+from hydra_rpc.http.server.serve import HttpServer
 from hydra_rpc.http.slot_actions import ACTIONS as FILE_ACTIONS
 from hydra_rpc.http.slot_actions import slot_file_action
 from hydra_rpc.http.state import StateRoutes
 from hydra_rpc.http.state import path_number as _number
 from hydra_rpc.http.state import slot_of as _slot_of
-from hydra_rpc.observability.logs import access_log_options
 from hydra_rpc.http.llama import LlamaRoutes
 from hydra_rpc.observability.metrics import CONTENT_TYPE, Metrics
 from hydra_rpc.config import ServerConfig
@@ -65,74 +64,87 @@ KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPT
 class HttpSide:
     """What ``App`` keeps: the bound address and an idempotent ``cleanup()``."""
 
-    def __init__(self, runner: web.AppRunner):
-        self.runner = runner
+    def __init__(self, server: HttpServer):
+        self.server = server
         self._closed = False
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.runner.addresses[0][:2]
-        return host, port
+        return self.server.address
 
     @property
     def connections(self) -> int:
-        server = self.runner.server
-        return len(server.connections) if server is not None else 0
+        return len(self.server.connections)
 
     async def cleanup(self) -> None:
         if not self._closed:
             self._closed = True
-            await self.runner.cleanup()
+            await self.server.close()
 
 
 async def start_http(services: Services, host: str, port: int) -> HttpSide:
     """Bind the HTTP side (port 0 picks a free port) on the running loop."""
     max_body = services.settings.http_max_body or max_body_for(services.engine.params)
     metrics, cfg = services.metrics, services.settings
-    webapp = build_web_app(services, metrics, max_body)
-    limits = HttpLimits(cfg, services.budget, max_body)  # connections, deadlines, body size
-    webapp.middlewares.append(limits.middleware)
-    runner = http_runner(webapp, cfg)
-    await runner.setup()
-    site = limits.site(runner, host, port)
-    try:
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    side = HttpSide(runner)
+    server = HttpServer(build_http_app(services, metrics, max_body), cfg, services.budget)
+    server.listen(host, port)
+    side = HttpSide(server)
     metrics.bind(services, lambda: side.connections)
     return side
 
 
-def http_runner(webapp: web.Application, cfg: ServerConfig) -> web.AppRunner:
-    """The runner of this server's HTTP side (tools.bench.http_floor measures the same)."""
-    # handler_cancellation: a client that disconnects while its request waits (in a slot's
-    # queue, or for a non-streamed result) gets its handler cancelled, which cancels its job.
-    return web.AppRunner(webapp, **access_log_options(), handle_signals=False, handler_cancellation=True,
-                         shutdown_timeout=cfg.shutdown_timeout, logger=_OneLineErrors(log, {}),
-                         keepalive_timeout=cfg.http_timeout)
+class HttpApp:
+    """Routes a request and answers it: the allow list, the body read under its limit, the
+    handler, every failure as a JSON error with its status, and the request's metrics."""
+
+    def __init__(self, cfg: ServerConfig, metrics: Metrics, max_body: int):
+        self.cfg, self.metrics, self.max_body = cfg, metrics, max_body
+        self.router = Router()
+
+    async def __call__(self, request: Request) -> Response | StreamResponse:
+        t0 = time.perf_counter()
+        code, route = 500, None
+        try:
+            peer = request.remote
+            if not self.cfg.peer_allowed(peer):  # the same --allow list as the engine port
+                raise ApiError(403, f"client {peer} is not in the allow list")
+            route, values = self.router.resolve(request.method, request.path)
+            request.match_info = MatchInfo(values, route)
+            if not getattr(route.handler, "streams_body", False):
+                await read_body(request, self.max_body)
+            resp = await route.handler(request)
+            code = resp.status
+            return resp
+        except ApiError as e:
+            code = e.status
+            return e.response()
+        except NoRoute as e:
+            code = e.status
+            return _no_route(request, e)
+        except (asyncio.CancelledError, ConnectionResetError):
+            code = 499  # client closed the request (nginx's convention)
+            raise
+        except Exception as e:
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return json_response(error_body(500, f"internal error: {type(e).__name__}: {e}"), status=500)
+        finally:
+            method = request.method if request.method in KNOWN_METHODS else "other"  # bounded labels
+            self.metrics.observe_http(route.canonical if route is not None else "unmatched", method, code,
+                                      time.perf_counter() - t0)
 
 
-class _OneLineErrors(logging.LoggerAdapter):
-    """aiohttp logs every request it cannot parse (bad method, oversized header line, …)
-    with a traceback; for a peer's malformed bytes one warning line says all there is."""
-
-    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
-        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
-        detail = " ".join(str(exc).split())[:200] if exc is not None else ""
-        self.logger.warning(f"{msg}: %s: %s", *args, type(exc).__name__, detail)
+def _no_route(request: Request, e: NoRoute) -> Response:
+    if e.status == 404:
+        return json_response(error_body(404, f"no such endpoint: {request.method} {request.path}"), status=404)
+    allowed = ", ".join(sorted(e.allowed))
+    return json_response(error_body(405, f"method {request.method} not allowed on {request.path} "
+                                         f"(allowed: {allowed})"), status=405, headers={"Allow": allowed})
 
 
-def plumbed_app(cfg: ServerConfig, metrics: Metrics, max_body: int) -> web.Application:
-    """An application with this server's error and metrics middleware and body limit, no routes."""
-    return web.Application(client_max_size=max_body, middlewares=[_middleware(cfg, metrics)])
-
-
-def build_web_app(services: Services, metrics: Metrics, max_body: int) -> web.Application:
-    webapp = plumbed_app(services.settings, metrics, max_body)
+def build_http_app(services: Services, metrics: Metrics, max_body: int) -> HttpApp:
+    app = HttpApp(services.settings, metrics, max_body)
     routes = Routes(services, metrics, max_body)
-    r = webapp.router
+    r = app.router
     r.add_get("/health", routes.health)
     r.add_get("/version", routes.version)
     r.add_get("/slots", routes.slots)
@@ -145,58 +157,7 @@ def build_web_app(services: Services, metrics: Metrics, max_body: int) -> web.Ap
     LlamaRoutes(services, max_body, metrics).add_to(r)
     ModelRoutes(services, max_body).add_to(r)
     StateRoutes(services).add_to(r)
-    return webapp
-
-
-def _middleware(cfg: ServerConfig, metrics: Metrics):
-
-    @web.middleware
-    async def errors_and_metrics(request: web.Request, handler) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        code = 500
-        try:
-            peer = request.remote or ""
-            if cfg is not None and not cfg.peer_allowed(peer):  # the same --allow list as the engine port
-                raise ApiError(403, f"client {peer} is not in the allow list")
-            resp = await handler(request)
-            code = resp.status
-            return resp
-        except ApiError as e:
-            code = e.status
-            return e.response()
-        except web.HTTPException as e:  # aiohttp's own: 404 no route, 405, 413 body too large
-            code = e.status
-            if e.status < 400:
-                raise
-            headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
-            return json_response(error_body(e.status, _http_error_message(request, e)), status=e.status,
-                                 headers=headers)
-        except asyncio.CancelledError:
-            code = 499  # client closed the request (nginx's convention)
-            raise
-        except ConnectionResetError:
-            code = 499
-            raise
-        except Exception as e:
-            log.exception("HTTP %s %s failed", request.method, request.path)
-            return json_response(error_body(500, f"internal error: {type(e).__name__}: {e}"), status=500)
-        finally:
-            resource = request.match_info.route.resource
-            route = resource.canonical if resource is not None else "unmatched"
-            method = request.method if request.method in KNOWN_METHODS else "other"  # bounded labels
-            metrics.observe_http(route, method, code, time.perf_counter() - t0)
-
-    return errors_and_metrics
-
-
-def _http_error_message(request: web.Request, e: web.HTTPException) -> str:
-    if e.status == 404:
-        return f"no such endpoint: {request.method} {request.path}"
-    if e.status == 405:
-        return f"method {request.method} not allowed on {request.path} (allowed: {e.headers.get('Allow', '')})"
-    if e.status == 413:  # aiohttp's text names the limit and the size seen
-        return f"request body too large: {e.text}"
-    return e.text or e.reason
+    return app
 
 
 class Routes:
@@ -210,7 +171,7 @@ class Routes:
         return self.services.engine
 
     # ---------------------------------------------------------------- status
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         eng = self.engine
         server = self.services.hydra
         stage = eng.startup_stage if eng is not None else "init"
@@ -230,7 +191,7 @@ class Routes:
         return json_response(body, status=200 if ready else 503,
                              headers=None if ready or stage == "failed" else {"Retry-After": "1"})
 
-    async def version(self, request: web.Request) -> web.Response:
+    async def version(self, request: Request) -> Response:
         eng = self.engine
         return json_response({"version": ENGINE_VERSION, "engine": ENGINE_NAME, "implementation": "hydra-rpc",
                               "implementation_version": IMPL_VERSION,
@@ -241,12 +202,12 @@ class Routes:
         if not getattr(self.services.settings, f"http_{name}"):
             raise ApiError(501, f"This server does not support {name} endpoint. Start it with `--{name}`")
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    async def prometheus(self, request: Request) -> Response:
         self._endpoint_enabled("metrics")
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # ---------------------------------------------------------------- slots
-    async def slots(self, request: web.Request) -> web.Response:
+    async def slots(self, request: Request) -> Response:
         """503 until the model is loaded and the slots are wired (a node agent's health probe)."""
         self._endpoint_enabled("slots")
         eng = self.engine
@@ -255,11 +216,11 @@ class Routes:
         return json_response([{**slot_entry(s, eng.n_ctx_slot), "checkpoints": eng.checkpoints_of(s.slot_id)}
                               for s in eng.snapshots])
 
-    async def slot_meta(self, request: web.Request) -> web.Response:
+    async def slot_meta(self, request: Request) -> Response:
         slot = _slot_of(request, self.engine)
         return json_response(slot_meta(self.engine.snapshot(slot), slot, self.engine.kv_cache))
 
-    async def slot_action(self, request: web.Request) -> web.Response:
+    async def slot_action(self, request: Request) -> Response:
         eng = self.engine
         slot = _slot_of(request, eng)
         action = request.query.get("action", "")
@@ -285,7 +246,7 @@ class Routes:
                                             "queued": snap.queued})
 
     # ---------------------------------------------------------------- merged DECODE results
-    def _decode_entry(self, request: web.Request) -> Any:
+    def _decode_entry(self, request: Request) -> Any:
         raw = request.match_info["decode_request_id"]
         decode_id = _number(raw)
         results = self.services.decode_results
@@ -297,7 +258,7 @@ class Routes:
                            extra={"decode_request_id": -1 if decode_id is None else decode_id})
         return entry
 
-    async def decode_cancel(self, request: web.Request) -> web.Response:
+    async def decode_cancel(self, request: Request) -> Response:
         """Extension: stop a running merged DECODE (its slot frees before the next step);
         the entry then answers GET with the partial result and ``stop_reason`` cancelled."""
         entry = self._decode_entry(request)
@@ -307,7 +268,7 @@ class Routes:
         return json_response({"decode_request_id": entry.id, "status": "cancelling" if running else entry.state,
                               "cancelled": running}, status=202 if running else 200)
 
-    async def decode_result(self, request: web.Request) -> web.Response:
+    async def decode_result(self, request: Request) -> Response:
         entry = self._decode_entry(request)
         base = {"decode_request_id": entry.id, "slot": entry.slot, "n_past_after_restore": entry.n_past_after_restore}
         age_ms = round((time.monotonic() - entry.created) * 1000, 3)

@@ -10,12 +10,11 @@ import json
 import math
 from typing import Any
 
-from aiohttp import web
-
 from codec.json_text import lone_surrogate
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, Unservable
 
 from hydra_rpc.http.chat import dumps
+from hydra_rpc.http.server.messages import Request, Response
 
 ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
@@ -35,7 +34,7 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {**error_body(self.status, self.message, self.param), **self.extra}
 
-    def response(self) -> web.Response:
+    def response(self) -> Response:
         return json_response(self.body(), status=self.status, headers=self.headers)
 
 
@@ -44,8 +43,8 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=dumps(obj), status=status, headers=headers, content_type="application/json")
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(body=dumps(obj), status=status, headers=headers, content_type="application/json")
 
 
 def engine_error(e: BaseException) -> ApiError:
@@ -74,11 +73,11 @@ def require_ready(engine: Any) -> None:
         raise ApiError(503, f"no model loaded yet (startup stage {stage})", headers={"Retry-After": "1"})
 
 
-async def read_json_object(request: web.Request, max_body: int) -> dict[str, Any]:
+async def read_json_object(request: Request, max_body: int) -> dict[str, Any]:
     # Refuse a declared oversize body before reading any of it.
     if request.content_length is not None and request.content_length > max_body:
         raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of {max_body}")
-    raw = await request.read()  # aiohttp enforces client_max_size for chunked bodies → 413
+    raw = await request.read()  # read before the handler ran, under the limit (http.limits)
     try:
         text = raw.decode("utf-8-sig")  # a BOM is skipped, as json.loads(bytes) and nlohmann do
         body = json.loads(text)

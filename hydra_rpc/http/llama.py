@@ -19,8 +19,6 @@ import codecs
 from dataclasses import replace
 from typing import Any
 
-from aiohttp import web
-
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle
 
 from hydra_rpc.http.errors import ApiError, engine_error, json_response, read_json_object, require_ready
@@ -28,6 +26,8 @@ from hydra_rpc.http.openai import StopFilter, cut_at_stop, outcome, timings_of
 from hydra_rpc.http.openai_request import parse_completion_request, select_model
 from hydra_rpc.http.sse import SseStream
 from hydra_rpc.services import Services
+from hydra_rpc.http.server.messages import Request, Response, StreamResponse
+from hydra_rpc.http.server.router import Router
 
 MAX_TOKENS = 1 << 20  # a /detokenize list longer than any context is a mistake, not a request
 STOP_TYPE = {"eos": "eos", "length": "limit", "ctx_full": "limit", "stop": "word"}
@@ -37,7 +37,7 @@ class LlamaRoutes:
     def __init__(self, services: Services, max_body: int, metrics: Any):
         self.services, self.max_body, self.metrics = services, max_body, metrics
 
-    def add_to(self, router: web.UrlDispatcher) -> None:
+    def add_to(self, router: Router) -> None:
         router.add_post("/completion", self.completion)
         router.add_get("/props", self.props)
         router.add_post("/props", self.post_props)
@@ -49,7 +49,7 @@ class LlamaRoutes:
     def engine(self) -> Any:
         return self.services.engine
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: Request) -> dict[str, Any]:
         require_ready(self.engine)
         return await read_json_object(request, self.max_body)
 
@@ -60,7 +60,7 @@ class LlamaRoutes:
             raise engine_error(e) from None
 
     # ---------------------------------------------------------------- properties
-    async def props(self, request: web.Request) -> web.Response:
+    async def props(self, request: Request) -> Response:
         eng = self.engine
         require_ready(eng)
         p = eng.params
@@ -88,11 +88,11 @@ class LlamaRoutes:
             "gpu_offload": dict(info.gpu_offload) if info.gpu_offload is not None else None,
         })
 
-    async def post_props(self, request: web.Request) -> web.Response:
+    async def post_props(self, request: Request) -> Response:
         raise ApiError(501, "This server does not support changing global properties. Start it with `--props`")
 
     # ---------------------------------------------------------------- tokens
-    async def tokenize(self, request: web.Request) -> web.Response:
+    async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)
         content = body.get("content")
         if content is None:
@@ -114,7 +114,7 @@ class LlamaRoutes:
 
         return json_response({"tokens": await self._with_model(run)})
 
-    async def detokenize(self, request: web.Request) -> web.Response:
+    async def detokenize(self, request: Request) -> Response:
         body = await self._body(request)
         tokens = body.get("tokens", [])
         n_vocab = self.engine.n_vocab
@@ -130,7 +130,7 @@ class LlamaRoutes:
 
         return json_response({"content": await self._with_model(run)})
 
-    async def apply_template(self, request: web.Request) -> web.Response:
+    async def apply_template(self, request: Request) -> Response:
         body = await self._body(request)
         creq = parse_completion_request(body, "chat", self.engine)  # the same checks as a chat request
         messages, extra = creq.messages, (creq.chat.template_vars if creq.chat else {})
@@ -143,7 +143,7 @@ class LlamaRoutes:
         return json_response({"prompt": prompt})
 
     # ---------------------------------------------------------------- /completion
-    async def completion(self, request: web.Request) -> web.StreamResponse:
+    async def completion(self, request: Request) -> StreamResponse:
         engine = self.engine
         body = await self._body(request)
         creq = parse_completion_request(body, "text", engine)
@@ -176,8 +176,8 @@ class LlamaRoutes:
             if self.metrics is not None:
                 self.metrics.observe_generation("completion", reason)
 
-    async def _stream(self, request: web.Request, creq: Any, job: JobHandle,
-                      model: str) -> tuple[web.StreamResponse, str]:
+    async def _stream(self, request: Request, creq: Any, job: JobHandle,
+                      model: str) -> tuple[StreamResponse, str]:
         events = job.stream()
         try:
             ev = await anext(events, None)  # the headers wait for the first token: a refusal keeps its status

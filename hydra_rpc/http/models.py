@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
 from engine.jobs import EngineUnavailable
 from engine.status import flat_fields
 
 from hydra_rpc.http.errors import ApiError, engine_error, json_response, read_json_object, require_ready
 from hydra_rpc.services import Services
+from hydra_rpc.http.server.messages import Request, Response
+from hydra_rpc.http.server.router import Router
 
 # our alias states → llama-server's status.value
 _STATUS = {"loaded": "loaded", "loading": "loading", "unloaded": "unloaded", "failed": "unloaded"}
@@ -31,13 +31,13 @@ class ModelRoutes:
     def __init__(self, services: Services, max_body: int):
         self.services, self.max_body = services, max_body
 
-    def add_to(self, router: web.UrlDispatcher) -> None:
+    def add_to(self, router: Router) -> None:
         router.add_get("/v1/models", self.models)
         router.add_get("/models", self.models)
         router.add_post("/models/load", self.load)
         router.add_post("/models/unload", self.unload)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         eng = self.services.engine
         require_ready(eng)
         resident = eng.identity.display_name
@@ -50,7 +50,7 @@ class ModelRoutes:
                 data.append({**_entry(alias, state), "resident": state == "loaded"})
         return json_response({"object": "list", "data": data})
 
-    async def load(self, request: web.Request) -> web.Response:
+    async def load(self, request: Request) -> Response:
         eng = self.services.engine
         require_ready(eng)
         name = await self._model_name(request)
@@ -68,7 +68,7 @@ class ModelRoutes:
         return json_response({"success": True, "model": name, "status": "loading",
                               "config_generation": out.config_generation})
 
-    async def unload(self, request: web.Request) -> web.Response:
+    async def unload(self, request: Request) -> Response:
         eng = self.services.engine
         require_ready(eng)
         name = await self._model_name(request)
@@ -80,7 +80,7 @@ class ModelRoutes:
             await eng.configure({"model_path": eng.params.model_path})
         return json_response({"success": True, "model": name, "status": "unloaded"})
 
-    async def _model_name(self, request: web.Request) -> str:
+    async def _model_name(self, request: Request) -> str:
         name = (await read_json_object(request, self.max_body)).get("model")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "'model' must be a non-empty string (a model alias)", param="model")

@@ -3,7 +3,7 @@
 A request becomes one ``GenRequest`` on one slot, submitted to the same actor and scheduler
 as RPC work, so HTTP generations batch and interleave with RPC decodes. The job is
 cancelled whenever the handler leaves without a finished result: the client closed the
-connection (aiohttp cancels the handler, see ``http.app``), a stream write failed, or a
+connection (its connection cancels the handler, see ``http.server.connection``), a stream write failed, or a
 stop sequence was matched here first. Cancelling frees the slot before the next step.
 
 Also here, because ``GET /v1/decode/{id}`` answers with the same objects: the completion object
@@ -19,8 +19,6 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from aiohttp import web
-
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle
 
 from hydra_rpc.http.chat import ChunkSink, finish_reason, logprobs_object, message_object, parse_message
@@ -28,6 +26,8 @@ from hydra_rpc.http.errors import ApiError, engine_error, json_response, read_js
 from hydra_rpc.http.openai_request import CompletionRequest, parse_completion_request, select_model
 from hydra_rpc.http.sse import SseStream
 from hydra_rpc.services import Services
+from hydra_rpc.http.server.messages import Request, Response, StreamResponse
+from hydra_rpc.http.server.router import Router
 
 
 # ---------------------------------------------------------------- stop sequences
@@ -135,19 +135,19 @@ class OpenAIRoutes:
     def __init__(self, services: Services, max_body: int, metrics: Any):
         self.services, self.max_body, self.metrics = services, max_body, metrics
 
-    def add_to(self, router: web.UrlDispatcher) -> None:
+    def add_to(self, router: Router) -> None:
         for path in ("/v1/chat/completions", "/chat/completions"):
             router.add_post(path, self.chat)
         for path in ("/v1/completions", "/completions"):
             router.add_post(path, self.completions)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> StreamResponse:
         return await self._serve(request, "chat")
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> StreamResponse:
         return await self._serve(request, "text")
 
-    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+    async def _serve(self, request: Request, kind: str) -> StreamResponse:
         engine = self.services.engine
         require_ready(engine)
         creq = parse_completion_request(await read_json_object(request, self.max_body), kind, engine)
@@ -181,7 +181,7 @@ class OpenAIRoutes:
             if self.metrics is not None:
                 self.metrics.observe_generation("chat" if kind == "chat" else "completions", reason)
 
-    async def _whole(self, creq: CompletionRequest, job: JobHandle, cid: str, model: str) -> tuple[web.Response, str]:
+    async def _whole(self, creq: CompletionRequest, job: JobHandle, cid: str, model: str) -> tuple[Response, str]:
         res = await outcome(job)
         if res is None:
             raise ApiError(503, "generation cancelled: the engine is stopping")
@@ -216,16 +216,16 @@ class OpenAIRoutes:
         sink.finish()
         return stops
 
-    async def _stream(self, request: web.Request, creq: CompletionRequest, job: JobHandle, cid: str,
-                      model: str) -> tuple[web.StreamResponse, str]:
+    async def _stream(self, request: Request, creq: CompletionRequest, job: JobHandle, cid: str,
+                      model: str) -> tuple[StreamResponse, str]:
         events = job.stream()
         try:
             return await self._stream_events(request, creq, job, cid, model, events)
         finally:
             await events.aclose()
 
-    async def _stream_events(self, request: web.Request, creq: CompletionRequest, job: JobHandle, cid: str,
-                             model: str, events: Any) -> tuple[web.StreamResponse, str]:
+    async def _stream_events(self, request: Request, creq: CompletionRequest, job: JobHandle, cid: str,
+                             model: str, events: Any) -> tuple[StreamResponse, str]:
         # Wait for the first token before sending the headers, so a refused or failed job
         # (queue full, prompt too long) still gets a real status code and an error object.
         ev = await anext(events, None)
@@ -263,5 +263,5 @@ class OpenAIRoutes:
                 stream.event({**chunk(), "choices": [], "usage": usage})
             stream.out.append(b"data: [DONE]\n\n")
             return await stream.end(), reason
-        except ConnectionResetError:  # the client went away mid-stream (aiohttp's ClientConnectionResetError)
+        except ConnectionResetError:  # the client went away mid-stream
             return stream.resp, "cancelled"

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from aiohttp import web
-
 from engine import slot_files
 from engine.jobs import BadInput, EngineBusy
 
 from hydra_rpc.http.errors import ApiError, json_response, read_json_object
+from hydra_rpc.http.server.messages import Request, Response
 
 ACTIONS = ("save", "restore")
 
 
-async def slot_file_action(request: web.Request, engine: Any, slot: int, action: str, max_body: int,
-                           busy: Callable[[int, Any], ApiError]) -> web.Response:
+async def slot_file_action(request: Request, engine: Any, slot: int, action: str, max_body: int,
+                           busy: Callable[[int, Any], ApiError]) -> Response:
     if not engine.slot_save_path:
         raise ApiError(501, "this server does not support slot files: start it with --slot-save-path DIR")
     body = await read_json_object(request, max_body)

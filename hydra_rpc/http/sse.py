@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
 from engine.jobs import JobHandle
 
 from hydra_rpc.http.chat import dumps
 from hydra_rpc.hydra.wire import client_behind, limit_send_buffer
+from hydra_rpc.http.server.messages import Request, StreamResponse
 
 BURST_EVENTS = 256  # write at least this often, however fast the tokens come
 
@@ -23,23 +22,16 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-class _EventStreamResponse(web.StreamResponse):
-    # aiohttp's own switch (web.Response sets it so): the headers wait for the first body
-    # write and leave with it — one send and one wake-up of the client on its time to first
-    # token instead of two
-    _send_headers_immediately = False
-
-
 class SseStream:
-    def __init__(self, request: web.Request, job: JobHandle):
+    def __init__(self, request: Request, job: JobHandle):
         self.request, self.job = request, job
         self.out: list[bytes] = []  # events not written yet
-        self.resp = _EventStreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        self.resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                 "X-Accel-Buffering": "no"})
 
     async def start(self) -> None:
         """Fix the headers (after the first token: a refused job still gets a real status);
-        they go out with the first write."""
+        they go out with the first write (one send, one wake-up of the client)."""
         if self.request.transport is not None:
             limit_send_buffer(self.request.transport)
         await self.resp.prepare(self.request)
@@ -56,17 +48,18 @@ class SseStream:
             return
         data = b"".join(self.out)
         self.out.clear()
+        self.resp.send(data)
         transport = self.request.transport
         blocked = transport is not None and client_behind(transport)
-        if blocked:
+        if blocked:  # the job waits with its stream: tokens nobody can send would pile up
             self.job.set_client_blocked(True)
         try:
-            await self.resp.write(data)
+            await self.resp.drain()
         finally:
             if blocked:
                 self.job.set_client_blocked(False)
 
-    async def end(self) -> web.StreamResponse:
+    async def end(self) -> StreamResponse:
         await self.flush()
         await self.resp.write_eof()
         return self.resp

@@ -7,16 +7,14 @@ Both are the binary port's transfers behind another door: GET copies the state w
 engine call and sends the same blob as STATE_GET; PUT receives into the same resident buffer
 as STATE_PUT, under the same size caps (the frame limit and the largest blob this model can
 produce, ``handlers.kv_blob_cap``), and restores with the same function
-(``handlers.restore_kv_blob``). The body is streamed in both directions, never read whole by
-aiohttp. Also here: the slot id of a ``/slots/{id}…`` path, shared with ``http.app``.
+(``handlers.restore_kv_blob``). The body is streamed in both directions, never read whole
+before the handler. Also here: the slot id of a ``/slots/{id}…`` path, shared with ``http.app``.
 """
 from __future__ import annotations
 
 import json
 import time
 from typing import Any
-
-from aiohttp import web
 
 from codec.enums import Op
 from codec.errors import CodecError
@@ -31,6 +29,8 @@ from hydra_rpc.hydra.handlers import KV_VERSION, BlobRejected, kv_blob_cap, rest
 from hydra_rpc.http.limits import reading_body, streams_body
 from hydra_rpc.http.errors import ApiError, json_response, require_ready
 from hydra_rpc.services import Services
+from hydra_rpc.http.server.messages import Request, Response, StreamResponse
+from hydra_rpc.http.server.router import Router
 
 OCTETS = "application/octet-stream"
 
@@ -40,7 +40,7 @@ def path_number(raw: str) -> int | None:
     return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 18 else None
 
 
-def slot_of(request: web.Request, engine: Any) -> int:
+def slot_of(request: Request, engine: Any) -> int:
     raw = request.match_info["slot_id"]
     slot = path_number(raw)
     if slot is None:
@@ -55,7 +55,7 @@ class StateRoutes:
     def __init__(self, services: Services):
         self.services = services
 
-    def add_to(self, router: web.UrlDispatcher) -> None:
+    def add_to(self, router: Router) -> None:
         router.add_get("/slots/{slot_id}/state", self.get_state)
         router.add_put("/slots/{slot_id}/state", self.put_state)
 
@@ -68,7 +68,7 @@ class StateRoutes:
         if snap.is_processing or snap.is_transferring or snap.queued:
             raise ApiError(503, f"slot {slot} is busy ({snap.operation})", extra={"restored": False})
 
-    async def get_state(self, request: web.Request) -> web.StreamResponse:
+    async def get_state(self, request: Request) -> StreamResponse:
         eng = self.engine
         slot = slot_of(request, eng)
         require_ready(eng)
@@ -80,7 +80,7 @@ class StateRoutes:
         try:
             head = encode_kv_blob_header(KV_VERSION, out.n_past, out.tokens)
             size = len(head) + len(out.state)
-            resp = web.StreamResponse(headers={
+            resp = StreamResponse(headers={
                 "Content-Type": OCTETS, "X-Hydra-N-Past": str(out.n_past), "X-Hydra-State-Size": str(size),
                 "X-Hydra-Model-Hash": out.identity.model_hash,
                 "X-Hydra-Config-Generation": str(out.config_generation),
@@ -100,7 +100,7 @@ class StateRoutes:
             out.release()
 
     @streams_body
-    async def put_state(self, request: web.Request) -> web.Response:
+    async def put_state(self, request: Request) -> Response:
         eng = self.engine
         slot = slot_of(request, eng)
         require_ready(eng)
@@ -168,7 +168,7 @@ def kv_cache_header(eng: Any) -> dict[str, str]:
     return {KV_CACHE_HEADER: json.dumps(declared_kv_cache(kv), separators=(",", ":"))}
 
 
-def declared_from(request: web.Request) -> Any:
+def declared_from(request: Request) -> Any:
     """The sender's kv_cache from ``X-Hydra-KV-Cache`` (None: not sent). 400 when it is not a
     JSON object."""
     text = request.headers.get(KV_CACHE_HEADER)
@@ -184,12 +184,12 @@ def declared_from(request: web.Request) -> Any:
     return declared
 
 
-async def _receive(request: web.Request, buf: memoryview) -> None:
+async def _receive(request: Request, buf: memoryview) -> None:
     """Fill ``buf`` with exactly the body (its Content-Length), as it arrives."""
     pos = 0
     async for chunk in request.content.iter_any():
         end = pos + len(chunk)
-        if end > len(buf):  # aiohttp frames the body by Content-Length: not reached
+        if end > len(buf):  # the body is framed by its Content-Length: not reached
             raise ApiError(400, "the body is longer than its Content-Length")
         buf[pos:end] = chunk
         pos = end

@@ -204,37 +204,16 @@ def log_request(*, op: str, key: str, trace: str, status: str, req_bytes: int, r
     log.log(level, "request", extra={"fields": fields})
 
 
-def _access_log_fields(request, response, seconds: float) -> dict[str, Any]:
-    return {"method": request.method, "path": request.path_qs, "status": response.status,
-            "sent_bytes": response.body_length, "ms": round(seconds * 1000, 3), "peer": request.remote or "",
-            "agent": request.headers.get("User-Agent", "")}
-
-
-@functools.cache
-def _access_logger_class() -> type:
-    # aiohttp is imported here, not at module level: `hydra-rpc call` and the tools load this
-    # module and need no HTTP server.
-    from aiohttp.abc import AbstractAccessLogger
-
-    class HttpAccessLogger(AbstractAccessLogger):
-        """aiohttp's access log as our request lines (same formatter, same escaping)."""
-
-        @property
-        def enabled(self) -> bool:
-            return True  # every request is counted in the tally, logged or not
-
-        def log(self, request, response, time: float) -> None:
-            tally.http += 1
-            probe = request.path in PROBE_PATHS
-            if not probe and response.status >= 400:
-                tally.errors += 1
-            level = _routine if probe or response.status < 400 else logging.INFO
-            if self.logger.isEnabledFor(level):
-                self.logger.log(level, "http", extra={"fields": _access_log_fields(request, response, time)})
-
-    return HttpAccessLogger
-
-
-def access_log_options() -> dict[str, Any]:
-    """Keyword arguments for ``web.AppRunner`` that send its access log through ours."""
-    return {"access_log": http_access_log, "access_log_class": _access_logger_class()}
+def log_http_access(request: Any, status: int, sent_bytes: int, seconds: float) -> None:
+    """One line per HTTP request (probes and successes are routine; errors at INFO); every
+    request is counted in the tally, logged or not."""
+    tally.http += 1
+    probe = request.path in PROBE_PATHS
+    if not probe and status >= 400:
+        tally.errors += 1
+    level = _routine if probe or status < 400 else logging.INFO
+    if http_access_log.isEnabledFor(level):
+        http_access_log.log(level, "http", extra={"fields": {
+            "method": request.method, "path": request.path_qs, "status": status, "sent_bytes": sent_bytes,
+            "ms": round(seconds * 1000, 3), "peer": request.remote or "",
+            "agent": request.headers.get("User-Agent", "")}})

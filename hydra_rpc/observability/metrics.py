@@ -65,6 +65,7 @@ class Metrics:
         # (op, status) → that request's series: ``labels()`` takes a lock and builds a key on
         # every call, a noticeable share of a STATE_META's server CPU; the op set is bounded
         self._request_series: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
+        self._http_series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     # ---------------------------------------------------------------- observers
     def observe_request(self, op_name: str, status_name: str, seconds: float, req_bytes: int,
@@ -86,8 +87,15 @@ class Metrics:
             bytes_out.inc(resp_bytes)
 
     def observe_http(self, route: str, method: str, code: int, seconds: float) -> None:
-        self.http_requests.labels(route, method, str(code)).inc()
-        self.http_duration.labels(route).observe(seconds)
+        """``route``, ``method`` and ``code`` come from bounded sets (the routes' patterns, the
+        known methods, the statuses this server answers): their series are kept as for requests."""
+        series = self._http_series.get((route, method, code))
+        if series is None:
+            series = (self.http_requests.labels(route, method, str(code)), self.http_duration.labels(route))
+            if len(self._http_series) < MAX_CACHED_SERIES:
+                self._http_series[route, method, code] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def observe_generation(self, endpoint: str, reason: str) -> None:
         self.generations.labels(endpoint, reason).inc()

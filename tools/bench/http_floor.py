@@ -4,20 +4,17 @@
     python -m tools.bench.http_floor --table DIR     # the runs DIR/run-N.json in one table
 
 A short completion's first token on tiny-small is a few hundred microseconds of decode and as
-much again of the request's path; this measures the HTTP part of that path alone, on six
+much again of the request's path; this measures the HTTP part of that path alone, on five
 servers up at once:
 
 * ``llama-server`` and ``ours`` (``hydra-llama-engine``) on the shared llama-server argv
   (:func:`tools.bench.vs_llama_server.start`), model loaded;
 * ``raw protocol``: an ``asyncio.Protocol`` on uvloop that reads the request head and writes a
   fixed answer — what Python on this loop costs with no HTTP library;
-* ``aiohttp``: a minimal aiohttp application on uvloop (``loop.create_server``, no access log);
-* ``aiohttp + our accept loop``: the same application served by ``http.limits``' site: the
-  accept loop that counts connections against the budget (``conn_budget.Acceptor``) and the
-  guard that keeps each connection's read deadlines;
-* ``aiohttp + our plumbing``: and the rest of this server's HTTP plumbing: ``http.app``'s error
-  and metrics middleware, ``http.limits``' body middleware, the access log through ours; no
-  engine.
+* ``aiohttp``: a minimal aiohttp application on uvloop (no access log);
+* ``our HTTP server``: this server's HTTP side with one route and no engine: the budgeted
+  accepts (``conn_budget.Acceptor``), ``http.server``'s connections with their read deadlines,
+  ``http.app``'s routing, errors and metrics, the access log.
 
 Each round gives each server a block of ``--requests`` requests (the servers' order rotates),
 each on a new connection (``Connection: close``) from a blocking socket, timed from before
@@ -45,7 +42,7 @@ from tools.bench.models import model_set
 from tools.bench.vs_llama_server import free_port, start
 from tools.spawn import thread_cpu_seconds
 
-MINIMAL = ("raw protocol", "aiohttp", "aiohttp + our accept loop", "aiohttp + our plumbing")
+MINIMAL = ("raw protocol", "aiohttp", "our HTTP server")
 HEALTH_BODY = json.dumps({"status": "ok", "startup_stage": "ready", "has_model": True, "model_name": "m"}).encode()
 
 
@@ -119,43 +116,36 @@ class _RawHttp(asyncio.Protocol):
             self.transport.close()
 
 
-def _aiohttp_runner(kind: str) -> tuple[Any, Any]:
-    """The runner of a minimal aiohttp server ``kind`` and the HttpLimits whose site serves it
-    (None: aiohttp's own site). The plumbing is the server's own (``http.app``, ``http.limits``)."""
-    from aiohttp import web
-
-    from hydra_rpc.config import ServerConfig
-    from hydra_rpc.conn_budget import ConnectionBudget
-    from hydra_rpc.http.app import http_runner, plumbed_app
-    from hydra_rpc.http.limits import HttpLimits
-    from hydra_rpc.observability.metrics import Metrics
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(body=HEALTH_BODY, content_type="application/json")
-
-    cfg = ServerConfig()
-    limits = HttpLimits(cfg, ConnectionBudget(cfg.max_connections, 4 * cfg.max_connections), 1 << 20)
-    if kind == "aiohttp + our plumbing":
-        app = plumbed_app(cfg, Metrics(), limits.max_body)
-        app.middlewares.append(limits.middleware)
-        runner = http_runner(app, cfg)
-    else:
-        app = web.Application()
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    app.router.add_get("/health", health)
-    return runner, None if kind == "aiohttp" else limits
-
-
 async def _serve(kind: str, port: int) -> None:
-    from aiohttp import web
-
+    loop = asyncio.get_running_loop()
     if kind == "raw protocol":
-        await asyncio.get_running_loop().create_server(_RawHttp, "127.0.0.1", port)
-    else:
-        runner, limits = _aiohttp_runner(kind)
+        await loop.create_server(_RawHttp, "127.0.0.1", port)
+    elif kind == "aiohttp":
+        from aiohttp import web
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(body=HEALTH_BODY, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await runner.setup()
-        site = limits.site(runner, "127.0.0.1", port) if limits is not None else web.TCPSite(runner, "127.0.0.1", port)
-        await site.start()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    else:  # this server's HTTP side: its accepts, connections, routing, errors, metrics, access log
+        from hydra_rpc.config import ServerConfig
+        from hydra_rpc.conn_budget import ConnectionBudget
+        from hydra_rpc.http.app import HttpApp
+        from hydra_rpc.http.server.messages import Request, Response
+        from hydra_rpc.http.server.serve import HttpServer
+        from hydra_rpc.observability.metrics import Metrics
+
+        async def our_health(request: Request) -> Response:
+            return Response(HEALTH_BODY, content_type="application/json")
+
+        cfg = ServerConfig()
+        app = HttpApp(cfg, Metrics(), 1 << 20)
+        app.router.add_get("/health", our_health)
+        HttpServer(app, cfg, ConnectionBudget(cfg.max_connections, 4 * cfg.max_connections)).listen("127.0.0.1", port)
     await asyncio.Event().wait()
 
 
