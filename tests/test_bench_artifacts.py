@@ -111,7 +111,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-aec5974", 21), ("vs-llama-server-tiny-aec5974", 21),
     ("vs-llama-server-d665156", 21), ("vs-llama-server-tiny-d665156", 21),
     ("vs-llama-server-b459344", 21), ("vs-llama-server-tiny-b459344", 21), ("vs-llama-server-tiny-b241cd7", 21),
-    ("vs-llama-server-13479e7", 21), ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21)])
+    ("vs-llama-server-13479e7", 21), ("vs-llama-server-tiny-a6852c5", 21),
+    ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -124,7 +125,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     ones those of "At 9af7eee: the step after a first token gives way", the -aec5974 ones those of
     "At aec5974", the -d665156 and -b459344 ones those of "At d665156" and "At b459344", -tiny-b241cd7
     those of "The HTTP side alone, and libuv's own accepts", -13479e7 those of "Gemma 3 270M at
-    13479e7", kinds/tiny-hybrid-wide/…-f4e129f those
+    13479e7", -tiny-a6852c5 those of "Our own HTTP server", kinds/tiny-hybrid-wide/…-f4e129f those
     of "Three runs on tiny-hybrid-wide": the table built from them is combined.md's, and each of
     its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -153,7 +154,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-tiny-aec5974", "vs-llama-server-d665156",
                                          "vs-llama-server-tiny-d665156", "vs-llama-server-b459344",
                                          "vs-llama-server-tiny-b459344", "vs-llama-server-tiny-b241cd7",
-                                         "vs-llama-server-13479e7",
+                                         "vs-llama-server-13479e7", "vs-llama-server-tiny-a6852c5",
                                          "kinds/tiny-hybrid-wide/vs-llama-server-f4e129f"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
@@ -172,12 +173,14 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
 @pytest.mark.parametrize("folder, model", [
     ("tiny", "tiny"), ("tiny-hybrid", "tiny-hybrid"), ("gemma-270m", "gemma-270m"), ("give-way-ab", "tiny"),
     ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m"),
-    ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny"), ("b241cd7", "tiny")])
+    ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny"), ("b241cd7", "tiny"), ("a6852c5", "tiny"),
+    ("ab-1fcd89d", "tiny"), ("ab-a6852c5", "tiny")])
 def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
     milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
     snapshots-after-turn-ab/ those of "After a step: the streams' turn first", d521421/ that of
-    "A short request's path, stage by stage", b241cd7/ those of "The HTTP side alone":
+    "A short request's path, stage by stage", b241cd7/ those of "The HTTP side alone", a6852c5/
+    and ab-*/ those of "Our own HTTP server":
     the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.common import load_runs
     from tools.bench.ttft_gaps import runs_table
@@ -188,10 +191,11 @@ def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder
     assert runs_table(runs) in page
 
 
-@pytest.mark.parametrize("folder", ["41eb3a0", "b241cd7"])
+@pytest.mark.parametrize("folder", ["41eb3a0", "b241cd7", "a6852c5"])
 def test_the_http_floor_tables_in_the_docs_are_made_of_their_committed_runs(folder):
     """docs/performance/http-floor/COMMIT/run-N.json are the runs of "The HTTP side alone, and
-    libuv's own accepts", before and after the change: ``http_floor --table`` of each is the page's."""
+    libuv's own accepts", before and after the change, and of "Our own HTTP server": ``http_floor --table``
+    of each is the page's."""
     from tools.bench.common import load_runs
     from tools.bench.http_floor import runs_table
 

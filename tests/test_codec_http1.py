@@ -110,3 +110,29 @@ def test_response_head_and_chunks():
     assert chunk(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
     with pytest.raises(ValueError):
         response_head(200, [("X-Echo", "a\r\nSet-Cookie: b")])
+
+
+def _feed_all(pieces: list[bytes]) -> None:
+    reader = RequestReader()
+    try:
+        for p in pieces:
+            for ev in reader.feed(p):
+                assert isinstance(ev, (RequestHead, bytes)) or ev is END
+    except HttpProtocolError as e:
+        assert e.status in (400, 414, 431)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600), st.lists(st.integers(min_value=1, max_value=599), max_size=6, unique=True))
+def test_any_bytes_are_read_or_refused_with_a_status(data, cuts):
+    bounds = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
+    _feed_all([data[a:b] for a, b in zip(bounds, bounds[1:])])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(min_value=0, max_value=len(TWO) - 1), st.integers(0, 255)), max_size=4))
+def test_mutated_requests_are_read_or_refused_with_a_status(flips):
+    data = bytearray(TWO)
+    for at, value in flips:
+        data[at] = value
+    _feed_all([bytes(data)])
