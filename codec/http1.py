@@ -5,8 +5,9 @@ The request parser is llhttp (Node's parser, through ``httptools``; aiohttp's C 
 same one): it frames bodies by ``Content-Length`` or chunked encoding and refuses what would let
 two servers read one stream differently (both framings at once, a bad length, a bad chunk
 size). What llhttp leaves to its user is checked here, before anything grows: the size of a
-request's head and of each of its lines, and the number of headers (each a ``431``), and the
-request target's length (``414``).
+request's head and of each of its lines, and the number of headers (each a ``431``), the
+request target's length (``414``), and how many requests one read may pipeline (``429``: a
+read of 256 KiB holds thousands of minimal requests, each a few objects until answered).
 
 :meth:`RequestReader.feed` returns, in order, for every request in the bytes given (clients
 may pipeline): a :class:`RequestHead`, its body as ``bytes`` pieces, and :data:`END`.
@@ -25,6 +26,7 @@ MAX_TARGET = 8190  # a request target longer than this: 414 (aiohttp's and cpp-h
 MAX_FIELD = 8190  # a header's name or value
 MAX_HEADERS = 100  # cpp-httplib's CPPHTTPLIB_HEADER_MAX_COUNT
 MAX_HEAD = 64 * 1024  # a request's whole head
+MAX_REQUESTS_PER_FEED = 64  # pipelined requests in one read: each is objects held until answered
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
@@ -107,6 +109,7 @@ class RequestReader:
         self._target = bytearray()
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0
+        self._begun = 0  # requests begun in the current feed
         self.in_head = False  # between a request's first byte and its head's end
         self.upgraded = False  # llhttp stopped: what follows is not HTTP/1.1
 
@@ -114,6 +117,7 @@ class RequestReader:
         if self.upgraded:
             return []
         in_head_before = self.in_head  # a head that began in an earlier feed: all of data counts
+        self._begun = 0
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -135,6 +139,9 @@ class RequestReader:
 
     # ---------------------------------------------------------------- llhttp's callbacks
     def on_message_begin(self) -> None:
+        self._begun += 1
+        if self._begun > MAX_REQUESTS_PER_FEED:
+            raise HttpProtocolError(429, f"more than {MAX_REQUESTS_PER_FEED} requests pipelined in one read")
         self.in_head, self._head_bytes = True, 0
         self._target.clear()
         self._headers = []

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codec.http1 import (END, MAX_FIELD, MAX_HEAD, MAX_HEADERS, MAX_TARGET, HttpProtocolError, RequestHead,
-                         RequestReader, chunk, response_head)
+from codec.http1 import (END, MAX_FIELD, MAX_HEAD, MAX_HEADERS, MAX_REQUESTS_PER_FEED, MAX_TARGET,
+                         HttpProtocolError, RequestHead, RequestReader, chunk, response_head)
 
 TWO = (b"POST /v1/completions?x=1&y=%20 HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello"
        b"GET /slots/%30/state/meta HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -98,6 +98,16 @@ def test_a_head_that_never_ends_is_refused_once_it_passes_the_limit():
     assert ei.value.status == 431
 
 
+def test_a_flood_of_pipelined_requests_in_one_read_is_refused_before_its_requests_are_made():
+    one = b"GET /health HTTP/1.1\r\n\r\n"
+    assert len(events_of([one * MAX_REQUESTS_PER_FEED])) == 2 * MAX_REQUESTS_PER_FEED  # a head and END each
+    with pytest.raises(HttpProtocolError) as ei:
+        events_of([one * 10_000])
+    assert ei.value.status == 429
+    reader = RequestReader()  # the same requests over several reads are read
+    assert sum(len(reader.feed(one * MAX_REQUESTS_PER_FEED)) for _ in range(3)) == 6 * MAX_REQUESTS_PER_FEED
+
+
 def test_an_upgrade_is_read_as_the_last_request():
     reader = RequestReader()
     (head, end) = reader.feed(b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\nGET / HTTP/1.1\r\n")
@@ -119,7 +129,7 @@ def _feed_all(pieces: list[bytes]) -> None:
             for ev in reader.feed(p):
                 assert isinstance(ev, (RequestHead, bytes)) or ev is END
     except HttpProtocolError as e:
-        assert e.status in (400, 414, 431)
+        assert e.status in (400, 414, 429, 431)
 
 
 @settings(max_examples=300, deadline=None)

@@ -499,3 +499,22 @@ def test_a_client_that_gives_up_mid_request_leaves_the_server_healthy(port, sent
                 assert 400 <= r.status < 500, r.status
                 c.assert_closed()
     assert_healthy(port)
+
+
+def test_a_flood_of_pipelined_requests_is_answered_in_order_or_cut_with_a_429(port):
+    """Ten thousand requests in one send: a read that holds more than a few dozen is refused
+    (429 and a close) before its requests are made; requests read a few at a time are all
+    answered. Either way each answer is whole, and the server goes on."""
+    n = 10_000
+    one = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with Conn(port) as c:
+        c.try_send(one * (n - 1) + request("GET", "/health", headers={"Connection": "close"}))
+        statuses = []
+        try:
+            while True:
+                statuses.append(c.response().status)
+        except Closed:
+            pass
+    assert statuses and set(statuses) <= {200, 429}, set(statuses)
+    assert statuses == [200] * n or (statuses[-1] == 429 and statuses.count(429) == 1), statuses[-3:]
+    assert_healthy(port)
