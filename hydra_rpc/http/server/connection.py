@@ -227,7 +227,7 @@ class HttpConnection(asyncio.Protocol):
         if not body.eof:
             body.discard = True  # the rest is dropped as it arrives; the framing is still read
             self._resume_reading("body")
-        if not self.keep_alive:
+        if not self.keep_alive or self.server.closing:  # closing: the head may have said keep-alive
             if body.eof:
                 self._close()
             else:
