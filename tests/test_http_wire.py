@@ -431,6 +431,18 @@ def test_a_chunked_body_growing_past_the_limit_is_a_413(port):
     assert_healthy(port)
 
 
+def test_a_chunked_body_that_breaks_off_mid_request_is_a_400_and_a_close(port):
+    """A bad chunk size after a good chunk: the request already went to its handler, which
+    answers the error (not a silent close), and nothing after it is read."""
+    with Conn(port) as c:
+        c.send(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n" + chunked(TOKENIZE_BODY)[0])
+        c.send(b"zz\r\n" + request("GET", "/health"))
+        assert_error_object(c.response(), 400)
+        c.assert_closed()
+    assert_healthy(port)
+
+
 # ---------------------------------------------------------------- a token stream
 def test_a_stream_is_framed_server_sent_events_then_the_connection_goes_on(port):
     body = json.dumps({"prompt": "hello", "max_tokens": 4, "temperature": 0, "stream": True}).encode()

@@ -199,7 +199,8 @@ class HttpConnection(asyncio.Protocol):
                 await response.write_eof()
                 sent = response.body_length
         except (asyncio.CancelledError, ConnectionResetError):
-            return  # the client left: nothing to answer
+            self.abort()  # the client left (else: nothing sane is left to answer on this stream)
+            return
         except Exception:  # a response this connection cannot send: the stream is not to be trusted
             log.exception("HTTP %s %s: the answer could not be sent", request.method, request.path)
             self.abort()
@@ -382,8 +383,8 @@ class HttpConnection(asyncio.Protocol):
         self._broken = True
         self.keep_alive = False
         self._pending.clear()
-        if self._receiving is not None:
-            self._receiving.fail(ConnectionResetError("the request's bytes broke off"))
+        if self._receiving is not None:  # a body being read broke off: its handler answers the error
+            self._receiving.fail(ApiError(e.status, str(e)))
             self._receiving = None
         if self._task is None:
             self.transport.write(error_bytes(e.status, str(e)))
