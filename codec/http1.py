@@ -5,7 +5,8 @@ The request parser is llhttp (Node's parser, through ``httptools``; aiohttp's C 
 same one): it frames bodies by ``Content-Length`` or chunked encoding and refuses what would let
 two servers read one stream differently (both framings at once, a bad length, a bad chunk
 size). What llhttp leaves to its user is checked here, before anything grows: the size of a
-request's head and of each of its lines, and the number of headers (each a ``431``), the
+request's head and of each of its lines, the number of headers, and what a chunked body sends
+beside its data — trailers, chunk extensions (each a ``431``); the
 request target's length (``414``), and how many requests one read may pipeline (``429``: a
 read of 256 KiB holds thousands of minimal requests, each a few objects until answered).
 
@@ -111,13 +112,20 @@ class RequestReader:
         self._head_bytes = 0
         self._begun = 0  # requests begun in the current feed
         self.in_head = False  # between a request's first byte and its head's end
+        # a body's bytes that are neither data nor a chunk's size line, read since either: the
+        # last chunk's trailers (llhttp keeps a trailer line until it ends, as a head's) or a
+        # chunk extension that never ends — counted as they arrive
+        self._in_body = False
+        self._quiet_bytes = 0
+        self._moved = False  # data, a chunk or an end arrived in the current feed
         self.upgraded = False  # llhttp stopped: what follows is not HTTP/1.1
 
     def feed(self, data: bytes) -> list[Event]:
         if self.upgraded:
             return []
         in_head_before = self.in_head  # a head that began in an earlier feed: all of data counts
-        self._begun = 0
+        in_body_before = self._in_body
+        self._begun, self._moved = 0, False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -134,6 +142,10 @@ class RequestReader:
                 self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD:
                 raise HttpProtocolError(431, f"request head larger than {MAX_HEAD} bytes")
+        if in_body_before and self._in_body and not self._moved:  # no data, no chunk, no end
+            self._quiet_bytes += len(data)
+            if self._quiet_bytes > MAX_HEAD:
+                raise HttpProtocolError(431, f"a chunk's size line or the trailers longer than {MAX_HEAD} bytes")
         events, self._events = self._events, []
         return events
 
@@ -162,15 +174,20 @@ class RequestReader:
 
     def on_headers_complete(self) -> None:
         p = self._parser
-        self.in_head = False
+        self.in_head, self._in_body = False, True
         self._events.append(RequestHead(p.get_method().decode("ascii"), self._target.decode("latin-1"),
                                         p.get_http_version(), Headers(self._headers), p.should_keep_alive(),
                                         p.should_upgrade()))
 
     def on_body(self, data: bytes) -> None:
+        self._moved, self._quiet_bytes = True, 0
         self._events.append(data)
 
+    def on_chunk_header(self) -> None:
+        self._moved, self._quiet_bytes = True, 0
+
     def on_message_complete(self) -> None:
+        self._in_body = False
         self._events.append(END)
 
 

@@ -98,6 +98,25 @@ def test_a_head_that_never_ends_is_refused_once_it_passes_the_limit():
     assert ei.value.status == 431
 
 
+@pytest.mark.parametrize("start", [b"0\r\nX-Trailer: ", b"5;ext="], ids=["trailer", "chunk-extension"])
+def test_a_trailer_or_chunk_size_line_that_never_ends_is_refused_once_it_passes_the_limit(start):
+    """llhttp keeps a trailer line whole until it ends: a client could grow it without bound."""
+    reader = RequestReader()
+    reader.feed(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n" + start)
+    with pytest.raises(HttpProtocolError) as ei:
+        for _ in range(MAX_HEAD // 1000 + 2):
+            reader.feed(b"v" * 1000)
+    assert ei.value.status == 431
+
+
+def test_chunks_split_anywhere_with_trailers_are_read():
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (b"a" * 5000, b"b" * 70000, b"c"))
+    raw = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + body + b"0\r\nX-T: 1\r\n\r\n"
+    for step in (1, 7, 4096, 65536):
+        got = summary(events_of([raw[i:i + step] for i in range(0, len(raw), step)]))
+        assert got[1:] == [b"a" * 5000 + b"b" * 70000 + b"c", "END"], step
+
+
 def test_a_flood_of_pipelined_requests_in_one_read_is_refused_before_its_requests_are_made():
     one = b"GET /health HTTP/1.1\r\n\r\n"
     assert len(events_of([one * MAX_REQUESTS_PER_FEED])) == 2 * MAX_REQUESTS_PER_FEED  # a head and END each
