@@ -83,3 +83,24 @@ async def test_a_close_closes_idle_kept_alive_connections_at_once_and_refuses_ne
             await asyncio.open_connection(*address)
     finally:
         writer.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_bytes_that_are_not_http_are_refused_and_logged_once_a_minute(caplog):
+    async def handler(request: Request) -> Response:
+        return Response(b"ok")
+
+    server = HttpServer(handler, ServerConfig(), ConnectionBudget(8, 32))
+    server.listen("127.0.0.1", 0)
+    try:
+        with caplog.at_level("INFO", logger="hydra_rpc.http"):
+            for _ in range(5):  # a scanner's probes
+                reader, writer = await asyncio.open_connection(*server.address)
+                writer.write(b"\x16\x03\x01\x00\x05hello\r\n\r\n")
+                assert (await reader.read()).startswith(b"HTTP/1.1 400 ")
+                writer.close()
+    finally:
+        await server.close()
+    lines = [r for r in caplog.records if "bad HTTP request" in r.getMessage()]
+    assert len(lines) == 1 and server.bad_requests.left_out == 4

@@ -379,7 +379,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _protocol_error(self, e: HttpProtocolError) -> None:
         """Bytes that are not a request: a 4xx and a close, after the answer in progress."""
-        log.info("bad HTTP request from %s: %d %s", self._remote, e.status, e)
+        self.server.bad_requests.warn(log, "bad HTTP request from %s: %d %s", self._remote, e.status, e)
         self._broken = True
         self.keep_alive = False
         self._pending.clear()

@@ -14,7 +14,7 @@ from hydra_rpc.config import ServerConfig
 from hydra_rpc.conn_budget import Acceptor, ConnectionBudget
 from hydra_rpc.http.server.connection import HttpConnection
 from hydra_rpc.http.server.messages import Request, Response, StreamResponse
-from hydra_rpc.observability.logs import log_http_access
+from hydra_rpc.observability.logs import Throttle, log_http_access
 
 Respond = Callable[[Request], Awaitable["Response | StreamResponse"]]
 
@@ -27,6 +27,7 @@ class HttpServer:
         self.idle_timeout = min(cfg.idle_timeout, cfg.http_timeout)
         self.connections: set[HttpConnection] = set()
         self.closing = False
+        self.bad_requests = Throttle()  # a scanner sends what is not HTTP at will: a line a minute
         self._acceptor: Acceptor | None = None
         self._all_closed: asyncio.Event | None = None  # set by the last connection to go, while closing
 
