@@ -18,7 +18,6 @@ Errors and refusals stay at INFO and above either way.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
