@@ -316,7 +316,7 @@ class HttpConnection(asyncio.Protocol):
         await self.drain()
 
     def send_continue(self) -> None:
-        if not self.gone:
+        if not self.gone and not self.transport.is_closing():
             self.transport.write(CONTINUE)
 
     # ---------------------------------------------------------------- reading
