@@ -104,3 +104,32 @@ async def test_bytes_that_are_not_http_are_refused_and_logged_once_a_minute(capl
         await server.close()
     lines = [r for r in caplog.records if "bad HTTP request" in r.getMessage()]
     assert len(lines) == 1 and server.bad_requests.left_out == 4
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_client_outside_the_allow_list_gets_a_403_on_each_request():
+    import ipaddress
+
+    from hydra_rpc.http.app import HttpApp
+    from hydra_rpc.observability.metrics import Metrics
+
+    async def ok(request: Request) -> Response:
+        return Response(b"ok")
+
+    for allow, status in ((["10.0.0.0/8"], b"403"), (["127.0.0.0/8"], b"200")):
+        app = HttpApp(Metrics(), 1 << 20)
+        app.router.add_get("/s", ok)
+        server = HttpServer(app, ServerConfig(allow=[ipaddress.ip_network(a) for a in allow]),
+                            ConnectionBudget(8, 32))
+        server.listen("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(*server.address)
+        try:
+            for _ in range(2):  # kept alive: the second request is refused (or served) as the first
+                writer.write(GET)
+                answer = await _read_answer(reader)
+                assert answer.startswith(b"HTTP/1.1 " + status), answer
+                assert status == b"200" or b"not in the allow list" in answer
+        finally:
+            writer.close()
+            await server.close()

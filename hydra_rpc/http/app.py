@@ -36,7 +36,7 @@ from hydra_rpc.http.chat import FINISH_REASON
 from hydra_rpc.http.errors import ApiError, error_body, json_response, require_ready
 from hydra_rpc.http.openai import OpenAIRoutes, completion_object, cut_at_stop, timings_of
 from hydra_rpc.http.models import ModelRoutes
-from hydra_rpc.http.server.messages import MatchInfo, Request, Response, StreamResponse
+from hydra_rpc.http.server.messages import Request, Response, StreamResponse
 from hydra_rpc.http.server.router import NoRoute, Router
 from hydra_rpc.http.server.serve import HttpServer
 from hydra_rpc.http.slot_actions import ACTIONS as FILE_ACTIONS
@@ -46,7 +46,6 @@ from hydra_rpc.http.state import path_number as _number
 from hydra_rpc.http.state import slot_of as _slot_of
 from hydra_rpc.http.llama import LlamaRoutes
 from hydra_rpc.observability.metrics import CONTENT_TYPE, Metrics
-from hydra_rpc.config import ServerConfig
 from hydra_rpc.services import Services
 
 log = logging.getLogger("hydra_rpc.http")
@@ -97,19 +96,17 @@ class HttpApp:
     """Routes a request and answers it: the allow list, the body read under its limit, the
     handler, every failure as a JSON error with its status, and the request's metrics."""
 
-    def __init__(self, cfg: ServerConfig, metrics: Metrics, max_body: int):
-        self.cfg, self.metrics, self.max_body = cfg, metrics, max_body
+    def __init__(self, metrics: Metrics, max_body: int):
+        self.metrics, self.max_body = metrics, max_body
         self.router = Router()
 
     async def __call__(self, request: Request) -> Response | StreamResponse:
         t0 = time.perf_counter()
         code, route = 500, None
         try:
-            peer = request.remote
-            if not self.cfg.peer_allowed(peer):  # the same --allow list as the engine port
-                raise ApiError(403, f"client {peer} is not in the allow list")
-            route, values = self.router.resolve(request.method, request.path)
-            request.match_info = MatchInfo(values, route)
+            if not request.conn.peer_allowed:  # the same --allow list as the engine port
+                raise ApiError(403, f"client {request.remote} is not in the allow list")
+            route, request.match_info = self.router.resolve(request.method, request.path)
             if not getattr(route.handler, "streams_body", False):
                 await read_body(request, self.max_body)
             resp = await route.handler(request)
@@ -142,8 +139,8 @@ def _no_route(request: Request, e: NoRoute) -> Response:
 
 
 def build_http_app(services: Services, metrics: Metrics, max_body: int) -> HttpApp:
-    app = HttpApp(services.settings, metrics, max_body)
-    routes = Routes(services, metrics, max_body)
+    app = HttpApp(metrics, max_body)
+    routes = Routes(services, metrics)
     r = app.router
     r.add_get("/health", routes.health)
     r.add_get("/version", routes.version)
@@ -153,18 +150,17 @@ def build_http_app(services: Services, metrics: Metrics, max_body: int) -> HttpA
     r.add_get("/v1/decode/{decode_request_id}", routes.decode_result)
     r.add_delete("/v1/decode/{decode_request_id}", routes.decode_cancel)
     r.add_get("/metrics", routes.prometheus)
-    OpenAIRoutes(services, max_body, metrics).add_to(r)
-    LlamaRoutes(services, max_body, metrics).add_to(r)
-    ModelRoutes(services, max_body).add_to(r)
+    OpenAIRoutes(services, metrics).add_to(r)
+    LlamaRoutes(services, metrics).add_to(r)
+    ModelRoutes(services).add_to(r)
     StateRoutes(services).add_to(r)
     return app
 
 
 class Routes:
-    def __init__(self, services: Services, metrics: Metrics, max_body: int):
+    def __init__(self, services: Services, metrics: Metrics):
         self.services = services
         self.metrics = metrics
-        self.max_body = max_body
 
     @property
     def engine(self) -> Any:
@@ -228,7 +224,7 @@ class Routes:
             raise ApiError(400, f"unsupported slot action {action[:40]!r} (erase, save or restore)", param="action")
         require_ready(eng)
         if action in FILE_ACTIONS:
-            return await slot_file_action(request, eng, slot, action, self.max_body, self._busy)
+            return await slot_file_action(request, eng, slot, action, self._busy)
         try:  # a busy slot is erased when its job ends, as llama-server defers it (engine/erase.py)
             n_erased = await eng.erase(slot)
         except EngineBusy as e:  # still busy past the bound: nothing was erased

@@ -73,11 +73,8 @@ def require_ready(engine: Any) -> None:
         raise ApiError(503, f"no model loaded yet (startup stage {stage})", headers={"Retry-After": "1"})
 
 
-async def read_json_object(request: Request, max_body: int) -> dict[str, Any]:
-    # Refuse a declared oversize body before reading any of it.
-    if request.content_length is not None and request.content_length > max_body:
-        raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of {max_body}")
-    raw = await request.read()  # read before the handler ran, under the limit (http.limits)
+async def read_json_object(request: Request) -> dict[str, Any]:
+    raw = await request.read()  # read before the handler ran, under the body limit (http.limits.read_body)
     try:
         text = raw.decode("utf-8-sig")  # a BOM is skipped, as json.loads(bytes) and nlohmann do
         body = json.loads(text)

@@ -34,8 +34,8 @@ STOP_TYPE = {"eos": "eos", "length": "limit", "ctx_full": "limit", "stop": "word
 
 
 class LlamaRoutes:
-    def __init__(self, services: Services, max_body: int, metrics: Any):
-        self.services, self.max_body, self.metrics = services, max_body, metrics
+    def __init__(self, services: Services, metrics: Any):
+        self.services, self.metrics = services, metrics
 
     def add_to(self, router: Router) -> None:
         router.add_post("/completion", self.completion)
@@ -51,7 +51,7 @@ class LlamaRoutes:
 
     async def _body(self, request: Request) -> dict[str, Any]:
         require_ready(self.engine)
-        return await read_json_object(request, self.max_body)
+        return await read_json_object(request)
 
     async def _with_model(self, fn: Any) -> Any:
         try:

@@ -28,8 +28,8 @@ _STATUS = {"loaded": "loaded", "loading": "loading", "unloaded": "unloaded", "fa
 
 
 class ModelRoutes:
-    def __init__(self, services: Services, max_body: int):
-        self.services, self.max_body = services, max_body
+    def __init__(self, services: Services):
+        self.services = services
 
     def add_to(self, router: Router) -> None:
         router.add_get("/v1/models", self.models)
@@ -81,7 +81,7 @@ class ModelRoutes:
         return json_response({"success": True, "model": name, "status": "unloaded"})
 
     async def _model_name(self, request: Request) -> str:
-        name = (await read_json_object(request, self.max_body)).get("model")
+        name = (await read_json_object(request)).get("model")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "'model' must be a non-empty string (a model alias)", param="model")
         return name

@@ -132,8 +132,8 @@ async def outcome(job: JobHandle) -> GenResult | None:
 
 # ---------------------------------------------------------------- the handlers
 class OpenAIRoutes:
-    def __init__(self, services: Services, max_body: int, metrics: Any):
-        self.services, self.max_body, self.metrics = services, max_body, metrics
+    def __init__(self, services: Services, metrics: Any):
+        self.services, self.metrics = services, metrics
 
     def add_to(self, router: Router) -> None:
         for path in ("/v1/chat/completions", "/chat/completions"):
@@ -150,7 +150,7 @@ class OpenAIRoutes:
     async def _serve(self, request: Request, kind: str) -> StreamResponse:
         engine = self.services.engine
         require_ready(engine)
-        creq = parse_completion_request(await read_json_object(request, self.max_body), kind, engine)
+        creq = parse_completion_request(await read_json_object(request), kind, engine)
         choice = await select_model(engine, creq.model)
         model = choice.name
         # no slot named: the engine picks one when it admits the job (prompt similarity, then LRU)

@@ -22,11 +22,11 @@ from hydra_rpc.http.server.messages import Request, Response
 ACTIONS = ("save", "restore")
 
 
-async def slot_file_action(request: Request, engine: Any, slot: int, action: str, max_body: int,
+async def slot_file_action(request: Request, engine: Any, slot: int, action: str,
                            busy: Callable[[int, Any], ApiError]) -> Response:
     if not engine.slot_save_path:
         raise ApiError(501, "this server does not support slot files: start it with --slot-save-path DIR")
-    body = await read_json_object(request, max_body)
+    body = await read_json_object(request)
     filename = body.get("filename")
     if not isinstance(filename, str):
         raise ApiError(400, "'filename' must be a string (a file name inside the slot directory)", param="filename")

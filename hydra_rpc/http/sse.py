@@ -27,7 +27,7 @@ class SseStream:
         self.request, self.job = request, job
         self.out: list[bytes] = []  # events not written yet
         self.resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                "X-Accel-Buffering": "no"})
+                                            "X-Accel-Buffering": "no"})
 
     async def start(self) -> None:
         """Fix the headers (after the first token: a refused job still gets a real status);

@@ -41,6 +41,17 @@ UNKNOWN_OP = "unknown"
 MAX_CACHED_SERIES = 512  # (op, status) pairs whose series are kept at hand (every real pair fits)
 
 
+def _series(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """The labelled children of one request kind, made once: ``labels()`` takes a lock and
+    builds a key on every call. The keys come from bounded sets; the cache is capped anyway."""
+    series = cache.get(key)
+    if series is None:
+        series = make()
+        if len(cache) < MAX_CACHED_SERIES:
+            cache[key] = series
+    return series
+
+
 class Metrics:
     def __init__(self, llama_underscore: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -71,14 +82,11 @@ class Metrics:
     def observe_request(self, op_name: str, status_name: str, seconds: float, req_bytes: int,
                         resp_bytes: int) -> None:
         """Called by the Hydra connection loop once per answered request."""
-        series = self._request_series.get((op_name, status_name))
-        if series is None:
-            op = op_name if op_name in KNOWN_OPS else UNKNOWN_OP
-            series = (self.requests.labels(op, status_name), self.duration.labels(op),
-                      self.payload_bytes.labels(op, "in"), self.payload_bytes.labels(op, "out"))
-            if op_name in KNOWN_OPS and len(self._request_series) < MAX_CACHED_SERIES:
-                self._request_series[op_name, status_name] = series
-        count, duration, bytes_in, bytes_out = series
+        op = op_name if op_name in KNOWN_OPS else UNKNOWN_OP
+        count, duration, bytes_in, bytes_out = _series(
+            self._request_series, (op, status_name),
+            lambda: (self.requests.labels(op, status_name), self.duration.labels(op),
+                     self.payload_bytes.labels(op, "in"), self.payload_bytes.labels(op, "out")))
         count.inc()
         duration.observe(seconds)
         if req_bytes:
@@ -89,13 +97,11 @@ class Metrics:
     def observe_http(self, route: str, method: str, code: int, seconds: float) -> None:
         """``route``, ``method`` and ``code`` come from bounded sets (the routes' patterns, the
         known methods, the statuses this server answers): their series are kept as for requests."""
-        series = self._http_series.get((route, method, code))
-        if series is None:
-            series = (self.http_requests.labels(route, method, str(code)), self.http_duration.labels(route))
-            if len(self._http_series) < MAX_CACHED_SERIES:
-                self._http_series[route, method, code] = series
-        series[0].inc()
-        series[1].observe(seconds)
+        count, duration = _series(self._http_series, (route, method, code),
+                                  lambda: (self.http_requests.labels(route, method, str(code)),
+                                           self.http_duration.labels(route)))
+        count.inc()
+        duration.observe(seconds)
 
     def observe_generation(self, endpoint: str, reason: str) -> None:
         self.generations.labels(endpoint, reason).inc()

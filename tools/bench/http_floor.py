@@ -143,7 +143,7 @@ async def _serve(kind: str, port: int) -> None:
             return Response(HEALTH_BODY, content_type="application/json")
 
         cfg = ServerConfig()
-        app = HttpApp(cfg, Metrics(), 1 << 20)
+        app = HttpApp(Metrics(), 1 << 20)
         app.router.add_get("/health", our_health)
         HttpServer(app, cfg, ConnectionBudget(cfg.max_connections, 4 * cfg.max_connections)).listen("127.0.0.1", port)
     await asyncio.Event().wait()

@@ -79,6 +79,7 @@ class HttpConnection(asyncio.Protocol):
         self._receiving: Body | None = None  # the body the next bytes belong to
         self._task: asyncio.Task | None = None
         self._remote = ""
+        self.peer_allowed = False
         self._reading_paused: set[str] = set()  # why the socket is not read: "body", "pipeline"
         self._write_paused = False
         self._drain: list[asyncio.Future] = []
@@ -106,6 +107,7 @@ class HttpConnection(asyncio.Protocol):
             return
         peer = transport.get_extra_info("peername")
         self._remote = str(peer[0]) if isinstance(peer, tuple) else ""
+        self.peer_allowed = server.cfg.peer_allowed(self._remote)  # --allow: each request answers 403 if not
         server.connections.add(self)
         self._wait(idle=True)
 
@@ -263,8 +265,10 @@ class HttpConnection(asyncio.Protocol):
         head = self._head(request, response.status, response.headers, len(body))
         if request.method == "HEAD":
             body = b""
-        self._write(head + body if len(body) < 16384 else head)
-        if len(body) >= 16384:
+        if len(body) < 16384:  # one send; a large body is not copied to join it
+            self._write(head + body)
+        else:
+            self._write(head)
             self._write(body)
         return len(body)
 

@@ -110,18 +110,6 @@ class Body:
         return b"".join(parts)
 
 
-class MatchInfo(dict):
-    """The path's ``{name}`` values, and the route they matched (None: no route)."""
-
-    def __init__(self, values: Mapping[str, str], route: Any):
-        super().__init__(values)
-        self.route = route
-
-    @property
-    def handler(self) -> Any:
-        return self.route.handler if self.route is not None else None
-
-
 class Request:
     """The parts of a request a handler reads (named as aiohttp names them)."""
 
@@ -129,7 +117,7 @@ class Request:
 
     def __init__(self, head: RequestHead, conn: Any, body: Body, remote: str):
         self.head, self.conn, self.body, self.remote = head, conn, body, remote
-        self.match_info = MatchInfo({}, None)
+        self.match_info: dict[str, str] = {}  # the path's ``{name}`` values, set when routed
         self._query: dict[str, str] | None = None
         self._read: bytes | None = None
 
@@ -167,7 +155,7 @@ class Request:
 class Response:
     """A response whose body is known whole."""
 
-    __slots__ = ("status", "headers", "body", "prepared")
+    __slots__ = ("status", "headers", "body")
 
     def __init__(self, body: bytes = b"", status: int = 200, headers: Mapping[str, str] | None = None,
                  content_type: str | None = None):
@@ -175,7 +163,6 @@ class Response:
         self.headers = dict(headers) if headers else {}
         if content_type is not None:
             self.headers["Content-Type"] = content_type
-        self.prepared = False
 
     @property
     def body_length(self) -> int:
