@@ -230,9 +230,10 @@ class EngineApi:
         return offload.as_dict() if offload is not None else None
 
     # ------------------------------------------------------------------ requests
-    def sampling_for(self, fields: Mapping[str, Any] | None = None) -> SamplerParams:
-        """T1 defaults, then the request's own sampling fields (any dialect's spelling)."""
-        return merge_sampling(self._actor.t1, fields)
+    def sampling_for(self, fields: Mapping[str, Any] | None = None, **given: Any) -> SamplerParams:
+        """T1 defaults, then the request's own sampling fields (any dialect's spelling), then
+        ``given`` SamplerParams attributes (a grammar, a logit bias)."""
+        return merge_sampling(self._actor.t1, fields, **given)
 
     def set_expert_mode(self, mode: str) -> str:
         """Returns the mode in effect: always "solo" (no combined head or peer exists here)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
@@ -128,6 +129,54 @@ class GenRequest:
     wait: bool = True
 
 
+
+class EventChannel:
+    """A job's token events, from the actor to whoever streams them: ``asyncio.Queue``'s
+    ``put_nowait`` / ``get`` / ``get_nowait`` / ``empty`` / ``qsize`` without its task
+    accounting (an Event and a counter touched per item), on the path of every token."""
+
+    __slots__ = ("_items", "_getters")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._getters: deque[asyncio.Future] = deque()
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        self._wake_one()
+
+    async def get(self) -> Any:
+        while not self._items:
+            getter = asyncio.get_running_loop().create_future()
+            self._getters.append(getter)
+            try:
+                await getter
+            except BaseException:
+                getter.cancel()
+                if self._items:  # woken, then cancelled: the item goes to the next reader
+                    self._wake_one()
+                raise
+        return self._items.popleft()
+
+    def _wake_one(self) -> None:
+        while self._getters:
+            getter = self._getters.popleft()
+            if not getter.done():
+                getter.set_result(None)
+                return
+
+    def get_nowait(self) -> Any:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
 @dataclass(eq=False)
 class GenJob:
     """One request's run inside the engine: the request and the state the actor and the
@@ -142,7 +191,7 @@ class GenJob:
     # so the output starts as reasoning (read by the wire side once the first token arrives)
     opens_reasoning: bool = False
     cancelled: bool = False
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # TokenEvent…, then None
+    events: EventChannel = field(default_factory=EventChannel)  # TokenEvent…, then None
     done: asyncio.Future | None = None
     client_blocked: bool = False  # see JobHandle.set_client_blocked
     wake: Callable[[], None] | None = field(default=None, repr=False)  # set by the engine on submit

@@ -98,8 +98,9 @@ REQUEST_FIELDS = {
 _INTEGER = {"top_k", "seed"}
 
 
-def merge_sampling(t1: Mapping[str, Any], fields: Mapping[str, Any] | None = None) -> SamplerParams:
-    """The T1 defaults (CONFIGURE ``sampling.*``), then the request's own numeric fields.
+def merge_sampling(t1: Mapping[str, Any], fields: Mapping[str, Any] | None = None, **given: Any) -> SamplerParams:
+    """The T1 defaults (CONFIGURE ``sampling.*``), then the request's own numeric fields, then
+    ``given`` (SamplerParams attributes, as they are: a grammar, a logit bias).
 
     Fields of the wrong type are ignored here: each wire dialect validates what it accepts.
     """
@@ -115,4 +116,4 @@ def merge_sampling(t1: Mapping[str, Any], fields: Mapping[str, Any] | None = Non
         v = (fields or {}).get(key)
         if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)):
             values[attr] = int(v) if attr in _INTEGER else float(v)
-    return SamplerParams(**values)
+    return SamplerParams(**values, **given)

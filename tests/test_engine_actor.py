@@ -298,3 +298,6 @@ def test_sampling_merge_t1_defaults_then_request_fields():
                             "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_p": True, "top_p": "x"})
     assert (p.temperature, p.top_k, p.penalty_repeat, p.penalty_freq, p.penalty_present) == (0.1, 2, 1.2, 0.5, -0.5)
     assert p.min_p == 0.05 and p.top_p == 0.95  # wrong types are ignored
+    # what a request gives as it is (a logit bias, a count of alternatives) comes last
+    p = merge_sampling(t1, {"temperature": 0.9}, logit_bias=((3, -1.0),), n_probs=2)
+    assert (p.temperature, p.top_k, p.logit_bias, p.n_probs) == (0.9, 5, ((3, -1.0),), 2)

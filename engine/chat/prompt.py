@@ -132,10 +132,10 @@ def read_chat_options(body: dict[str, Any], *, default_kwargs: dict[str, Any] | 
                       default_reasoning_format: str = "auto", default_grammar: GrammarSpec | None = None,
                       default_budget: ReasoningBudget | None = None) -> ChatOptions:
     """The chat fields of a request body (OpenAI and llama-server names). Raises ChatRequestError."""
-    from .tool_grammar import validate_tools
-
     opts = ChatOptions()
     if body.get("tools") is not None:
+        from .tool_grammar import validate_tools  # here: most requests carry no tools
+
         try:
             opts.tools = validate_tools(body["tools"])
         except ValueError as e:
@@ -178,8 +178,6 @@ def read_reasoning_budget(body: dict[str, Any], default: ReasoningBudget | None)
 def read_output_grammar(body: dict[str, Any]) -> GrammarSpec | None:
     """``grammar`` (GBNF), ``json_schema`` or ``response_format`` — at most one of them —
     bounded and compiled once, so a bad one is refused before a slot is taken."""
-    from ..llama_backend.grammar_sampler import check_grammar_spec
-
     given = [k for k in ("grammar", "json_schema", "response_format") if body.get(k) is not None]
     if body.get("response_format") == {"type": "text"}:  # the default, said out loud
         given.remove("response_format")
@@ -187,6 +185,8 @@ def read_output_grammar(body: dict[str, Any]) -> GrammarSpec | None:
         raise ChatRequestError(f"give one of 'grammar', 'json_schema' and 'response_format', not {given}", given[1])
     if not given:
         return None
+    from ..llama_backend.grammar_sampler import check_grammar_spec  # here: most requests carry none
+
     try:
         spec = _output_grammar(given[0], body[given[0]])
         if spec is not None:

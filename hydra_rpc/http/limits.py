@@ -59,6 +59,10 @@ async def read_body(request: Request, limit: int) -> None:
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body too large: {request.content_length} bytes, the limit is {limit}")
     request.body.set_limit(limit)
-    if request.body_exists:
-        with reading_body(request):
-            await request.read()
+    if not request.body_exists:
+        return
+    if request.body.complete:  # it came with its head (most do): no deadline runs while it is taken
+        await request.read()
+        return
+    with reading_body(request):
+        await request.read()

@@ -16,7 +16,6 @@ cannot free the model under them.
 from __future__ import annotations
 
 import codecs
-from dataclasses import replace
 from typing import Any
 
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle
@@ -149,8 +148,8 @@ class LlamaRoutes:
         creq = parse_completion_request(body, "text", engine)
         return_tokens = body.get("return_tokens") is True
         choice = await select_model(engine, creq.model)
-        sampling = replace(engine.sampling_for(creq.sampling), grammar=creq.grammar, logit_bias=creq.logit_bias,
-                           n_probs=creq.n_probs)
+        sampling = engine.sampling_for(creq.sampling, grammar=creq.grammar, logit_bias=creq.logit_bias,
+                                       n_probs=creq.n_probs)
         gen_request = GenRequest(creq.slot, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict,
                                  sampling=sampling, stop=creq.stop, params=choice.params)
         try:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import random
 import time
-import uuid
-from dataclasses import replace
 from typing import Any
 
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, GenRequest, GenResult, JobHandle
@@ -28,6 +27,10 @@ from hydra_rpc.http.sse import SseStream
 from hydra_rpc.services import Services
 from hydra_rpc.http.server.messages import Request, Response, StreamResponse
 from hydra_rpc.http.server.router import Router
+
+# completion ids need to be unique, not secret: uuid4 reads the OS's random source on the path
+# of the first token
+_IDS = random.Random()
 
 
 # ---------------------------------------------------------------- stop sequences
@@ -154,8 +157,8 @@ class OpenAIRoutes:
         choice = await select_model(engine, creq.model)
         model = choice.name
         # no slot named: the engine picks one when it admits the job (prompt similarity, then LRU)
-        sampling = replace(engine.sampling_for(creq.sampling), grammar=creq.grammar, logit_bias=creq.logit_bias,
-                           n_probs=creq.n_probs)
+        sampling = engine.sampling_for(creq.sampling, grammar=creq.grammar, logit_bias=creq.logit_bias,
+                                       n_probs=creq.n_probs)
         gen_request = GenRequest(creq.slot, messages=creq.messages, prompt=creq.prompt, tokens=creq.tokens,
                                  n_predict=creq.n_predict, sampling=sampling, stop=creq.stop, params=choice.params,
                                  want_logprobs=creq.logprobs,
@@ -165,7 +168,7 @@ class OpenAIRoutes:
             job = engine.submit(gen_request)
         except (EngineBusy, BadInput, EngineUnavailable) as e:
             raise engine_error(e) from None
-        cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{_IDS.getrandbits(96):024x}"
         reason = "cancelled"  # unless we get to the end
         try:
             if creq.stream:

@@ -71,16 +71,19 @@ def _read_input(req: CompletionRequest, body: dict[str, Any]) -> None:
                            param="prompt")
 
 
+_SAMPLING_FIELDS = (("temperature", lambda v: is_number(v) and v >= 0, "a number ≥ 0"),
+                    ("top_p", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+                    ("min_p", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+                    ("top_k", lambda v: is_int(v) and 0 <= v < 2**31, "an integer ≥ 0"),
+                    ("seed", is_int, "an integer"),
+                    ("repeat_penalty", lambda v: is_number(v) and v > 0, "a number > 0"),
+                    ("frequency_penalty", lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+                    ("presence_penalty", lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"))
+
+
 def _read_sampling(body: dict[str, Any]) -> dict[str, Any]:
     sampling = {}
-    for key, check, what in (("temperature", lambda v: is_number(v) and v >= 0, "a number ≥ 0"),
-                             ("top_p", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-                             ("min_p", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-                             ("top_k", lambda v: is_int(v) and 0 <= v < 2**31, "an integer ≥ 0"),
-                             ("seed", is_int, "an integer"),
-                             ("repeat_penalty", lambda v: is_number(v) and v > 0, "a number > 0"),
-                             ("frequency_penalty", lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-                             ("presence_penalty", lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]")):
+    for key, check, what in _SAMPLING_FIELDS:
         v = body.get(key)
         if v is None:
             continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from codec import decode_v3 as V3
@@ -180,7 +179,7 @@ class DecodeV3:
         if not isinstance(messages, list):
             messages = None
         chat = chat_input(self.engine, p, messages)
-        sampling = replace(self.engine.sampling_for(fields), grammar=chat.grammar)
+        sampling = self.engine.sampling_for(fields, grammar=chat.grammar)
         return GenRequest(slot, messages=chat.messages, prompt=prompt, n_predict=n_predict, sampling=sampling,
                           stop=stop, params=params, wait=False, template_vars=chat.template_vars,
                           reasoning_budget=chat.reasoning_budget)

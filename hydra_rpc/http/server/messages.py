@@ -71,6 +71,11 @@ class Body:
             self._waiter.set_result(None)
 
     # ---------------------------------------------------------------- the handler's side
+    @property
+    def complete(self) -> bool:
+        """Every byte has arrived and nothing failed the body: reading it will not wait."""
+        return self.eof and self._error is None
+
     async def _wait(self) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         try:
