@@ -153,6 +153,37 @@ def test_the_idle_gap_client_times_a_real_first_token(server):
     assert summarize_gaps(samples, base="ours")["1.0"]["ours"]["ratio"] == 1.0
 
 
+def test_the_bare_completion_floor_streams_what_a_completion_streams(tiny_model_path):
+    """tools/bench/bare_completion.py, ttft_gaps' floor, in its own process on the tiny model:
+    ready on ``GET``, then each streamed completion at most ``max_tokens`` SSE events of text and the
+    ``[DONE]`` end, on a chunked body, the connection closed after it — twice, the second prompt
+    sharing the first's prefix in the KV cache."""
+    import json
+    import socket
+
+    from tools.bench.ttft_gaps import bare_server, first_token_ms
+
+    srv = bare_server(tiny_model_path, 1)
+    try:
+        assert first_token_ms(srv.port, "Once upon a time") > 0
+        for prompt in ("Once upon a time there", "Once upon a time there was"):
+            body = json.dumps({"prompt": prompt, "max_tokens": 3, "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(body), body))
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            head, _, rest = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
+            events = [ln[6:].rstrip(b"\n") for ln in rest.split(b"\r\n") if ln.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]" and 2 <= len(events) <= 4  # fewer: the model ended
+            assert all("text" in json.loads(e)["choices"][0] for e in events[:-1])
+            assert rest.endswith(b"0\r\n\r\n")
+    finally:
+        srv.stop()
+
+
 def test_the_http_floor_bench_times_health_on_ours_and_on_its_minimal_servers(server):
     """tools/bench/http_floor.py: its blocking client against a real server of ours and each
     minimal server (its own processes): a block of requests each, with the server's CPU per

@@ -8,8 +8,9 @@ The vs-llama-server scenario's short requests alternate between the two servers,
 server meets every request after a millisecond or two of idleness. This measures how the first
 token depends on that idle time. Three servers are up at once on the same llama-server argv
 (``-c 8192 -np 4 -t THREADS``, as in :mod:`tools.bench.vs_llama_server`): llama-server, ours,
-and ours with ``--loop-priority normal`` (the event loop at the normal policy instead of
-SCHED_RR). For each gap, each round gives each server a block of ``--requests`` requests,
+ours with ``--loop-priority normal`` (the event loop at the normal policy instead of SCHED_RR),
+and a floor: :mod:`tools.bench.bare_completion`, the least a Python server on the same
+bindings does for the same answer. For each gap, each round gives each server a block of ``--requests`` requests,
 each one after ``gap`` ms of sleep: a new connection, a streamed 4-token ``/v1/completions``
 of a short distinct prompt, timed from before ``connect`` until the first event with a token.
 The block starts with one request that is not counted, and the servers' order rotates every
@@ -28,20 +29,29 @@ import json
 from itertools import groupby
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tools.bench.common import (MODEL_HELP, interleaved, machine_info, min_max_text, parse_against_llama_server,
                                 percentile, report_run, table_only)
-from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
+from tools.bench.llama_server import OpenAIServer, build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
-from tools.bench.vs_llama_server import start
+from tools.bench.vs_llama_server import chat_template_args, free_port, llama_argv, start
 
 SERVERS = {"llama-server": ("llama-server", ()), "ours": ("ours", ()),
            "ours, loop normal": ("ours", ("--loop-priority", "normal"))}
+FLOOR = "bare Python"
 MAX_TOKENS = 4
 READ_TIMEOUT_S = 30.0
+
+
+def bare_server(model: str, threads: int) -> OpenAIServer:
+    """:mod:`tools.bench.bare_completion` on the shared argv (it reads what it needs of it)."""
+    port = free_port()
+    return OpenAIServer([sys.executable, "-m", "tools.bench.bare_completion",
+                         *llama_argv(model, port, 4, threads, chat_template_args(model))], port, FLOOR)
 
 
 def first_token_ms(port: int, prompt: str) -> float:
@@ -103,13 +113,16 @@ def summarize_gaps(samples: dict[str, dict[str, list[float]]], base: str = "llam
 def runs_table(runs: list[dict[str, Any]]) -> str:
     """Several runs' summaries in one table: per gap and server, the medians' and ratios' min–max."""
     first = runs[0]["summary"]
-    names = list(next(iter(first.values())))
+    names = list(dict.fromkeys(k for r in runs for k in next(iter(r["summary"].values()))))
     gaps = [g for g in first if all(g in r["summary"] for r in runs)]  # runs may differ in --gaps
     lines = ["| idle before each request | " + " | ".join(f"{k} (ms{'' if k == 'llama-server' else '; ratio'})"
                                                          for k in names) + " |", "|---|" + "---|" * len(names)]
     for gap in gaps:
         cells = []
         for k in names:
+            if not all(k in r["summary"][gap] for r in runs):  # an older run without this server
+                cells.append("—")
+                continue
             cell = min_max_text([r["summary"][gap][k]["median"] for r in runs], ".2f")
             if k != "llama-server":
                 cell += f"; {min_max_text([r['summary'][gap][k]['ratio'] for r in runs], '.2f')}×"
@@ -130,8 +143,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     binary = llama_server_or_exit()
     model = model_set(args.model).busy
     gaps = [float(g) for g in args.gaps.split(",")]
-    starts = {k: functools.partial(start, variant, str(binary), model, 4, args.threads, adds)
-              for k, (variant, adds) in SERVERS.items()}
+    starts: dict[str, Callable[[], OpenAIServer]] = {
+        k: functools.partial(start, variant, str(binary), model, 4, args.threads, adds)
+        for k, (variant, adds) in SERVERS.items()}
+    starts[FLOOR] = functools.partial(bare_server, model, args.threads)
     with servers_running(starts) as servers:
         samples = measure({k: srv.port for k, srv in servers.items()}, gaps, args.requests, args.rounds)
     summary = summarize_gaps(samples)
