@@ -1,8 +1,10 @@
 """A token stream's first write: the response's headers go out with the first event, in one
-write (one send, one wake-up of the client on its time to first token), not a write each."""
+write (one send, one wake-up of the client on its time to first token), not a write each; the
+socket's send buffer is fixed small after it (the stream's flow control, hydra.wire.limit_send_buffer)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -11,6 +13,7 @@ from hydra_rpc.conn_budget import ConnectionBudget
 from hydra_rpc.http.server.messages import Request, StreamResponse
 from hydra_rpc.http.server.serve import HttpServer
 from hydra_rpc.http.sse import SseStream
+from hydra_rpc.hydra.wire import STREAM_SNDBUF
 
 
 class _Job:  # what SseStream asks of a job handle
@@ -25,14 +28,17 @@ class _Job:  # what SseStream asks of a job handle
 def test_headers_and_the_first_event_leave_in_one_write():
     # asyncio's own loop, whatever the suite runs on: its transports' writes can be wrapped
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
-        writes = runner.run(_first_stream())
+        writes, sndbuf = runner.run(_first_stream())
+    assert sndbuf in (STREAM_SNDBUF, 2 * STREAM_SNDBUF)  # Linux reports twice what was set
     first = writes[0]
     assert first.startswith(b"HTTP/1.1 200") and b"text/event-stream" in first and b'data: {"n":1}' in first
 
 
-async def _first_stream() -> list[bytes]:
-    """One stream of two events through a real server; each write its transport got."""
+async def _first_stream() -> tuple[list[bytes], int]:
+    """One stream of two events through a real server; each write its transport got, and the
+    socket's SO_SNDBUF after the first."""
     writes: list[bytes] = []
+    sndbuf = []
 
     async def handler(request: Request) -> StreamResponse:
         transport = request.transport
@@ -43,6 +49,7 @@ async def _first_stream() -> list[bytes]:
         await stream.start()
         stream.event({"n": 1})
         await stream.flush()
+        sndbuf.append(transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
         stream.event({"n": 2})
         return await stream.end()
 
@@ -57,4 +64,4 @@ async def _first_stream() -> list[bytes]:
     finally:
         await server.close()
     assert body.startswith(b"HTTP/1.1 200") and b'data: {"n":2}' in body
-    return writes
+    return writes, sndbuf[0]

@@ -28,12 +28,11 @@ class SseStream:
         self.out: list[bytes] = []  # events not written yet
         self.resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                             "X-Accel-Buffering": "no"})
+        self._buffer_limited = False
 
     async def start(self) -> None:
         """Fix the headers (after the first token: a refused job still gets a real status);
         they go out with the first write (one send, one wake-up of the client)."""
-        if self.request.transport is not None:
-            limit_send_buffer(self.request.transport)
         await self.resp.prepare(self.request)
 
     def event(self, obj: dict[str, Any]) -> None:
@@ -50,6 +49,11 @@ class SseStream:
         self.out.clear()
         self.resp.send(data)
         transport = self.request.transport
+        if not self._buffer_limited and transport is not None:
+            # after the first write, not before: a syscall less on the path of the first token,
+            # and the first burst is small (the stream's flow control starts with the second)
+            self._buffer_limited = True
+            limit_send_buffer(transport)
         blocked = transport is not None and client_behind(transport)
         if blocked:  # the job waits with its stream: tokens nobody can send would pile up
             self.job.set_client_blocked(True)
