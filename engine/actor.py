@@ -242,7 +242,7 @@ class EngineActor(SlotStateOps):
                     break
                 await self._handle(*item)
                 del item  # its future may hold a multi-MiB state: do not keep it until the next one
-            self.scheduler.reap_cancelled(self._serving())
+            self.scheduler.reap_cancelled(self._serving)
             if self.erases.held():
                 await self._erase_deferred()
             await self.reloader.maybe_swap()
@@ -265,7 +265,7 @@ class EngineActor(SlotStateOps):
                     r.error = r.error or e
             self.stats["steps"] += 1
             first_tokens_out = any(r.n_generated == 1 for r in running)
-            ended = self.scheduler.after_step(running, self._serving())
+            ended = self.scheduler.after_step(running, self._serving)
             now = time.monotonic()
             self.step_rate.record(self.stats["steps"], now)
             self.token_rate.record(self.stats["tokens_generated"], now)

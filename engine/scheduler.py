@@ -15,6 +15,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from .jobs import EngineBusy, GenJob, GenResult, ModelChanged
 from .model_params import ModelParams
@@ -94,11 +95,11 @@ class Scheduler:
         for slot in self.slots:
             self._start_next(slot, serving)
 
-    def reap_cancelled(self, serving: Serving) -> None:
-        for r in list(self.running.values()):
-            if r.job.cancelled and not r.finished:
-                r.stop_reason = "cancelled"
-                self.finish(r, serving)
+    def reap_cancelled(self, serving: Callable[[], Serving]) -> None:
+        """``serving()`` is asked only if a running job is finished here (every step passes by)."""
+        for r in [r for r in self.running.values() if r.job.cancelled and not r.finished]:
+            r.stop_reason = "cancelled"
+            self.finish(r, serving())
         for queue in [slot.queue for slot in self.slots] + [self.unassigned]:
             for job in [j for j in queue if j.cancelled]:
                 queue.remove(job)
@@ -114,8 +115,9 @@ class Scheduler:
             r.job.events.put_nowait(ev)
         self.stats["tokens_generated"] += len(events)
 
-    def after_step(self, running: list[Running], serving: Serving) -> bool:
-        """Deliver the step's tokens; finish the jobs that are done. True when one was."""
+    def after_step(self, running: list[Running], serving: Callable[[], Serving]) -> bool:
+        """Deliver the step's tokens; finish the jobs that are done (``serving()`` is asked only
+        then). True when one was."""
         ended = False
         for r in running:
             if r.events:
@@ -124,7 +126,7 @@ class Scheduler:
             if r.t_prefill_done and not r.prompt_counted:
                 self._count_prompt(r, r.t_prefill_done)
             if r.finished or r.job.cancelled:
-                self.finish(r, serving)
+                self.finish(r, serving())
                 ended = True
         return ended
 
