@@ -184,6 +184,23 @@ def test_the_bare_completion_floor_streams_what_a_completion_streams(tiny_model_
         srv.stop()
 
 
+def test_the_idle_gap_bench_runs_ours_from_another_checkout(tiny_model_path):
+    """``ttft_gaps --against TREE``: ours started from that tree (here this one), named by its
+    commit, answers a streamed completion."""
+    import re
+
+    from tools.bench.ttft_gaps import first_token_ms, short_commit, tree_server
+    from tools.spawn import ROOT
+
+    name = f"ours at {short_commit(ROOT)}"
+    assert re.fullmatch(r"ours at [0-9a-f]{7,}", name)
+    srv = tree_server(ROOT, name, tiny_model_path, 1)
+    try:
+        assert first_token_ms(srv.port, "Once upon a time") > 0
+    finally:
+        srv.stop()
+
+
 def test_the_http_floor_bench_times_health_on_ours_and_on_its_minimal_servers(server):
     """tools/bench/http_floor.py: its blocking client against a real server of ours and each
     minimal server (its own processes): a block of requests each, with the server's CPU per

@@ -31,11 +31,12 @@ class SpawnError(RuntimeError):
     """The child exited, or printed no ready line in time; the message holds its output."""
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of every child: this checkout first on the import path, unbuffered output."""
+def child_env(extra: dict[str, str] | None = None, root: Path = ROOT) -> dict[str, str]:
+    """The environment of every child: this checkout (or ``root``, another one) first on the
+    import path, unbuffered output."""
     env = dict(os.environ)
     env.update(extra or {})
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -46,14 +47,15 @@ class ChildProcess:
     By default stdout and stderr are merged. With ``binary_stdout`` stdout is kept apart as raw
     bytes (:meth:`stdout_bytes`) and ``lines`` are stderr's — for a child whose stdout is its
     product and stderr its log. ``keep_lines`` bounds the lines kept (None: all of them).
+    ``root``: the checkout the child runs from (another tree's code: a before-and-after bench).
     """
 
     def __init__(self, cmd: list[str], label: str, *, env: dict[str, str] | None = None,
-                 binary_stdout: bool = False, keep_lines: int | None = None):
+                 binary_stdout: bool = False, keep_lines: int | None = None, root: Path = ROOT):
         self.cmd, self.label = cmd, label
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE if binary_stdout else subprocess.STDOUT,
-                                     env=child_env(env), cwd=ROOT)
+                                     env=child_env(env, root), cwd=root)
         self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self._count = 0  # lines read so far, kept or not
         self._cursor = 0  # the next line wait_for looks at

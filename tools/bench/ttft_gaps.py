@@ -1,7 +1,7 @@
 """A short request's time to first token against the idle time before it: ours and llama-server.
 
     python -m tools.bench.ttft_gaps [--model tiny] [--gaps 0,1,2,5,10,20] [--requests 25]
-                                    [--rounds 4] [--out FILE]
+                                    [--rounds 4] [--against TREE] [--out FILE]
     python -m tools.bench.ttft_gaps --table DIR     # the runs DIR/run-N.json in one table
 
 The vs-llama-server scenario's short requests alternate between the two servers, so each
@@ -10,7 +10,8 @@ token depends on that idle time. Three servers are up at once on the same llama-
 (``-c 8192 -np 4 -t THREADS``, as in :mod:`tools.bench.vs_llama_server`): llama-server, ours,
 ours with ``--loop-priority normal`` (the event loop at the normal policy instead of SCHED_RR),
 and a floor: :mod:`tools.bench.bare_completion`, the least a Python server on the same
-bindings does for the same answer. For each gap, each round gives each server a block of ``--requests`` requests,
+bindings does for the same answer. ``--against TREE`` adds ours from another checkout (``ours at
+COMMIT``): a change measured before and after in one run. For each gap, each round gives each server a block of ``--requests`` requests,
 each one after ``gap`` ms of sleep: a new connection, a streamed 4-token ``/v1/completions``
 of a short distinct prompt, timed from before ``connect`` until the first event with a token.
 The block starts with one request that is not counted, and the servers' order rotates every
@@ -29,6 +30,7 @@ import json
 from itertools import groupby
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +54,19 @@ def bare_server(model: str, threads: int) -> OpenAIServer:
     port = free_port()
     return OpenAIServer([sys.executable, "-m", "tools.bench.bare_completion",
                          *llama_argv(model, port, 4, threads, chat_template_args(model))], port, FLOOR)
+
+
+def short_commit(tree: Path) -> str:
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def tree_server(tree: Path, name: str, model: str, threads: int) -> OpenAIServer:
+    """Ours as another checkout has it, on the shared argv."""
+    port = free_port()
+    return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine",
+                         *llama_argv(model, port, 4, threads, chat_template_args(model)), "--rpc-port", "0"],
+                        port, name, root=tree)
 
 
 def first_token_ms(port: int, prompt: str) -> float:
@@ -137,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gaps", default="0,1,2,5,10,20", help="ms of idle time before each request")
     ap.add_argument("--requests", type=int, default=25, help="counted requests per block")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--against", type=Path, help="another checkout of this project: its server too")
     args = parse_against_llama_server(ap, argv)
     if (shown := table_only(args, runs_table)) is not None:
         return shown
@@ -147,6 +163,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         k: functools.partial(start, variant, str(binary), model, 4, args.threads, adds)
         for k, (variant, adds) in SERVERS.items()}
     starts[FLOOR] = functools.partial(bare_server, model, args.threads)
+    if args.against is not None:
+        tree = args.against.resolve()
+        name = f"ours at {short_commit(tree)}"
+        starts[name] = functools.partial(tree_server, tree, name, model, args.threads)
     with servers_running(starts) as servers:
         samples = measure({k: srv.port for k, srv in servers.items()}, gaps, args.requests, args.rounds)
     summary = summarize_gaps(samples)
