@@ -129,7 +129,6 @@ class GenRequest:
     wait: bool = True
 
 
-
 class EventChannel:
     """A job's token events, from the actor to whoever streams them: ``asyncio.Queue``'s
     ``put_nowait`` / ``get`` / ``get_nowait`` / ``empty`` / ``qsize`` without its task

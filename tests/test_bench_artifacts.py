@@ -113,7 +113,7 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-b459344", 21), ("vs-llama-server-tiny-b459344", 21), ("vs-llama-server-tiny-b241cd7", 21),
     ("vs-llama-server-13479e7", 21), ("vs-llama-server-tiny-a6852c5", 21),
     ("vs-llama-server-969389d", 21), ("vs-llama-server-tiny-a04a314", 21), ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21),
-    ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21)])
+    ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21), ("vs-llama-server-72633c1", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -128,7 +128,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     those of "The HTTP side alone, and libuv's own accepts", -13479e7 those of "Gemma 3 270M at
     13479e7", -tiny-a6852c5 those of "Our own HTTP server", -969389d those of "Gemma 3 270M at
     969389d", -tiny-a04a314 those of "Again on tiny-small, at a04a314", kinds/tiny-hybrid-wide/…-f4e129f those
-    of "Three runs on tiny-hybrid-wide", -tiny-72633c1 (and -b) those of "The floor under a first token": the table built from them is combined.md's, and each of
+    of "Three runs on tiny-hybrid-wide", -tiny-72633c1 (and -b) those of "The floor under a first token", -72633c1 those of "Gemma 3
+    270M at 72633c1": the table built from them is combined.md's, and each of
     its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
@@ -159,7 +160,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-13479e7", "vs-llama-server-tiny-a6852c5",
                                          "vs-llama-server-969389d", "vs-llama-server-tiny-a04a314",
                                          "kinds/tiny-hybrid-wide/vs-llama-server-f4e129f",
-                                         "vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b"])
+                                         "vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b",
+                                         "vs-llama-server-72633c1"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
