@@ -5,7 +5,7 @@ import asyncio
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .sampling import SamplerParams
 
@@ -262,14 +262,6 @@ class JobHandle:
     def events_waiting(self) -> int:
         """Events generated and not read yet (a detached job's progress)."""
         return self._job.events.qsize()
-
-    async def stream(self) -> AsyncIterator[TokenEvent]:
-        """Tokens as they are generated; ends when the job ends."""
-        while True:
-            ev = await self._job.events.get()
-            if ev is None:
-                return
-            yield ev
 
     async def result(self) -> GenResult:
         assert self._job.done is not None

@@ -177,41 +177,37 @@ class LlamaRoutes:
 
     async def _stream(self, request: Request, creq: Any, job: JobHandle,
                       model: str) -> tuple[StreamResponse, str]:
-        events = job.stream()
-        try:
-            ev = await anext(events, None)  # the headers wait for the first token: a refusal keeps its status
-            res = await outcome(job) if ev is None else None
-            stream = SseStream(request, job)
-            await stream.start()
-            utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-            stops = StopFilter(creq.stop)
-            n = 0
-            while ev is not None:
-                n += 1
-                text = stops.feed(utf8.decode(ev.piece))
-                stream.event({"index": 0, "content": text, "tokens": [ev.token], "stop": False, "id_slot": -1,
-                              "tokens_predicted": n, "tokens_evaluated": 0})
-                if stops.hit:
-                    job.cancel()
-                    break
-                if stream.burst_over():
-                    await stream.flush()
-                ev = await anext(events, None)
-            tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
-            try:
-                res = res or await outcome(job)
-            except ApiError as e:  # the headers are out: in-band, as llama-server reports it
-                stream.event(e.body())
+        ev = await job.next_event()  # the headers wait for the first token: a refusal keeps its status
+        res = await outcome(job) if ev is None else None
+        stream = SseStream(request, job)
+        await stream.start()
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        stops = StopFilter(creq.stop)
+        n = 0
+        while ev is not None:
+            n += 1
+            text = stops.feed(utf8.decode(ev.piece))
+            stream.event({"index": 0, "content": text, "tokens": [ev.token], "stop": False, "id_slot": -1,
+                          "tokens_predicted": n, "tokens_evaluated": 0})
+            if stops.hit:
+                job.cancel()
+                break
+            if stream.burst_over():
                 await stream.flush()
-                return stream.resp, "error"
-            if res is not None:
-                last = final_object(self.engine, creq, job, res, model, tail, stops.hit, False)
-                last["tokens"] = []
-                stream.event(last)
-            # llama-server's /completion sends no [DONE]
-            return await stream.end(), ("stop" if stops.hit else (res.stop_reason if res else "cancelled"))
-        finally:
-            await events.aclose()
+            ev = await job.next_event()
+        tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
+        try:
+            res = res or await outcome(job)
+        except ApiError as e:  # the headers are out: in-band, as llama-server reports it
+            stream.event(e.body())
+            await stream.flush()
+            return stream.resp, "error"
+        if res is not None:
+            last = final_object(self.engine, creq, job, res, model, tail, stops.hit, False)
+            last["tokens"] = []
+            stream.event(last)
+        # llama-server's /completion sends no [DONE]
+        return await stream.end(), ("stop" if stops.hit else (res.stop_reason if res else "cancelled"))
 
 
 def final_object(engine: Any, creq: Any, job: JobHandle, res: GenResult, model: str, text: str, hit: bool,

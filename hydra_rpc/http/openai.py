@@ -202,7 +202,7 @@ class OpenAIRoutes:
         return json_response(obj), ("stop" if hit else res.stop_reason)
 
     @staticmethod
-    async def _stream_text(ev: Any, events: Any, job: JobHandle, stream: SseStream, sink: ChunkSink,
+    async def _stream_text(ev: Any, job: JobHandle, stream: SseStream, sink: ChunkSink,
                            stops_asked: list[str]) -> StopFilter:
         """The generated text into the sink, a burst per write, up to a stop sequence."""
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -214,24 +214,16 @@ class OpenAIRoutes:
                 break
             if stream.burst_over():
                 await stream.flush()
-            ev = await anext(events, None)
+            ev = await job.next_event()
         sink.text(stops.feed(utf8.decode(b"", final=True)) + stops.flush())
         sink.finish()
         return stops
 
     async def _stream(self, request: Request, creq: CompletionRequest, job: JobHandle, cid: str,
                       model: str) -> tuple[StreamResponse, str]:
-        events = job.stream()
-        try:
-            return await self._stream_events(request, creq, job, cid, model, events)
-        finally:
-            await events.aclose()
-
-    async def _stream_events(self, request: Request, creq: CompletionRequest, job: JobHandle, cid: str,
-                             model: str, events: Any) -> tuple[StreamResponse, str]:
         # Wait for the first token before sending the headers, so a refused or failed job
         # (queue full, prompt too long) still gets a real status code and an error object.
-        ev = await anext(events, None)
+        ev = await job.next_event()
         res = await outcome(job) if ev is None else None
         gen = res.config_generation if res else self.services.engine.generation
         created = int(time.time())
@@ -246,7 +238,7 @@ class OpenAIRoutes:
         try:
             if creq.kind == "chat":
                 stream.event(chunk(role=True))
-            stops = await self._stream_text(ev, events, job, stream, sink, creq.stop)
+            stops = await self._stream_text(ev, job, stream, sink, creq.stop)
             try:
                 res = res or await outcome(job)
             except ApiError as e:  # headers are out: report in-band, as llama-server does
