@@ -180,13 +180,14 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
     ("tiny", "tiny"), ("tiny-hybrid", "tiny-hybrid"), ("gemma-270m", "gemma-270m"), ("give-way-ab", "tiny"),
     ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m"),
     ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny"), ("b241cd7", "tiny"), ("a6852c5", "tiny"),
-    ("ab-1fcd89d", "tiny"), ("ab-a6852c5", "tiny"), ("72633c1", "tiny")])
+    ("ab-1fcd89d", "tiny"), ("ab-a6852c5", "tiny"), ("72633c1", "tiny"), ("ab-2d1739c", "tiny"),
+    ("aa-16b7882", "tiny")])
 def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
     milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
     snapshots-after-turn-ab/ those of "After a step: the streams' turn first", d521421/ that of
     "A short request's path, stage by stage", b241cd7/ those of "The HTTP side alone", a6852c5/
-    and ab-*/ those of "Our own HTTP server", 72633c1/ those of "The floor under a first token":
+    and ab-*/ those of "Our own HTTP server", 72633c1/, ab-2d1739c/ and aa-16b7882/ those of "The floor under a first token":
     the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.common import load_runs
     from tools.bench.ttft_gaps import runs_table
