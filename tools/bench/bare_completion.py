@@ -56,10 +56,10 @@ class Completion:
         self.server, self.transport = server, transport
         self.left = int(body.get("max_tokens", 16))
         self.created, self.cid = int(time.time()), f"cmpl-{id(self):x}"
+        self.head_sent = False
         tokens = server.model.tokenize(body["prompt"], add_special=True)
         self.sampler = server.model.make_sampler(SamplerParams())  # llama-server's defaults
         server.infer.call(self.token, server.prefill, tokens, self.sampler)
-        self.head_sent = False
 
     def token(self, tok: int) -> None:
         piece = self.server.model.token_to_piece(tok).decode("utf-8", "replace")
