@@ -189,12 +189,14 @@ def test_the_idle_gap_bench_runs_ours_from_another_checkout(tiny_model_path):
     commit, answers a streamed completion."""
     import re
 
-    from tools.bench.ttft_gaps import first_token_ms, short_commit, tree_server
+    from tools.bench.common import git_commit
+    from tools.bench.ttft_gaps import first_token_ms
+    from tools.bench.vs_llama_server import start
     from tools.spawn import ROOT
 
-    name = f"ours at {short_commit(ROOT)}"
+    name = f"ours at {git_commit(ROOT, mark_dirty=False)}"
     assert re.fullmatch(r"ours at [0-9a-f]{7,}", name)
-    srv = tree_server(ROOT, name, tiny_model_path, 1)
+    srv = start("ours", "", tiny_model_path, 4, 1, root=ROOT)
     try:
         assert first_token_ms(srv.port, "Once upon a time") > 0
     finally:

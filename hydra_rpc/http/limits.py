@@ -45,7 +45,11 @@ def streams_body(handler: Any) -> Any:
 
 @contextlib.contextmanager
 def reading_body(request: Request) -> Iterator[None]:
-    """A handler reads its body in here: the read deadlines run meanwhile."""
+    """A handler reads its body in here: the read deadlines run meanwhile — unless every byte of
+    it has arrived (most bodies come with their head), when reading it waits for nothing."""
+    if request.body.complete:
+        yield
+        return
     request.conn.reading_body(True)
     try:
         yield
@@ -59,10 +63,6 @@ async def read_body(request: Request, limit: int) -> None:
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(413, f"request body too large: {request.content_length} bytes, the limit is {limit}")
     request.body.set_limit(limit)
-    if not request.body_exists:
-        return
-    if request.body.complete:  # it came with its head (most do): no deadline runs while it is taken
-        await request.read()
-        return
-    with reading_body(request):
-        await request.read()
+    if request.body_exists:
+        with reading_body(request):
+            await request.read()

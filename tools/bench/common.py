@@ -268,12 +268,14 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _git_commit() -> str:
+def git_commit(tree: Path = Path(__file__).resolve().parent, *, mark_dirty: bool = True) -> str:
+    """The short commit ``tree`` (this checkout by default) is at, ``+dirty`` after it when the
+    tree has changes and ``mark_dirty``; "" outside git."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=5,
-                               cwd=Path(__file__).resolve().parent).stdout.strip()
+                             cwd=tree)
+        dirty = mark_dirty and subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                                              timeout=5, cwd=tree).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -302,7 +304,7 @@ def machine_info() -> dict[str, Any]:
         mem_mib = None
     return {"cpu_count": os.cpu_count(), "cpus_usable": usable_cpus(), "cpu_model": _cpu_model(),
             "mem_total_mib": mem_mib, "platform": platform.platform(), "python": sys.version.split()[0],
-            "llama_cpp_python": llama_version, "git_commit": _git_commit(),
+            "llama_cpp_python": llama_version, "git_commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

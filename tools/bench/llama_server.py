@@ -119,8 +119,8 @@ class OpenAIServer(ChildProcess):
     """A server process (llama-server, or ours through ``hydra-llama-engine``) on a known HTTP
     port; ready once ``GET /health`` answers 200 (both answer 503 while the model loads)."""
 
-    def __init__(self, cmd: list[str], port: int, label: str, timeout: float = 180.0, root: Path | None = None):
-        super().__init__(cmd, label, keep_lines=300, **({"root": root} if root is not None else {}))
+    def __init__(self, cmd: list[str], port: int, label: str, timeout: float = 180.0, root: Path = ROOT):
+        super().__init__(cmd, label, keep_lines=300, root=root)
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout

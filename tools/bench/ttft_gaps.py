@@ -30,14 +30,13 @@ import json
 from itertools import groupby
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tools.bench.common import (MODEL_HELP, interleaved, machine_info, min_max_text, parse_against_llama_server,
-                                percentile, report_run, table_only)
+from tools.bench.common import (MODEL_HELP, git_commit, interleaved, machine_info, min_max_text,
+                                parse_against_llama_server, percentile, report_run, table_only)
 from tools.bench.llama_server import OpenAIServer, build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import chat_template_args, free_port, llama_argv, start
@@ -54,19 +53,6 @@ def bare_server(model: str, threads: int) -> OpenAIServer:
     port = free_port()
     return OpenAIServer([sys.executable, "-m", "tools.bench.bare_completion",
                          *llama_argv(model, port, 4, threads, chat_template_args(model))], port, FLOOR)
-
-
-def short_commit(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-
-
-def tree_server(tree: Path, name: str, model: str, threads: int) -> OpenAIServer:
-    """Ours as another checkout has it, on the shared argv."""
-    port = free_port()
-    return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine",
-                         *llama_argv(model, port, 4, threads, chat_template_args(model)), "--rpc-port", "0"],
-                        port, name, root=tree)
 
 
 def first_token_ms(port: int, prompt: str) -> float:
@@ -165,8 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     starts[FLOOR] = functools.partial(bare_server, model, args.threads)
     if args.against is not None:
         tree = args.against.resolve()
-        name = f"ours at {short_commit(tree)}"
-        starts[name] = functools.partial(tree_server, tree, name, model, args.threads)
+        starts[f"ours at {git_commit(tree, mark_dirty=False)}"] = functools.partial(
+            start, "ours", str(binary), model, 4, args.threads, root=tree)
     with servers_running(starts) as servers:
         samples = measure({k: srv.port for k, srv in servers.items()}, gaps, args.requests, args.rounds)
     summary = summarize_gaps(samples)

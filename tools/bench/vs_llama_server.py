@@ -124,17 +124,18 @@ def _argv_shown(threads: int, template: tuple[str, ...]) -> list[str]:
 
 def start(variant: str, binary: str, model: str, slots: int, threads: int,
           ours_adds: Sequence[str] = (), *, ctx: int = CTX, template: Sequence[str] | None = None,
-          shared: Sequence[str] = ()) -> OpenAIServer:
+          shared: Sequence[str] = (), root: Path = ROOT) -> OpenAIServer:
     """One server on the shared argv; ours gets ``--rpc-port 0`` and ``ours_adds`` after it.
     ``template``: the chat template arguments (default: :func:`chat_template_args`); ``shared``:
-    more arguments both servers get."""
+    more arguments both servers get; ``root``: the checkout ours runs from (another one: a
+    change measured before and after)."""
     port = free_port()
     argv = [*llama_argv(model, port, slots, threads, chat_template_args(model) if template is None else template, ctx),
             *shared]
     if variant in ("llama-server", CONTROL):
         return OpenAIServer([binary, *argv], port, "llama-server")
     return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0", *ours_adds],
-                        port, "hydra-llama-engine")
+                        port, "hydra-llama-engine", root=root)
 
 
 def _cpu_breakdown(srv: OpenAIServer, before: dict[int, float], after: dict[int, float], tokens: int,
