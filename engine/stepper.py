@@ -385,9 +385,15 @@ def _after_decode(model: ModelBackend, fed: list[tuple[Running, list[int], bool]
 
 
 def _refresh_state_sizes(model: ModelBackend, running: list[Running]) -> None:
-    # the size walks every KV cell (~30-50 µs): a snapshot figure, refreshed a few times a second
+    # the size walks every KV cell (~10-50 µs): a snapshot figure, refreshed a few times a
+    # second — and not right after a job's first token, which would wait for it: the next step
+    # takes it (a finished job's is taken at once, as its result is read)
     now = time.monotonic()
     for r in running:
-        if r.admitted and (r.finished or now - r.slot.state_size_at >= STATE_SIZE_EVERY):
+        if r.finished:
+            due = r.admitted
+        else:
+            due = r.admitted and r.n_generated != 1 and now - r.slot.state_size_at >= STATE_SIZE_EVERY
+        if due:
             r.slot.state_size = model.state_seq_size(r.slot.id)
             r.slot.state_size_at = now

@@ -1,6 +1,7 @@
 """engine/llama_backend on the generated tiny model (no RPC here)."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import random
@@ -338,6 +339,59 @@ def test_an_unseeded_sampler_gets_a_seed_of_its_own_a_seeded_one_keeps_its_own(m
     assert len(set(drawn)) == 4 and LLAMA_DEFAULT_SEED not in drawn
 
 
+def address(chain: object) -> int:
+    return ctypes.cast(chain, ctypes.c_void_p).value  # type: ignore[arg-type]
+
+
+def sampled_with_spares(m: LoadedModel, prompt: list[int], params: SamplerParams, n: int) -> tuple[list[int], object]:
+    """``n`` tokens from a sampler the model makes (its spare chains in play), freed after;
+    returns them and the chain the sampler used."""
+    m.clear_all()
+    s = m.make_sampler(params)
+    try:
+        m.decode([BatchItem(0, prompt, 0, True)])
+        return continue_seq(m, 0, len(prompt), n, s), address(s.handle)
+    finally:
+        s.free()
+
+
+def test_a_plain_chain_is_kept_for_the_next_job_and_a_seeded_one_samples_as_new(m: LoadedModel) -> None:
+    """A chain that keeps nothing of its job (no penalties, grammar or bias) is taken again by
+    the next job with the same parameters instead of built (~15 µs on the first token's path).
+    With a fixed seed the kept chain is seeded again: the tokens are a new chain's; without one
+    its generator goes on (a second run differs, as with a new random seed)."""
+    prompt = m.tokenize(PROMPT)
+    seeded = SamplerParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    fresh = generate(m, 0, prompt, 24, seeded)  # make_sampler without the model's spares
+    a, chain_a = sampled_with_spares(m, prompt, seeded, 24)
+    b, chain_b = sampled_with_spares(m, prompt, seeded, 24)
+    assert chain_b == chain_a and a == b == fresh
+    hot = SamplerParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    c, chain_c = sampled_with_spares(m, prompt, hot, 24)
+    d, chain_d = sampled_with_spares(m, prompt, hot, 24)
+    assert chain_d == chain_c != chain_a and c != d
+    for unkept in (SamplerParams(temperature=0.0, penalty_repeat=1.3), SamplerParams(logit_bias=((5, 2.0),))):
+        _, first = sampled_with_spares(m, prompt, unkept, 2)
+        assert first not in {chain_a, chain_c} and len(m.spare_chains) == 2  # freed, not kept
+
+
+def test_spare_chains_are_bounded_and_freed_with_their_model(tiny_model_path: str, monkeypatch) -> None:
+    freed: list[object] = []
+    real_free = L.llama_sampler_free
+    monkeypatch.setattr(L, "llama_sampler_free", lambda chain: freed.append(address(chain)) or real_free(chain))
+    m = LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=1)
+    samplers = [m.make_sampler(SamplerParams(seed=i)) for i in range(sampler_module.SpareChains.LIMIT + 3)]
+    chains = [address(s.handle) for s in samplers]
+    for s in samplers:
+        s.free()
+    assert len(m.spare_chains) == sampler_module.SpareChains.LIMIT and freed == chains[-3:]
+    late = m.make_sampler(SamplerParams(seed=0))  # taken from the spares
+    m.close()
+    assert len(m.spare_chains) == 0 and sorted(freed) == sorted(chains[1:])
+    late.free()  # after the model: freed, not kept
+    assert sorted(freed) == sorted(chains)
+
+
 def test_penalties_sampler(m: LoadedModel) -> None:
     prompt = m.tokenize(PROMPT)
     plain = generate(m, 0, prompt, 32)
@@ -514,5 +568,24 @@ def test_a_template_that_refuses_the_example_conversation_still_loads_and_serves
     m = LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_batch=64, n_threads=1, chat_template=strict)
     try:
         assert m.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+    finally:
+        m.close()
+
+
+def test_a_tokens_text_is_asked_of_llama_cpp_once_up_to_the_bound(tiny_model_path: str, monkeypatch) -> None:
+    from engine.llama_backend import model_text
+
+    monkeypatch.setattr(model_text, "PIECES_KEPT", 5)
+    m = LoadedModel(tiny_model_path, n_ctx=256, n_seq_max=1, n_threads=1)
+    try:
+        asked: list[int] = []
+        real = L.llama_token_to_piece
+        monkeypatch.setattr(L, "llama_token_to_piece", lambda voc, tok, *rest: asked.append(tok) or real(voc, tok, *rest))
+        ids = list(range(10))
+        first = [m.token_to_piece(t) for t in ids]
+        again = [m.token_to_piece(t) for t in ids]
+        assert first == again == [m.detokenize([t]) for t in ids]
+        assert asked == ids + ids[5:]  # the first five kept, the others asked each time
+        assert m.token_to_piece(1, special=True) == m.token_pieces()[1]  # special text is not the cache's
     finally:
         m.close()

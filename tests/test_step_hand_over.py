@@ -217,3 +217,21 @@ async def test_a_short_prompt_is_not_held_behind_a_long_one():
     with_long = [i for i, batch in enumerate(batches) if any(seq == 0 for seq, _ in batch)]
     assert len(with_short) == 1 and sorted(batches[with_short[0]]) == [(0, 32 - 3), (1, 3)]  # BOS and "hi"
     assert with_short[0] < with_long[-1] and all(sum(n for _, n in b) <= 32 for b in batches)
+
+
+@pytest.mark.asyncio
+async def test_a_slots_state_size_waits_one_step_after_its_first_token(monkeypatch):
+    """The size of a slot's state walks every KV cell: the step that gives a job its first token
+    hands it over without taking it, the next step takes it, and a job's end takes it at once."""
+    monkeypatch.setattr(stepper, "STATE_SIZE_EVERY", 0.0)  # due at every step but the first token's
+    async with scripted_engine(stepped=True) as env:  # time_slice 0: one decode per step
+        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=3))
+        await env.step()  # the prefill, and the first token
+        assert await job.next_event() is not None
+        assert env.engine.snapshot(0).state_size == 0
+        await env.step()  # the first token decoded, the second sampled
+        after_second = env.engine.snapshot(0).state_size
+        assert after_second == env.model.state_seq_size(0) > 0
+        await env.step()  # the last token: the job ends
+        await job.result()
+        assert env.engine.snapshot(0).state_size == env.model.state_seq_size(0) > after_second

@@ -27,7 +27,7 @@ from .kv_probe import describe
 from .model_text import ModelText
 from .runtime import (ContextExceeded, DecodeError, LlamaBackendError, clear_llama_errors, default_threads,
                       last_llama_errors)
-from .sampler import Sampler, accept_forced, make_sampler, sample_row, top_logprobs
+from .sampler import Sampler, SpareChains, accept_forced, make_sampler, sample_row, top_logprobs
 
 
 class LoadedModel(ModelText):
@@ -68,6 +68,7 @@ class LoadedModel(ModelText):
         self._ctx = None
         self._batch: LlamaBatch | None = None
         self._closed = False
+        self.spare_chains = SpareChains()  # sampler chains kept between jobs (sampler.SpareChains)
         self._kv_cache: KvCacheInfo | None = None
         self._llama_env = llama_env
         self.tensor_overrides: tuple[dict[str, Any], ...] = ()  # what -ot / --n-cpu-moe moved (build.load)
@@ -115,6 +116,7 @@ class LoadedModel(ModelText):
         if self._closed:
             return
         self._closed = True
+        self.spare_chains.close()
         if self._batch is not None:
             self._batch.free()
             self._batch = None
@@ -399,7 +401,7 @@ class LoadedModel(ModelText):
         return top_logprobs(self._seq_row(seq), n)
 
     def make_sampler(self, params: SamplerParams | None = None) -> Sampler:
-        return make_sampler(params, self)
+        return make_sampler(params, self, spare=self.spare_chains)
 
     # ---- state (engine.llama_backend.seq_state) ----------------------------------------------
     def state_seq_size(self, seq: int) -> int:

@@ -29,6 +29,9 @@ EXAMPLE_CONVERSATION = [{"role": "system", "content": "You are a helpful assista
                         {"role": "user", "content": "How are you?"}]
 
 
+PIECES_KEPT = 16384
+
+
 class ModelText:
     _vocab: Any
     _n_vocab: int
@@ -48,6 +51,9 @@ class ModelText:
         self._user_turn_tokens: list[int] | None = None
         self._utf8_masks: np.ndarray | None = None
         self._pieces: list[bytes] | None = None
+        # tokens' text, each asked of llama.cpp once (a dict read instead of a call, ~3 µs a
+        # generated token); the first PIECES_KEPT asked (~2 MiB), the few thousand a model writes
+        self._plain_pieces: dict[int, bytes] = {}
         self._render_example()
 
     def _check_chat_template(self) -> None:
@@ -101,7 +107,14 @@ class ModelText:
     def token_to_piece(self, tok: int, special: bool = False) -> bytes:
         """Raw bytes of one token (may be a partial UTF-8 sequence). Control tokens give
         b"" unless ``special``."""
-        return vocab.token_to_piece(self._voc(), tok, special)
+        if special:
+            return vocab.token_to_piece(self._voc(), tok, True)
+        piece = self._plain_pieces.get(tok)
+        if piece is None:
+            piece = vocab.token_to_piece(self._voc(), tok, False)
+            if len(self._plain_pieces) < PIECES_KEPT:
+                self._plain_pieces[tok] = piece
+        return piece
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
         """Tokens -> raw bytes. Control tokens are dropped unless ``special``."""
