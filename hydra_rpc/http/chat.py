@@ -203,10 +203,7 @@ class ChunkSink:
         self.kind, self.chunk, self.out, self.logprobs = kind, chunk, out, logprobs
         self.deltas = DeltaStream(plan, opens_reasoning, id_prefix) if kind == "chat" else None
         self.fast = (self.deltas is None or self.deltas.plain) and not logprobs
-        # made at the second text event: the first is dumped whole, a third of the template's
-        # cost, on the path of the first token
-        self.text_event: TextEvent | None = None
-        self._texts = 0
+        self.text_event = TextEvent(chunk(text=TextEvent.SENTINEL))
 
     @property
     def has_tool_calls(self) -> bool:
@@ -216,7 +213,7 @@ class ChunkSink:
         """``text`` (what the stop filter let through) generated with token ``ev``."""
         if self.fast:
             if text:
-                self.out.append(self._render(text))
+                self.out.append(self.text_event.render(text))
             return
         if self.kind != "chat":
             self._event(self.chunk(text=text), ev)
@@ -229,14 +226,6 @@ class ChunkSink:
             obj = self.chunk()
             obj["choices"][0]["delta"] = d
             self._event(obj, ev if i == 0 else None)
-
-    def _render(self, text: str) -> bytes:
-        self._texts += 1
-        if self.text_event is None:
-            if self._texts == 1:
-                return b"data: " + dumps(self.chunk(text=text)) + b"\n\n"
-            self.text_event = TextEvent(self.chunk(text=TextEvent.SENTINEL))
-        return self.text_event.render(text)
 
     def finish(self) -> None:
         """What the parser held back, once the text is complete."""
