@@ -113,7 +113,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-b459344", 21), ("vs-llama-server-tiny-b459344", 21), ("vs-llama-server-tiny-b241cd7", 21),
     ("vs-llama-server-13479e7", 21), ("vs-llama-server-tiny-a6852c5", 21),
     ("vs-llama-server-969389d", 21), ("vs-llama-server-tiny-a04a314", 21), ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21),
-    ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21), ("vs-llama-server-72633c1", 21)])
+    ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21), ("vs-llama-server-72633c1", 21),
+    ("vs-llama-server-tiny-145dd16", 21), ("vs-llama-server-tiny-246eaa2", 21), ("vs-llama-server-246eaa2", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -129,7 +130,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     13479e7", -tiny-a6852c5 those of "Our own HTTP server", -969389d those of "Gemma 3 270M at
     969389d", -tiny-a04a314 those of "Again on tiny-small, at a04a314", kinds/tiny-hybrid-wide/…-f4e129f those
     of "Three runs on tiny-hybrid-wide", -tiny-72633c1 (and -b) those of "The floor under a first token", -72633c1 those of "Gemma 3
-    270M at 72633c1": the table built from them is combined.md's, and each of
+    270M at 72633c1", -tiny-145dd16 and -tiny-246eaa2 those of "On a slower host of the same kind", -246eaa2
+    those of "Gemma 3 270M on the slower host": the table built from them is combined.md's, and each of
     its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
@@ -161,7 +163,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-969389d", "vs-llama-server-tiny-a04a314",
                                          "kinds/tiny-hybrid-wide/vs-llama-server-f4e129f",
                                          "vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b",
-                                         "vs-llama-server-72633c1"])
+                                         "vs-llama-server-72633c1", "vs-llama-server-tiny-145dd16",
+                                         "vs-llama-server-tiny-246eaa2", "vs-llama-server-246eaa2"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
@@ -176,18 +179,35 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
     assert [line for line in rows if line not in page] == []
 
 
+@pytest.mark.parametrize("folders", [("vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b"),
+                                     ("vs-llama-server-tiny-145dd16", "vs-llama-server-tiny-246eaa2")])
+def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
+    """"The floor under a first token" and "On a slower host of the same kind" pool two sets of
+    three runs each: ``tools/bench/pooled.py`` on both, row for row."""
+    from tools.bench import pooled
+
+    samples = pooled.load([DOCS_RUNS / f for f in folders])
+    assert len(samples) == 6
+    table = pooled.markdown(pooled.pool(samples), 6).splitlines()
+    rows = [line for line in table if line.startswith("| ") and not line.startswith("| figure |")]
+    assert len(rows) == 5
+    page = (REPO / "docs" / "performance.md").read_text().splitlines()
+    assert [line for line in rows if line not in page] == []
+
+
 @pytest.mark.parametrize("folder, model", [
     ("tiny", "tiny"), ("tiny-hybrid", "tiny-hybrid"), ("gemma-270m", "gemma-270m"), ("give-way-ab", "tiny"),
     ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m"),
     ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny"), ("b241cd7", "tiny"), ("a6852c5", "tiny"),
     ("ab-1fcd89d", "tiny"), ("ab-a6852c5", "tiny"), ("72633c1", "tiny"), ("ab-2d1739c", "tiny"),
-    ("aa-16b7882", "tiny")])
+    ("aa-16b7882", "tiny"), ("ab-1bd8cb1", "tiny"), ("aa-246eaa2", "tiny")])
 def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
     milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
     snapshots-after-turn-ab/ those of "After a step: the streams' turn first", d521421/ that of
     "A short request's path, stage by stage", b241cd7/ those of "The HTTP side alone", a6852c5/
-    and ab-*/ those of "Our own HTTP server", 72633c1/, ab-2d1739c/ and aa-16b7882/ those of "The floor under a first token":
+    and ab-*/ those of "Our own HTTP server", 72633c1/, ab-2d1739c/ and aa-16b7882/ those of "The floor under a first token",
+    ab-1bd8cb1/ and aa-246eaa2/ those of "On a slower host of the same kind":
     the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.common import load_runs
     from tools.bench.ttft_gaps import runs_table
