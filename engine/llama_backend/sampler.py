@@ -42,14 +42,16 @@ class Sampler:
     """
 
     def __init__(self, chain: Any, params: SamplerParams, grammar: GrammarConstraint | None = None,
-                 bias: tuple[np.ndarray, np.ndarray] | None = None, spare: "SpareChains | None" = None) -> None:
+                 bias: tuple[np.ndarray, np.ndarray] | None = None, spare: "SpareChains | None" = None,
+                 spare_key: tuple | None = None) -> None:
         self._chain = chain
         self.params = params
         self.grammar = grammar
         self.bias_ids, self.bias_values = bias if bias is not None else (None, None)
         self.ids: np.ndarray | None = None
         self._cur: np.ndarray | None = None
-        self._spare = spare  # where free() leaves a chain the next request can take as it is
+        # where free() leaves the chain for the next job with the same key (None: freed)
+        self._spare, self._spare_key = (spare, spare_key) if spare_key is not None else (None, None)
 
     @property
     def plain(self) -> bool:
@@ -92,7 +94,7 @@ class Sampler:
             self.grammar.free()
             self.grammar = None
         if self._chain is not None:
-            if self._spare is None or not self._spare.give(self.params, self._chain):
+            if self._spare is None or not self._spare.give(self._spare_key, self._chain):
                 L.llama_sampler_free(self._chain)
             self._chain = None
 
@@ -123,11 +125,8 @@ class SpareChains:
         self._count = 0
         self._closed = False
 
-    def take(self, params: SamplerParams) -> Any:
-        """A kept chain for ``params``, ready for a new job; None if there is none."""
-        key = _chain_key(params)
-        if key is None:
-            return None
+    def take(self, key: tuple) -> Any:
+        """A kept chain for ``key`` (:func:`chain_key`), ready for a new job; None if there is none."""
         with self._lock:
             chains = self._kept.get(key)
             if not chains:
@@ -138,11 +137,8 @@ class SpareChains:
             L.llama_sampler_reset(chain)
         return chain
 
-    def give(self, params: SamplerParams, chain: Any) -> bool:
-        """Keep ``chain`` (False: not kept; the caller frees it)."""
-        key = _chain_key(params)
-        if key is None:
-            return False
+    def give(self, key: tuple, chain: Any) -> bool:
+        """Keep ``chain``, built for ``key`` (False: not kept; the caller frees it)."""
         with self._lock:
             if self._closed or self._count >= self.LIMIT:
                 return False
@@ -161,7 +157,7 @@ class SpareChains:
         return self._count
 
 
-def _chain_key(p: SamplerParams) -> tuple | None:
+def chain_key(p: SamplerParams) -> tuple | None:
     """What a chain of ``p`` is built from, when it keeps no state of a job; else None."""
     if p.penalties_enabled or p.grammar is not None or p.logit_bias:
         return None
@@ -187,9 +183,10 @@ def make_sampler(
     chain there (see :class:`SpareChains`).
     """
     p = params or SamplerParams()
-    kept = spare.take(p) if spare is not None else None
+    key = chain_key(p) if spare is not None else None
+    kept = spare.take(key) if key is not None else None
     if kept is not None:
-        return Sampler(kept, p, spare=spare)
+        return Sampler(kept, p, spare=spare, spare_key=key)
     nv = n_vocab if n_vocab is not None else (model.n_vocab if model is not None else None)
     bias = _bias_arrays(p.logit_bias, nv)
     grammar = None
@@ -227,7 +224,7 @@ def make_sampler(
         if grammar is not None:
             grammar.free()
         raise
-    return Sampler(chain, p, grammar, bias, spare=spare)
+    return Sampler(chain, p, grammar, bias, spare=spare, spare_key=key)
 
 
 def _seed(asked: int | None) -> int:

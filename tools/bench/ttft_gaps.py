@@ -11,9 +11,10 @@ token depends on that idle time. Three servers are up at once on the same llama-
 ours with ``--loop-priority normal`` (the event loop at the normal policy instead of SCHED_RR),
 and a floor: :mod:`tools.bench.bare_completion`, the least a Python server on the same
 bindings does for the same answer. ``--against TREE`` adds ours from another checkout (``ours at
-COMMIT``): a change measured before and after in one run. For each gap, each round gives each server a block of ``--requests`` requests,
-each one after ``gap`` ms of sleep: a new connection, a streamed 4-token ``/v1/completions``
-of a short distinct prompt, timed from before ``connect`` until the first event with a token.
+COMMIT``): a change measured before and after in one run. For each gap, each round gives
+each server a block of ``--requests`` requests, each one after ``gap`` ms of sleep: a new
+connection, a streamed 4-token ``/v1/completions`` of a short distinct prompt, timed from
+before ``connect`` until the first event with a token.
 The block starts with one request that is not counted, and the servers' order rotates every
 round. The client is a blocking socket, so no client framework's own time lies on the
 measured path. It runs on the same cores as the servers, as the bench's own client does.
