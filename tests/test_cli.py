@@ -32,6 +32,24 @@ def test_thread_wake_bench_runs_every_setting(tmp_path):
         assert all(0 < f["p10"] <= f["median"] <= f["p90"] for f in figures.values())
 
 
+def test_idle_decode_bench_times_every_setting_against_its_back_to_back_decode(tmp_path):
+    import json
+
+    out = tmp_path / "idle.json"
+    subprocess.run([sys.executable, "-m", "tools.bench.idle_decode", "--model", "tiny-a", "--threads", "1,2",
+                    "--gaps", "0,1", "--busy-before", "0,50", "--tokens", "3", "--decodes", "5", "--out", str(out)],
+                   capture_output=True, text=True, check=True, timeout=120)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["threads"], r["gap_ms"], r["busy_before_us"]) for r in rows] == [
+        (t, g, b) for t in (1, 2) for g in (0.0, 1.0) for b in (0.0, 50.0)]
+    for r in rows:
+        assert 0 < r["p10"] <= r["median"] <= r["p90"]
+        base = next(b for b in rows if b["threads"] == r["threads"])  # each thread count's back-to-back
+        assert r["ratio"] == round(r["median"] / base["median"], 3)
+    assert result["tokens"] == 3 and result["machine"]["git_commit"]
+
+
 def test_sigint_stops_a_command_started_with_sigint_ignored():
     """A script's background job starts with SIGINT ignored: ``kill -INT`` must still stop it."""
     import signal
