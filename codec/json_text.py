@@ -6,8 +6,6 @@ import json
 import re
 from typing import Any
 
-import orjson
-
 from .errors import LocalProtocolError, MalformedPayload
 
 Buffer = bytes | bytearray | memoryview
@@ -74,20 +72,6 @@ def compact_utf8(obj: Any, *, allow_nan: bool = False) -> bytes:
         return _COMPACT[allow_nan].encode(obj).encode()
     except UnicodeEncodeError:
         return _ESCAPED[allow_nan].encode(obj).encode()
-
-
-def web_json(obj: Any) -> bytes:
-    """The HTTP side's JSON: compact UTF-8 through orjson, a fifth of the standard encoder's cost
-    on a cold path such as a stream's first chunk (docs/performance.md, "At e69df33"). A NaN or
-    an infinity is written as ``null``, as llama-server's JSON writer (nlohmann) writes it; small
-    floats may be written without the exponent Python's ``repr`` gives them (``0.00001``). What
-    orjson refuses — a lone surrogate, a key that is not a string, an integer beyond 64 bits —
-    goes through :func:`compact_utf8` (non-finite numbers there as the standard encoder writes
-    them). The Hydra port's JSON stays with :func:`dumps_compact`: its bytes are the C++ engine's."""
-    try:
-        return orjson.dumps(obj)
-    except orjson.JSONEncodeError:
-        return compact_utf8(obj, allow_nan=True)
 
 
 def dumps_compact(obj: Any, *, rule: str = "json.encode") -> bytes:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable
 
-from codec.json_text import web_json as dumps
+from codec.json_text import compact_utf8
 from engine.chat.parse import ChatMessage, parse_output
 from engine.chat.prompt import ChatPlan, ChatRequestError
 from engine.chat.stream import ChatStream
 from engine.jobs import TokenEvent
+
+def dumps(obj: Any) -> bytes:
+    return compact_utf8(obj, allow_nan=True)  # json.dumps' default: an infinity is written, not refused
+
 
 # engine stop_reason → OpenAI finish_reason ("none" is a zero-token request; cancelled has none;
 # "grammar": the grammar allowed no further token — it is complete as far as it can be)

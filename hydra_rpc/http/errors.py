@@ -10,8 +10,6 @@ import json
 import math
 from typing import Any
 
-import orjson
-
 from codec.json_text import lone_surrogate
 from engine.jobs import BadInput, EngineBusy, EngineUnavailable, Unservable
 
@@ -78,20 +76,6 @@ def require_ready(engine: Any) -> None:
 async def read_json_object(request: Request) -> dict[str, Any]:
     raw = await request.read()  # read before the handler ran, under the body limit (http.limits.read_body)
     try:
-        # orjson takes what the standard parser takes and answers sooner (docs/performance.md,
-        # "At e69df33"), but for an integer beyond 64 bits, which it reads as a float, as
-        # nlohmann does; what it refuses (a BOM, NaN, a lone surrogate, deep nesting) the
-        # standard parser judges below
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        body = _standard_json(raw)
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
-    return body
-
-
-def _standard_json(raw: bytes) -> Any:
-    try:
         text = raw.decode("utf-8-sig")  # a BOM is skipped, as json.loads(bytes) and nlohmann do
         body = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
@@ -100,6 +84,8 @@ def _standard_json(raw: bytes) -> Any:
         raise ApiError(400, "invalid JSON body: nested too deeply") from None
     if (bad := lone_surrogate(text, body)) is not None:  # as llama-server's parser refuses it
         raise ApiError(400, f"invalid JSON body: an unpaired UTF-16 surrogate \\u{ord(bad):04x} in a string")
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
     return body
 
 
