@@ -200,14 +200,16 @@ def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
     ("9af7eee/tiny", "tiny"), ("9af7eee/tiny-hybrid", "tiny-hybrid"), ("9af7eee/gemma-270m", "gemma-270m"),
     ("snapshots-after-turn-ab", "tiny"), ("d521421", "tiny"), ("b241cd7", "tiny"), ("a6852c5", "tiny"),
     ("ab-1fcd89d", "tiny"), ("ab-a6852c5", "tiny"), ("72633c1", "tiny"), ("ab-2d1739c", "tiny"),
-    ("aa-16b7882", "tiny"), ("ab-1bd8cb1", "tiny"), ("aa-246eaa2", "tiny")])
+    ("aa-16b7882", "tiny"), ("ab-1bd8cb1", "tiny"), ("aa-246eaa2", "tiny"), ("ab-e69df33", "tiny"),
+    ("aa-3ea5ed1", "tiny")])
 def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/ttft-gaps/MODEL/run-N.json are the runs of "Short requests a few
     milliseconds apart", give-way-ab/ and 9af7eee/MODEL/ those of "A step that kept the core",
     snapshots-after-turn-ab/ those of "After a step: the streams' turn first", d521421/ that of
     "A short request's path, stage by stage", b241cd7/ those of "The HTTP side alone", a6852c5/
     and ab-*/ those of "Our own HTTP server", 72633c1/, ab-2d1739c/ and aa-16b7882/ those of "The floor under a first token",
-    ab-1bd8cb1/ and aa-246eaa2/ those of "On a slower host of the same kind":
+    ab-1bd8cb1/ and aa-246eaa2/ those of "On a slower host of the same kind", ab-e69df33/ and
+    aa-3ea5ed1/ those of "At e69df33, on the slower host":
     the table built from them (``ttft_gaps --table``) is the page's."""
     from tools.bench.common import load_runs
     from tools.bench.ttft_gaps import runs_table
@@ -216,6 +218,23 @@ def test_the_idle_gap_tables_in_the_docs_are_made_of_their_committed_runs(folder
     assert runs and all(r["model"] == model for r in runs)
     page = (REPO / "docs" / "performance.md").read_text()
     assert runs_table(runs) in page
+
+
+def test_the_idle_decode_figures_in_the_docs_are_those_of_the_committed_runs():
+    """docs/performance/idle-decode/run-N.json back "At e69df33, on the slower host": with the
+    servers' two threads, a decode after 10 ms of idleness costs over twice one right after
+    another, and spinning 300 µs before it does not bring it back."""
+    rows = [json.loads(p.read_text())["rows"] for p in sorted((DOCS_RUNS / "idle-decode").glob("run-*.json"))]
+    assert len(rows) == 3
+
+    def ratio(run, gap, busy):
+        return next(r["ratio"] for r in run if (r["threads"], r["gap_ms"], r["busy_before_us"]) == (2, gap, busy))
+
+    page = (REPO / "docs" / "performance.md").read_text()
+    for gap, busy in ((2.0, 0.0), (10.0, 0.0), (10.0, 300.0)):
+        got = [ratio(run, gap, busy) for run in rows]
+        assert f"{min(got):.2f}–{max(got):.2f}×" in page, (gap, busy, got)
+    assert min(ratio(run, 10.0, 300.0) for run in rows) > 2
 
 
 @pytest.mark.parametrize("folder", ["41eb3a0", "b241cd7", "a6852c5"])
