@@ -23,8 +23,8 @@ from .reasoning_budget import ReasoningBudget
 from .reloader import ReloadTicket, wait_live
 from .sampling import GrammarSpec, SamplerParams, merge_sampling
 from .slots import SlotSnapshot
-from .status import (ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, PromptCacheInfo, ReloadState,
-                     ReloadStatus)
+from .status import (ComputeThreadsInfo, ConfigureOutcome, EngineInfo, ModelChoice, ModelIdentity, PromptCacheInfo,
+                     ReloadState, ReloadStatus)
 
 
 class EngineApi:
@@ -181,6 +181,13 @@ class EngineApi:
 
     def prompt_cache_info(self) -> PromptCacheInfo:
         return self._actor.cache.info()
+
+    def compute_threads_info(self) -> ComputeThreadsInfo:
+        """The compute threads a step uses and why (engine.compute_threads); zeros before a model."""
+        ct = self._actor.compute_threads
+        if ct is None:
+            return ComputeThreadsInfo()
+        return ComputeThreadsInfo(ct.configured, ct.current, round(ct.others, 3), ct.lowered, round(ct.reduced_s, 3))
 
     def checkpoints_of(self, slot: int) -> list[dict[str, int]]:
         """``/slots``: the slot's context checkpoints (engine.checkpoints), oldest first."""

@@ -89,12 +89,24 @@ class ComputeThreads:
         self._idle = False  # the engine ran nothing since the last want(): the window is history
         self._baseline_due = False  # the first step after an idle spell ran: the next starts the window
         self.others = 0.0  # cores other processes used in the last sample
+        # what an operator reads on /metrics (engine.status.ComputeThreadsInfo): the count the
+        # last step used, how often it went down, and the seconds of work below the configured
+        # count (from one step's want() to the next; an idle spell is not work)
+        self.current = self.configured
+        self.lowered = 0
+        self.reduced_s = 0.0
+        self._since: float | None = None
 
     def idle(self) -> None:
         """The engine has nothing to run; the step after its next starts a new window."""
         self._idle = True
+        self._account(self._clock())
+        self._since = None
 
     def want(self, loading: bool) -> int:
+        now = self._clock()
+        self._account(now)
+        self._since = now
         if self._idle:
             # what others did while we idled says nothing of now: the count stays (a host busy
             # before the spell is likely still busy) and the next step starts a new window
@@ -103,12 +115,19 @@ class ComputeThreads:
         elif self._baseline_due:
             self._baseline_due = False
             self._load.sample()
-            self._next = self._clock() + FRESH_S
-        elif (now := self._clock()) >= self._next:
+            self._next = now + FRESH_S
+        elif now >= self._next:
             self._next = now + SAMPLE_S
             self._resample()
-        n = self._by_load - (1 if loading else 0)
-        return max(1, min(self.configured, n))
+        n = max(1, min(self.configured, self._by_load - (1 if loading else 0)))
+        if n < self.current:
+            self.lowered += 1
+        self.current = n
+        return n
+
+    def _account(self, now: float) -> None:
+        if self._since is not None and self.current < self.configured:
+            self.reduced_s += max(0.0, now - self._since)
 
     def _resample(self) -> None:
         others = self._load.sample()

@@ -98,6 +98,19 @@ class ReloadStatus:
 
 
 @dataclass(frozen=True)
+class ComputeThreadsInfo:
+    """What the step's thread count followed (engine.compute_threads; /metrics): the configured
+    count and the one the last step used, the cores other processes used in the last sample, how
+    often the count went down and the seconds of work stepped below the configured count."""
+
+    configured: int = 0
+    current: int = 0
+    others_cores: float = 0.0
+    lowered: int = 0
+    reduced_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class PromptCacheInfo:
     """The prompt cache's settings and counters since start (INFO ``prompt_cache``, /metrics)."""
 

@@ -143,6 +143,37 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert res.notes and "ended before max_tokens" in res.notes[0]
 
 
+def test_vs_llama_server_says_when_our_four_streams_stepped_on_fewer_compute_threads():
+    """A round where ours judged the host busy decodes slower for the host's reason: the CPU
+    row and the summary carry how long, from the compute-thread counters of its /metrics."""
+    from tools.bench.common import Result
+    from tools.bench.vs_llama_server_figures import report
+
+    def rnd(variant, i, reduced):
+        cpu = {"cores_busy": 1.5, "cpu_ms_per_token": 20.0, "main_thread_s": 1.0, "cpu_s": 10.0}
+        if reduced is not None:
+            cpu["compute_threads"] = {"reduced_s": reduced, "lowered": 1.0 if reduced else 0.0}
+        return {"variant": variant, "round": i, "one_tok_s": 30.0, "ttft_ms": 50.0, "four_tok_s": 60.0,
+                "eight_tok_s": 70.0, "slots_p99_ms": 5.0, "rss_mib": 400.0, "peak_rss_mib": 410.0, "startup_s": 1.0,
+                "cpu_four": cpu, "cache_cold_ttft_ms": 900.0, "cache_warm_ttft_ms": 40.0, "chat_one_tok_s": 30.0,
+                "chat_ttft_ms": 60.0, "chat_four_tok_s": 50.0,
+                "requests": {"single": {"finish": "length"}, "four": [], "eight": [], "chat_one": {"finish": "length"},
+                             "chat_four": []}}
+
+    def cpu_row(ours_reduced):
+        res = Result("vs-llama-server")
+        rounds = [rnd("llama-server", i, None) for i in range(3)] + [rnd("hydra", i, r) for i, r in enumerate(ours_reduced)]
+        report(res, rounds, 3, {}, {})
+        return res, next(r for r in res.rows if r.metric.startswith("server CPU per token"))
+
+    res, row = cpu_row([0.0, 6.2, 0.0])
+    assert "fewer compute threads for up to 6.2 s" in row.note
+    assert res.summary["hydra"]["compute_threads_reduced_s_four"]["max"] == 6.2
+    assert "compute_threads_reduced_s_four" not in res.summary["llama-server"]
+    _, row = cpu_row([0.0, 0.0, 0.0])
+    assert "fewer compute threads" not in row.note
+
+
 def _thread_burning(cpu_s: float) -> tuple[int, dict[int, float], dict[int, float]]:
     """A thread that uses ``cpu_s`` of CPU (a state, not a duration): its id, and every thread's
     CPU read before it started and while it is still alive (/proc forgets a thread once it ends)."""

@@ -128,6 +128,41 @@ def test_a_shadow_load_takes_one_thread_never_the_last() -> None:
     assert step(host, ct, loading=True) == 1
 
 
+def test_it_counts_each_drop_and_the_work_stepped_below_the_configured_count() -> None:
+    host, ct = make()
+    step(host, ct)
+    host.others_cores = 2.0
+    assert step(host, ct) == 1 and ct.lowered == 1 and ct.current == 1
+    host.others_cores = 0.1
+    assert step(host, ct) == 1  # one quiet sample: still below
+    assert step(host, ct) == 2 and ct.current == 2
+    assert ct.reduced_s == pytest.approx(2 * SAMPLE_S)  # the two steps that ran on one thread
+    step(host, ct)
+    assert ct.reduced_s == pytest.approx(2 * SAMPLE_S) and ct.lowered == 1
+
+
+def test_an_idle_spell_below_the_configured_count_is_not_counted_as_reduced_work() -> None:
+    host, ct = make()
+    step(host, ct)
+    host.others_cores = 2.0
+    step(host, ct)  # down to one thread
+    host.advance(0.2)
+    ct.idle()  # the step before it ran 0.2 s on one thread
+    host.advance(30.0)  # nothing runs
+    ct.want(False)
+    assert ct.reduced_s == pytest.approx(0.2)
+    host.advance(0.25)
+    ct.want(False)
+    assert ct.reduced_s == pytest.approx(0.45)
+
+
+def test_a_shadow_load_counts_as_a_drop() -> None:
+    host, ct = make()
+    step(host, ct)
+    assert step(host, ct, loading=True) == 1 and ct.lowered == 1
+    assert step(host, ct) == 2 and ct.reduced_s == pytest.approx(SAMPLE_S)
+
+
 def test_unreadable_proc_changes_nothing() -> None:
     ct = ComputeThreads(4, 4, OtherLoad(read=lambda: None), clock=iter(range(0, 100)).__next__)
     assert {ct.want(False) for _ in range(10)} == {4}
@@ -153,6 +188,8 @@ async def test_steps_give_a_shadow_load_one_thread_and_take_it_back():
         steps = eng.stats["steps"]
         await until(lambda: eng.stats["steps"] > steps + 1, "steps while it loads")
         assert old.threads_now == 1
+        info = eng.compute_threads_info()  # what /metrics shows an operator
+        assert (info.configured, info.current) == (2, 1) and info.lowered >= 1
         f.build_gate.open()
         gen.cancel()
         await until(lambda: eng.actor.model is not old, "the swap")

@@ -335,3 +335,14 @@ async def test_metrics_parse_and_count_requests_just_made(http, client):
     assert value(after, "hydra_connections_open", port="engine") >= 1  # the client fixture's connection
     assert value(after, "hydra_connections_open", port="http") >= 1
     assert ("hydra_passthrough_bytes_total", (("direction", "up"),)) in after
+    configured = value(after, "hydra_compute_threads", kind="configured")
+    assert configured >= 1 and 1 <= value(after, "hydra_compute_threads", kind="current") <= configured
+    assert value(after, "hydra_other_processes_cores") >= 0
+    assert ("hydra_compute_threads_lowered_total", ()) in after
+    assert ("hydra_compute_threads_reduced_seconds_total", ()) in after
+    from tools.bench.openai_workload import compute_thread_counters
+
+    counters = await compute_thread_counters(http, "")  # what the vs-llama-server bench reads of it
+    assert set(counters) == {"reduced_s", "lowered"}  # counters: never below what the scrape above read
+    assert counters["reduced_s"] >= value(after, "hydra_compute_threads_reduced_seconds_total")
+    assert counters["lowered"] >= value(after, "hydra_compute_threads_lowered_total")

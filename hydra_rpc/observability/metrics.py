@@ -204,6 +204,29 @@ class _StateCollector:
         up.add_metric([], 1.0 if engine.startup_stage == "ready" else 0.0)
         yield up
         yield from _prompt_cache(engine.prompt_cache_info())
+        yield from _compute_threads(engine.compute_threads_info())
+
+
+def _compute_threads(ct: Any) -> Iterable[Metric]:
+    """Fewer compute threads than configured is what a busy host costs decode (docs/performance.md,
+    "A busy host"): how often and how long is what tells a slow node from a slow model."""
+    threads = GaugeMetricFamily("hydra_compute_threads", "Compute threads per decode step: configured, and "
+                                "what the last step used (fewer while other processes keep cores busy or a "
+                                "model loads beside it)", labels=["kind"])
+    threads.add_metric(["configured"], ct.configured)
+    threads.add_metric(["current"], ct.current)
+    yield threads
+    others = GaugeMetricFamily("hydra_other_processes_cores", "Cores other processes kept busy in the last "
+                               "sample the compute-thread count followed")
+    others.add_metric([], ct.others_cores)
+    yield others
+    lowered = CounterMetricFamily("hydra_compute_threads_lowered", "Times a step's compute-thread count went down")
+    lowered.add_metric([], ct.lowered)
+    yield lowered
+    reduced = CounterMetricFamily("hydra_compute_threads_reduced_seconds",
+                                  "Seconds of decode stepped with fewer compute threads than configured")
+    reduced.add_metric([], ct.reduced_seconds)
+    yield reduced
 
 
 def _prompt_cache(pc: Any) -> Iterable[Metric]:

@@ -16,7 +16,6 @@ Prints (and with ``--out`` writes) one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 from engine.backend import BatchItem
 from engine.llama_backend.model import LoadedModel
 from engine.model_files import resolve_model
-from tools.bench.common import git_commit, machine_info, percentile
+from tools.bench.common import git_commit, machine_info, percentile, result_json, write_run
 
 PROMPT = "A list of rivers, number 731:"
 
@@ -99,10 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    _floats(args.busy_before), args.tokens, args.decodes)
     result = {"machine": {**machine_info(), "git_commit": git_commit()}, "model": args.model,
               "tokens": args.tokens, "decodes": args.decodes, "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print(result_json(result), end="")
+    write_run(args.out, result)
     return result
 
 

@@ -161,6 +161,25 @@ async def concurrent(http: Any, base: str, numbers: list[int], max_tokens: int, 
     return list(await asyncio.gather(*(completion(http, base, story(n), max_tokens) for n in numbers)))
 
 
+COMPUTE_THREAD_COUNTERS = {"hydra_compute_threads_reduced_seconds_total": "reduced_s",
+                           "hydra_compute_threads_lowered_total": "lowered"}
+
+
+async def compute_thread_counters(http: Any, base: str) -> dict[str, float] | None:
+    """This server's compute-thread counters from ``/metrics`` (None from a server without
+    them, llama-server among them): how long it stepped on fewer threads than configured."""
+    async with http.get(f"{base}/metrics") as r:
+        if r.status != 200:
+            return None
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in COMPUTE_THREAD_COUNTERS:
+            out[COMPUTE_THREAD_COUNTERS[name]] = float(value)
+    return out or None
+
+
 def strip(r: dict[str, Any]) -> dict[str, Any]:
     """A request's record for the JSON: arrival times relative to its send, rounded (not its
     text and raw timings: the counts taken from them are there)."""

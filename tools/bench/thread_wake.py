@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import platform
 import queue
@@ -36,7 +35,7 @@ from typing import Any
 
 import uvloop
 
-from tools.bench.common import percentile
+from tools.bench.common import percentile, result_json, write_run
 
 LOOP_WORK_US = 250  # the loop's Python between two steps (publishing, the streams' turn, the next batch)
 STEP_TAIL_US = 50  # the step's Python after its GIL-free part (sampling, events)
@@ -123,10 +122,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "steps": args.steps, "work_ms": args.work_ms, "loop_work_us": LOOP_WORK_US,
               "step_tail_us": STEP_TAIL_US,
               "settings": {name: _setting(name, args.steps, work) for name in SETTINGS}}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print(result_json(result), end="")
+    write_run(args.out, result)
     return result
 
 

@@ -7,7 +7,9 @@ Both servers get the **same** llama-server argv::
     -m MODEL --host 127.0.0.1 --port P -c 8192 -np 4 -t THREADS
 
 (plus ``--chat-template-file`` when the model file carries no chat template: see
-:func:`chat_template_args`), ours through ``hydra-llama-engine`` with ``--rpc-port 0`` added.
+:func:`chat_template_args`; and ``--metrics`` for the rounds' ``-np 4`` servers, so that ours
+tells how long its four streams stepped on fewer compute threads than configured), ours through
+``hydra-llama-engine`` with ``--rpc-port 0`` added.
 They run one at a time, in alternating rounds (the order rotates every round), each round on
 fresh processes, with the same HTTP workload — OpenAI ``/v1/completions``, streamed, greedy,
 ``max_tokens`` 200, distinct prompts ``"Story number N: once upon a time"`` (the same N for
@@ -67,8 +69,9 @@ from tools.spawn import ROOT
 
 from .common import BenchContext, Result, Row, interleaved, now, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
-from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, concurrent, ferry_question,
-                              prompt_cache_phase, shared_document, story, strip, while_polling_slots)
+from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, compute_thread_counters,
+                              concurrent, ferry_question, prompt_cache_phase, shared_document, story, strip,
+                              while_polling_slots)
 from .vs_llama_server_figures import (BUDGETS, CONTROL, NAME, SLOTS, SLOTS_LOAD_POLL_S, SLOTS_MIN_ANSWERS,
                                       SLOTS_WIDE, VARIANTS, report)
 
@@ -228,7 +231,7 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
     base_n = 100 * (rnd + 1)
     out: dict[str, Any] = {"variant": variant, "round": rnd}
     t_start = now()
-    with start(variant, binary, model, SLOTS, ctx.threads) as srv:
+    with start(variant, binary, model, SLOTS, ctx.threads, shared=("--metrics",)) as srv:
         out["startup_s"] = round(now() - t_start, 3)
         await completion(http, srv.base, "Warm up: the weather today is", 8)
         single = await completion(http, srv.base, story(base_n), max_tokens)
@@ -238,15 +241,21 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
             shuffle.append(asyncio.ensure_future(completion(http, srv.base, story(n), 24)))
             await asyncio.sleep(0.05)
         shuffle_runs = list(await asyncio.gather(*shuffle))
+        threads_before = await compute_thread_counters(http, srv.base)
+
         async def four_streams() -> tuple[list[dict[str, Any]], dict[int, float], dict[int, float], float]:
             before, t0 = srv.thread_cpu(), now()
             four = await concurrent(http, srv.base, list(range(base_n + 10, base_n + 10 + SLOTS)), max_tokens)
             return four, before, srv.thread_cpu(), now() - t0
 
         (four, before, after, four_s), polls = await while_polling_slots(http, srv.base, four_streams())
+        threads_after = await compute_thread_counters(http, srv.base)
         if len(polls) < SLOTS_MIN_ANSWERS:
             out["slots_phase"], polls = await slots_under_load(http, srv.base, base_n, max_tokens, four_s, len(polls))
         out["cpu_four"] = _cpu_breakdown(srv, before, after, sum(r["chunks"] for r in four), four_s)
+        if threads_before and threads_after:  # ours: how long the phase stepped on fewer compute threads
+            out["cpu_four"]["compute_threads"] = {k: round(threads_after[k] - threads_before.get(k, 0.0), 3)
+                                                  for k in threads_after}
         out["rss_mib"] = round((srv.rss_kib() or 0) / 1024, 1)
         out["peak_rss_mib"] = round((srv.peak_kib() or 0) / 1024, 1)
         out["rss_detail_mib"] = rss_detail(srv.pid)

@@ -118,24 +118,8 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
             _control_row(res, label, unit, controls[skey])
     if controls:
         s["control"] = controls
-    # scaling and where the time goes: informational
-    for v in VARIANTS:
-        scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
-        cpu = of(v, "cpu_four")
-        s[v] = {"four_over_one": spread(scal),
-                "cores_busy_four": spread(c["cores_busy"] for c in cpu),
-                "cpu_ms_per_token_four": spread(c["cpu_ms_per_token"] for c in cpu),
-                "main_thread_share_four": spread(ratio(c["main_thread_s"], c["cpu_s"]) for c in cpu),
-                "peak_rss_mib": spread(of(v, "peak_rss_mib")), "startup_s": spread(of(v, "startup_s"))}
     res.summary = s
-    h, ls = s["hydra"], s["llama-server"]
-    res.rows.append(Row(f"{SLOTS} streams over one stream (scaling)", h["four_over_one"]["median"], "×",
-                        ls["four_over_one"]["median"], LABEL).with_spread(h["four_over_one"]))
-    res.rows.append(Row(f"server CPU per token, {SLOTS} streams", h["cpu_ms_per_token_four"]["median"], "ms",
-                        ls["cpu_ms_per_token_four"]["median"], LABEL,
-                        note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
-                             f"main thread's share {_pct(h['main_thread_share_four'])} vs "
-                             f"{_pct(ls['main_thread_share_four'])}").with_spread(h["cpu_ms_per_token_four"]))
+    _where_the_time_goes(res, s, of)
     longer = [r["slots_phase"] for r in rounds if "slots_phase" in r]
     if longer:
         res.notes.append(
@@ -153,6 +137,30 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
                          "servers (greedy), so the ratios hold, over fewer tokens.")
 
 
+def _where_the_time_goes(res: Result, s: dict[str, Any], of: Any) -> None:
+    """Scaling and CPU per token (informational rows), from each side's rounds (``of(side, key)``)."""
+    for v in VARIANTS:
+        scal = [ratio(a, b) for a, b in zip(of(v, "four_tok_s"), of(v, "one_tok_s"))]
+        cpu = of(v, "cpu_four")
+        s[v] = {"four_over_one": spread(scal),
+                "cores_busy_four": spread(c["cores_busy"] for c in cpu),
+                "cpu_ms_per_token_four": spread(c["cpu_ms_per_token"] for c in cpu),
+                "main_thread_share_four": spread(ratio(c["main_thread_s"], c["cpu_s"]) for c in cpu),
+                "peak_rss_mib": spread(of(v, "peak_rss_mib")), "startup_s": spread(of(v, "startup_s"))}
+        reduced = [c["compute_threads"]["reduced_s"] for c in cpu if "reduced_s" in c.get("compute_threads", {})]
+        if reduced:  # ours: seconds of each round's four-stream phase stepped on fewer compute threads
+            s[v]["compute_threads_reduced_s_four"] = spread(reduced)
+    h, ls = s["hydra"], s["llama-server"]
+    res.rows.append(Row(f"{SLOTS} streams over one stream (scaling)", h["four_over_one"]["median"], "×",
+                        ls["four_over_one"]["median"], LABEL).with_spread(h["four_over_one"]))
+    res.rows.append(Row(f"server CPU per token, {SLOTS} streams", h["cpu_ms_per_token_four"]["median"], "ms",
+                        ls["cpu_ms_per_token_four"]["median"], LABEL,
+                        note=f"cores busy {h['cores_busy_four']['median']} vs {ls['cores_busy_four']['median']}; "
+                             f"main thread's share {_pct(h['main_thread_share_four'])} vs "
+                             f"{_pct(ls['main_thread_share_four'])}{_fewer_threads(h)}").with_spread(
+                            h["cpu_ms_per_token_four"]))
+
+
 def _span(sp: dict[str, Any]) -> str:
     """A ratio's median and min–max, as the notes give them."""
     return f"{sp['median']:.2f} ({sp['min']:.2f}–{sp['max']:.2f})"
@@ -160,3 +168,12 @@ def _span(sp: dict[str, Any]) -> str:
 
 def _pct(sp: dict[str, Any]) -> str:
     return "?" if sp.get("median") is None else f"{100 * sp['median']:.0f} %"
+
+
+def _fewer_threads(side: dict[str, Any]) -> str:
+    """A round whose four streams stepped on fewer compute threads than configured (ours judged
+    the host busy) decodes slower for a reason of the host's: the CPU row says so."""
+    reduced = side.get("compute_threads_reduced_s_four")
+    if not reduced or not reduced["max"]:
+        return ""
+    return f"; fewer compute threads for up to {reduced['max']} s of a round's four streams"
