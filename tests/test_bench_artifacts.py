@@ -114,7 +114,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-13479e7", 21), ("vs-llama-server-tiny-a6852c5", 21),
     ("vs-llama-server-969389d", 21), ("vs-llama-server-tiny-a04a314", 21), ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21),
     ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21), ("vs-llama-server-72633c1", 21),
-    ("vs-llama-server-tiny-145dd16", 21), ("vs-llama-server-tiny-246eaa2", 21), ("vs-llama-server-246eaa2", 21)])
+    ("vs-llama-server-tiny-145dd16", 21), ("vs-llama-server-tiny-246eaa2", 21), ("vs-llama-server-246eaa2", 21),
+    ("vs-llama-server-bde2182", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -131,8 +132,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     969389d", -tiny-a04a314 those of "Again on tiny-small, at a04a314", kinds/tiny-hybrid-wide/…-f4e129f those
     of "Three runs on tiny-hybrid-wide", -tiny-72633c1 (and -b) those of "The floor under a first token", -72633c1 those of "Gemma 3
     270M at 72633c1", -tiny-145dd16 and -tiny-246eaa2 those of "On a slower host of the same kind", -246eaa2
-    those of "Gemma 3 270M on the slower host": the table built from them is combined.md's, and each of
-    its rows is in the page."""
+    those of "Gemma 3 270M on the slower host", -bde2182 those of "Gemma 3 270M at bde2182, on the
+    slower host": the table built from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
@@ -164,7 +165,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "kinds/tiny-hybrid-wide/vs-llama-server-f4e129f",
                                          "vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b",
                                          "vs-llama-server-72633c1", "vs-llama-server-tiny-145dd16",
-                                         "vs-llama-server-tiny-246eaa2", "vs-llama-server-246eaa2"])
+                                         "vs-llama-server-tiny-246eaa2", "vs-llama-server-246eaa2",
+                                         "vs-llama-server-bde2182"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
