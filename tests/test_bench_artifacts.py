@@ -115,7 +115,7 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-969389d", 21), ("vs-llama-server-tiny-a04a314", 21), ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21),
     ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21), ("vs-llama-server-72633c1", 21),
     ("vs-llama-server-tiny-145dd16", 21), ("vs-llama-server-tiny-246eaa2", 21), ("vs-llama-server-246eaa2", 21),
-    ("vs-llama-server-bde2182", 21)])
+    ("vs-llama-server-bde2182", 21), ("vs-llama-server-tiny-af5ab6a", 21)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -133,7 +133,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     of "Three runs on tiny-hybrid-wide", -tiny-72633c1 (and -b) those of "The floor under a first token", -72633c1 those of "Gemma 3
     270M at 72633c1", -tiny-145dd16 and -tiny-246eaa2 those of "On a slower host of the same kind", -246eaa2
     those of "Gemma 3 270M on the slower host", -bde2182 those of "Gemma 3 270M at bde2182, on the
-    slower host": the table built from them is combined.md's, and each of its rows is in the page."""
+    slower host", -tiny-af5ab6a those of "Tiny-small at af5ab6a, on the slower host": the table built
+    from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
     for path in sorted(folder.glob("run-*.json"), key=lambda p: int(p.stem.split("-")[1])):
@@ -166,7 +167,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b",
                                          "vs-llama-server-72633c1", "vs-llama-server-tiny-145dd16",
                                          "vs-llama-server-tiny-246eaa2", "vs-llama-server-246eaa2",
-                                         "vs-llama-server-bde2182"])
+                                         "vs-llama-server-bde2182", "vs-llama-server-tiny-af5ab6a"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
