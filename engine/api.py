@@ -185,9 +185,7 @@ class EngineApi:
     def compute_threads_info(self) -> ComputeThreadsInfo:
         """The compute threads a step uses and why (engine.compute_threads); zeros before a model."""
         ct = self._actor.compute_threads
-        if ct is None:
-            return ComputeThreadsInfo()
-        return ComputeThreadsInfo(ct.configured, ct.current, round(ct.others, 3), ct.lowered, round(ct.reduced_s, 3))
+        return ct.info() if ct is not None else ComputeThreadsInfo()
 
     def checkpoints_of(self, slot: int) -> list[dict[str, int]]:
         """``/slots``: the slot's context checkpoints (engine.checkpoints), oldest first."""

@@ -25,6 +25,8 @@ import os
 import time
 from typing import Callable
 
+from .status import ComputeThreadsInfo
+
 SAMPLE_S = 0.5
 RESTORE_SAMPLES = 2
 FRESH_S = 0.1  # the first sample after an idle spell: 10 ticks of each core, a busy one shows
@@ -124,6 +126,11 @@ class ComputeThreads:
             self.lowered += 1
         self.current = n
         return n
+
+    def info(self) -> ComputeThreadsInfo:
+        """What /metrics shows of the count (engine.status.ComputeThreadsInfo)."""
+        return ComputeThreadsInfo(self.configured, self.current, round(self.others, 3), self.lowered,
+                                  round(self.reduced_s, 3))
 
     def _account(self, now: float) -> None:
         if self._since is not None and self.current < self.configured:

@@ -158,7 +158,8 @@ class SpareChains:
 
 
 def chain_key(p: SamplerParams) -> tuple | None:
-    """What a chain of ``p`` is built from, when it keeps no state of a job; else None."""
+    """What a chain of ``p`` is built from, when it keeps no state of a job; else None. Its last
+    item is the fixed seed (None: greedy, or a random seed): what :meth:`SpareChains.take` resets."""
     if p.penalties_enabled or p.grammar is not None or p.logit_bias:
         return None
     if p.greedy:

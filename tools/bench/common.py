@@ -73,6 +73,12 @@ def spread(values: Iterable[float | None]) -> dict[str, Any]:
     return {"median": _r(percentile(v, 50)), "min": _r(v[0]), "max": _r(v[-1]), "n": len(v)}
 
 
+def p10_median_p90(values: Iterable[float], digits: int = 1) -> dict[str, float]:
+    """A sample's median and 10th/90th percentiles, rounded: what the standalone benches report."""
+    v = list(values)
+    return {name: round(percentile(v, q), digits) for name, q in (("median", 50), ("p10", 10), ("p90", 90))}
+
+
 def min_max_text(values: Iterable[float], fmt: str) -> str:
     """``values``' min–max as a table cell shows it: one number when both print alike."""
     lo, hi = format(min(values), fmt), format(max(values), fmt)

@@ -16,7 +16,6 @@ Prints (and with ``--out`` writes) one JSON object.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from engine.backend import BatchItem
 from engine.llama_backend.model import LoadedModel
 from engine.model_files import resolve_model
-from tools.bench.common import git_commit, machine_info, percentile, result_json, write_run
+from tools.bench.common import git_commit, machine_info, p10_median_p90, result_json, write_run
 
 PROMPT = "A list of rivers, number 731:"
 
@@ -50,11 +49,6 @@ def _decodes(model: LoadedModel, tokens: list[int], k: int, gap_ms: float, busy_
     return out
 
 
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(xs), 1), "p10": round(percentile(xs, 10), 1),
-            "p90": round(percentile(xs, 90), 1)}
-
-
 def measure(model_path: str, threads: list[int], gaps: list[float], busy: list[float], k: int,
             n: int) -> list[dict[str, Any]]:
     model = LoadedModel(model_path, n_ctx=2048, n_threads=max(threads), n_seq_max=1)
@@ -70,7 +64,7 @@ def measure(model_path: str, threads: list[int], gaps: list[float], busy: list[f
             base = None
             for gap in gaps:
                 for b in busy:
-                    s = _spread(_decodes(model, tokens, k, gap, b, n))
+                    s = p10_median_p90(_decodes(model, tokens, k, gap, b, n))
                     if base is None:
                         base = s["median"]
                     rows.append({"threads": t, "gap_ms": gap, "busy_before_us": b, **s,

@@ -35,7 +35,7 @@ from typing import Any
 
 import uvloop
 
-from tools.bench.common import percentile, result_json, write_run
+from tools.bench.common import p10_median_p90, result_json, write_run
 
 LOOP_WORK_US = 250  # the loop's Python between two steps (publishing, the streams' turn, the next batch)
 STEP_TAIL_US = 50  # the step's Python after its GIL-free part (sampling, events)
@@ -89,10 +89,6 @@ def _exchange(steps: int, work: bytes) -> dict[str, list[float]]:
     return out
 
 
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {name: round(percentile(xs, q), 1) for name, q in (("p10", 10), ("median", 50), ("p90", 90))}
-
-
 def _setting(name: str, steps: int, work: bytes) -> dict[str, Any]:
     cpus = sorted(os.sched_getaffinity(0))
     spinners: list[subprocess.Popen] = []
@@ -101,7 +97,7 @@ def _setting(name: str, steps: int, work: bytes) -> dict[str, Any]:
             os.sched_setaffinity(0, {cpus[0]})  # this thread; the worker inherits it when started
         elif name == "other_cpu_busy":
             spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in cpus[1:]]
-        return {k: _spread(v) for k, v in _exchange(steps, work).items()}
+        return {k: p10_median_p90(v) for k, v in _exchange(steps, work).items()}
     finally:
         os.sched_setaffinity(0, set(cpus))
         for p in spinners:

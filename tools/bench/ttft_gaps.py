@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tools.bench.common import (MODEL_HELP, git_commit, interleaved, machine_info, min_max_text,
-                                parse_against_llama_server, percentile, report_run, table_only)
+                                p10_median_p90, parse_against_llama_server, report_run, table_only)
 from tools.bench.llama_server import OpenAIServer, build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.vs_llama_server import chat_template_args, free_port, llama_argv, start
@@ -106,9 +106,8 @@ def summarize_gaps(samples: dict[str, dict[str, list[float]]], base: str = "llam
     out: dict[str, Any] = {}
     for gap, by_server in samples.items():
         ref = statistics.median(by_server[base])
-        out[gap] = {k: {"median": round(statistics.median(v), 3), "p10": round(percentile(v, 10), 3),
-                        "p90": round(percentile(v, 90), 3), "n": len(v),
-                        "ratio": round(statistics.median(v) / ref, 3)} for k, v in by_server.items()}
+        out[gap] = {k: {**p10_median_p90(v, 3), "n": len(v), "ratio": round(statistics.median(v) / ref, 3)}
+                    for k, v in by_server.items()}
     return out
 
 
