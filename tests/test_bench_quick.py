@@ -92,7 +92,7 @@ def test_vs_llama_server_without_a_build_says_how_to_build_it(tmp_path):
 
 def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     from tools.bench.common import Result
-    from tools.bench.vs_llama_server_figures import CONTROL, CONTROL_PREFIX, FIGURES, PAIRED, report
+    from tools.bench.vs_llama_server_figures import CONTROL, CONTROL_PREFIX, FIGURES, FLOOR_ROW, PAIRED, report
 
     def rnd(variant, i, scale):
         cpu = {"cores_busy": 1.5, "cpu_ms_per_token": 20.0 * scale, "main_thread_s": 1.0, "cpu_s": 10.0}
@@ -113,11 +113,13 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
 
     control = {"one": [{"pair": i, "llama-server": 40.0, CONTROL: 39.6 + 0.2 * i} for i in range(4)],
                "ttft": [{"pair": i, "llama-server": 4.0, CONTROL: 4.4} for i in range(4)]}
+    floor = {"hydra": {"rss_mib": 90.0}, "llama-server": {"rss_mib": 44.0}, "bare Python": {"rss_mib": 85.0}}
     report(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "chat_one": pairs(lambda i: 39.0, 40.0),
-                            "ttft": pairs(lambda i: 2.0 + i, 4.0), "cached": pairs(lambda i: 12.0, 10.0)}, control)
+                            "ttft": pairs(lambda i: 2.0 + i, 4.0), "cached": pairs(lambda i: 12.0, 10.0),
+                            "cold": pairs(lambda i: 95.0, 100.0)}, control, floor)
     rows = {r.metric: r for r in res.rows}
     assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
-    (_, one), (_, chat_one), (_, ttft), (_, cached) = PAIRED
+    (_, one), (_, chat_one), (_, ttft), (_, cached), (_, cold) = PAIRED
     paired = res.rows[len(FIGURES)]
     assert paired.metric == one[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
     assert res.summary[one[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
@@ -126,6 +128,7 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert rows[chat_one[1]].ok is False and res.summary[chat_one[0]]["ratios"] == [0.975] * 4
     assert rows[ttft[1]].ok is True and rows[ttft[1]].ratio == pytest.approx(3.5 / 4)  # medians: 3.5 ms vs 4
     assert rows[cached[1]].ok is False and res.summary[cached[0]]["ratios"] == [1.2] * 4
+    assert rows[cold[1]].ok is True and res.summary[cold[0]]["ratios"] == [0.95] * 4
     # the control's pairs follow the paired figures: no budget, their ratio is the host's spread
     c_one, c_ttft = res.rows[len(FIGURES) + len(PAIRED):len(FIGURES) + len(PAIRED) + 2]
     assert c_one.metric == CONTROL_PREFIX + one[1] and c_one.ok is None and not c_one.budget
@@ -140,6 +143,17 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert rows[FIGURES[4][1]].ok is True  # /slots p99 half of llama-server's
     assert rows[FIGURES[5][1]].ok is True  # the same RSS: within "≤ 1.1×"
     assert "0.50 (0.50–0.50) over 3 rounds" in four.note
+    # RSS over the bare Python server's: its own budget, llama-server's figure beside it
+    last = res.rows[-1]
+    assert last.metric == FLOOR_ROW and last.baseline_label == "bare Python" and last.ok is True
+    assert last.ratio == pytest.approx(90 / 85) and "llama-server 44.0 MiB (ours 2.05× it)" in last.note
+    assert res.summary["rss_floor"] == {"hydra": 90.0, "bare Python": 85.0, "llama-server": 44.0}
+    heavier = Result("vs-llama-server")
+    report(heavier, rounds, 3, {}, {}, {**floor, "hydra": {"rss_mib": 95.0}})
+    assert heavier.rows[-1].ok is False  # 1.12× the floor
+    older = Result("vs-llama-server")
+    report(older, rounds, 3, {}, {})
+    assert older.rows[-1].metric != FLOOR_ROW  # an older run without the floor: no row
     assert res.notes and "ended before max_tokens" in res.notes[0]
 
 

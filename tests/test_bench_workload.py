@@ -184,6 +184,24 @@ def test_the_bare_completion_floor_streams_what_a_completion_streams(tiny_model_
         srv.stop()
 
 
+@pytest.mark.asyncio
+async def test_the_rss_floor_serves_the_same_requests_on_ours_and_a_bare_python_server(tiny_model_path, session):
+    """vs-llama-server's floor: each server on a fresh process, the same requests (a long
+    document among them, its text from ours' tokenizer), then its RSS — the bare Python server
+    answers them all, so its figure is of the same work."""
+    from tools.bench.common import BenchContext
+    from tools.bench.models import model_set
+    from tools.bench.vs_llama_server import rss_floor
+    from tools.bench.vs_llama_server_figures import FLOOR, OURS
+
+    ctx = BenchContext(quick=True, models=model_set("tiny"), reps=1, threads=1)
+    floor = await asyncio.wait_for(rss_floor(ctx, session, "", tiny_model_path, 8, (OURS, FLOOR)), 100)
+    assert set(floor) == {OURS, FLOOR}
+    for side in floor.values():
+        assert side["rss_mib"] > 10 and side["peak_rss_mib"] >= side["rss_mib"]
+        assert side["rss_detail_mib"]["Rss"] > 0 and "Anonymous" in side["rss_detail_mib"]
+
+
 def test_the_idle_gap_bench_runs_ours_from_another_checkout(tiny_model_path):
     """``ttft_gaps --against TREE``: ours started from that tree (here this one), named by its
     commit, answers a streamed completion."""

@@ -31,7 +31,6 @@ import json
 from itertools import groupby
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -40,20 +39,18 @@ from tools.bench.common import (MODEL_HELP, git_commit, interleaved, machine_inf
                                 p10_median_p90, parse_against_llama_server, report_run, table_only)
 from tools.bench.llama_server import OpenAIServer, build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
-from tools.bench.vs_llama_server import chat_template_args, free_port, llama_argv, start
+from tools.bench.vs_llama_server import start
+from tools.bench.vs_llama_server_figures import FLOOR
 
 SERVERS = {"llama-server": ("llama-server", ()), "ours": ("ours", ()),
            "ours, loop normal": ("ours", ("--loop-priority", "normal"))}
-FLOOR = "bare Python"
 MAX_TOKENS = 4
 READ_TIMEOUT_S = 30.0
 
 
 def bare_server(model: str, threads: int) -> OpenAIServer:
     """:mod:`tools.bench.bare_completion` on the shared argv (it reads what it needs of it)."""
-    port = free_port()
-    return OpenAIServer([sys.executable, "-m", "tools.bench.bare_completion",
-                         *llama_argv(model, port, 4, threads, chat_template_args(model))], port, FLOOR)
+    return start(FLOOR, "", model, 4, threads)
 
 
 def first_token_ms(port: int, prompt: str) -> float:

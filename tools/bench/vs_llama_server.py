@@ -38,15 +38,19 @@ both servers in a round):
 After the rounds, **request by request**: both servers up at once (``-np 4``, each idle while
 the other serves), requests alternating (the order rotating every pair, the same prompt for
 both in a pair): ``PAIRS`` one-stream requests (decode tok/s), as many one-stream chats (decode
-tok/s through the chat template), ``TTFT_PAIRS`` short requests (time to first token), and
-``CACHED_PAIRS`` questions on a document each server already holds (time to first token with
-the prefix cached). A round lasts minutes and a 200-token request a
+tok/s through the chat template), ``TTFT_PAIRS`` short requests (time to first token),
+``COLD_PAIRS`` long prompts on documents neither server has seen (time to first token cold: one
+such prompt per round is too few for a figure of a few percent), and ``CACHED_PAIRS`` questions
+on a document each server already holds (time to first token with the prefix cached). A round lasts minutes and a 200-token request a
 few seconds; a host whose speed drifts between phases gives the rounds' figures whichever
 phase each round met, the pairs meet it together — and a round's time to first token is the
 median of three requests, a few milliseconds each on a small model, where one scheduling
 hiccup decides it: the pairs give dozens. Then the **control**: the same pairs between
 llama-server and a second llama-server process, whose ratios show how far two identical servers
-differ on this host (:mod:`tools.bench.vs_llama_server_figures`).
+differ on this host (:mod:`tools.bench.vs_llama_server_figures`). Last, **the floor**: ours,
+llama-server and a bare Python server on the same bindings (:mod:`tools.bench.bare_completion`)
+each serve the same few requests one at a time, and ours' RSS is given over the bare one's —
+on a small model most of ours' RSS is the interpreter's, which no Python server sheds.
 
 Every figure is reported as ours / llama-server's: the row's value and baseline are the
 medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
@@ -72,8 +76,8 @@ from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, compute_thread_counters,
                               concurrent, ferry_question, prompt_cache_phase, shared_document, story, strip,
                               while_polling_slots)
-from .vs_llama_server_figures import (BUDGETS, CONTROL, NAME, SLOTS, SLOTS_LOAD_POLL_S, SLOTS_MIN_ANSWERS,
-                                      SLOTS_WIDE, VARIANTS, report)
+from .vs_llama_server_figures import (BUDGETS, CONTROL, FLOOR, LABEL, NAME, OURS, SLOTS, SLOTS_LOAD_POLL_S,
+                                      SLOTS_MIN_ANSWERS, SLOTS_WIDE, VARIANTS, report)
 
 TEMPLATES = Path(__file__).parent / "templates"
 CTX = 8192
@@ -81,6 +85,9 @@ SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192
 PAIRS = 4  # one-stream requests, and as many chats, per server in the alternating phase (1 with --quick)
 TTFT_PAIRS = 40  # short requests per server there, for time to first token (4 with --quick)
 CACHED_PAIRS = 12  # questions per server on a cached document there (2 with --quick)
+COLD_PAIRS = 4  # long prompts per server there, each on a document neither server has seen (1 with --quick)
+FIRST_QUESTION = "Question: which town is first? Answer:"
+FLOOR_SHORT = 8  # short requests of the floor's workload
 TTFT_TOKENS = 4  # what the short requests ask for: their time to first token is the figure
 
 
@@ -128,7 +135,8 @@ def _argv_shown(threads: int, template: tuple[str, ...]) -> list[str]:
 def start(variant: str, binary: str, model: str, slots: int, threads: int,
           ours_adds: Sequence[str] = (), *, ctx: int = CTX, template: Sequence[str] | None = None,
           shared: Sequence[str] = (), root: Path = ROOT) -> OpenAIServer:
-    """One server on the shared argv; ours gets ``--rpc-port 0`` and ``ours_adds`` after it.
+    """One server on the shared argv (``variant``: one of ``VARIANTS``, ``CONTROL`` or ``FLOOR``);
+    ours gets ``--rpc-port 0`` and ``ours_adds`` after it.
     ``template``: the chat template arguments (default: :func:`chat_template_args`); ``shared``:
     more arguments both servers get; ``root``: the checkout ours runs from (another one: a
     change measured before and after)."""
@@ -137,6 +145,8 @@ def start(variant: str, binary: str, model: str, slots: int, threads: int,
             *shared]
     if variant in ("llama-server", CONTROL):
         return OpenAIServer([binary, *argv], port, "llama-server")
+    if variant == FLOOR:  # it reads the argv's model, port, threads and context, and ignores the rest
+        return OpenAIServer([sys.executable, "-m", "tools.bench.bare_completion", *argv], port, FLOOR, root=root)
     return OpenAIServer([sys.executable, "-m", "hydra_rpc.cli.llama_engine", *argv, "--rpc-port", "0", *ours_adds],
                         port, "hydra-llama-engine", root=root)
 
@@ -161,10 +171,11 @@ def rss_detail(pid: int) -> dict[str, float]:
     ``/proc/PID/smaps_rollup``, MiB."""
     out: dict[str, float] = {}
     try:
-        for line in open(f"/proc/{pid}/smaps_rollup"):
-            parts = line.split()
-            if len(parts) >= 2 and parts[0].rstrip(":") in ("Rss", "Anonymous", "Shared_Clean", "Private_Clean"):
-                out[parts[0].rstrip(":")] = round(int(parts[1]) / 1024, 1)
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0].rstrip(":") in ("Rss", "Anonymous", "Shared_Clean", "Private_Clean"):
+                    out[parts[0].rstrip(":")] = round(int(parts[1]) / 1024, 1)
     except (OSError, ValueError):
         pass
     if "Rss" in out and "Anonymous" in out:
@@ -199,13 +210,41 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
             http, servers[v].base, 950 + i, max_tokens), "decode_tok_s")
         ttft = await each_pair(ctx.pick(TTFT_PAIRS, 4), lambda v, i: completion(
             http, servers[v].base, f"A list of rivers, number {700 + i}:", TTFT_TOKENS), "ttft_ms")
-        docs = {v: await shared_document(http, srv.base, 600, ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4))
-                for v, srv in servers.items()}
+        limit, n_cold = ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4), ctx.pick(COLD_PAIRS, 1)
+        fresh = {v: [await shared_document(http, srv.base, 800 + i, limit) for i in range(n_cold)]
+                 for v, srv in servers.items()}
+        cold = await each_pair(n_cold, lambda v, i: completion(
+            http, servers[v].base, fresh[v][i] + FIRST_QUESTION, TTFT_TOKENS), "ttft_ms")
+        docs = {v: await shared_document(http, srv.base, 600, limit) for v, srv in servers.items()}
         for v, srv in servers.items():  # cold, not measured: the document is in a slot after it
-            await completion(http, srv.base, docs[v] + "Question: which town is first? Answer:", TTFT_TOKENS)
+            await completion(http, srv.base, docs[v] + FIRST_QUESTION, TTFT_TOKENS)
         cached = await each_pair(ctx.pick(CACHED_PAIRS, 2), lambda v, i: completion(
             http, servers[v].base, docs[v] + ferry_question(i, i % 12 + 1), TTFT_TOKENS), "ttft_ms")
-    return {"one": one, "chat_one": chat_one, "ttft": ttft, "cached": cached}
+    return {"one": one, "chat_one": chat_one, "ttft": ttft, "cached": cached, "cold": cold}
+
+
+async def rss_floor(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int,
+                    variants: Sequence[str] = (OURS, LABEL, FLOOR)) -> dict[str, dict[str, Any]]:
+    """Each server's RSS after the same requests, one server at a time on a fresh process:
+    ours, llama-server and a bare Python server on the same bindings (``FLOOR``: the
+    interpreter, the bindings and the model answering completions, nothing of a server). The
+    requests: a warm-up, one stream of ``max_tokens``, ``FLOOR_SHORT`` short ones, and a
+    document (its text from the first server's ``/tokenize``: the floor has none) asked three
+    questions."""
+    out: dict[str, dict[str, Any]] = {}
+    doc = ""
+    for variant in variants:
+        with start(variant, binary, model, SLOTS, ctx.threads) as srv:
+            doc = doc or await shared_document(http, srv.base, 500, ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4))
+            await completion(http, srv.base, "Warm up: the weather today is", 8)
+            await completion(http, srv.base, story(1000), max_tokens)
+            for i in range(FLOOR_SHORT):
+                await completion(http, srv.base, f"A list of rivers, number {1000 + i}:", TTFT_TOKENS)
+            for i in range(3):
+                await completion(http, srv.base, doc + ferry_question(i, i + 2), TTFT_TOKENS)
+            out[variant] = {"rss_mib": round((srv.rss_kib() or 0) / 1024, 1),
+                            "peak_rss_mib": round((srv.peak_kib() or 0) / 1024, 1), "rss_detail_mib": rss_detail(srv.pid)}
+    return out
 
 
 def slots_phase_tokens(max_tokens: int, four_s: float) -> int:
@@ -328,6 +367,9 @@ async def run(ctx: BenchContext) -> Result:
         print(f"hydra-rpc bench: {NAME}: the control, llama-server against a second llama-server", file=sys.stderr,
               flush=True)
         control = await paired(ctx, http, str(binary), model, max_tokens, ("llama-server", CONTROL))
-    res.samples = {"rounds": rounds, "pairs": pairs, "control": control}
-    report(res, rounds, ctx.reps, pairs, control)
+        print(f"hydra-rpc bench: {NAME}: RSS beside a bare Python server on the same bindings", file=sys.stderr,
+              flush=True)
+        floor = await rss_floor(ctx, http, str(binary), model, max_tokens)
+    res.samples = {"rounds": rounds, "pairs": pairs, "control": control, "floor": floor}
+    report(res, rounds, ctx.reps, pairs, control, floor)
     return res
