@@ -89,7 +89,8 @@ class BareServer:
     def prefill(self, tokens: list[int], sampler: Any) -> int:
         keep = min(common_prefix(self.held, tokens), len(tokens) - 1)
         self.model.seq_rm(0, keep, -1)
-        self.model.decode([BatchItem(0, tokens[keep:], keep)])
+        for at in range(keep, len(tokens), self.model.n_batch):  # a decode takes at most n_batch tokens
+            self.model.decode([BatchItem(0, tokens[at:at + self.model.n_batch], at)])
         self.held = list(tokens)
         return self.model.sample(0, sampler)
 
