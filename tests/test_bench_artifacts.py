@@ -115,7 +115,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-969389d", 21), ("vs-llama-server-tiny-a04a314", 21), ("kinds/tiny-hybrid-wide/vs-llama-server-f4e129f", 21),
     ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21), ("vs-llama-server-72633c1", 21),
     ("vs-llama-server-tiny-145dd16", 21), ("vs-llama-server-tiny-246eaa2", 21), ("vs-llama-server-246eaa2", 21),
-    ("vs-llama-server-bde2182", 21), ("vs-llama-server-tiny-af5ab6a", 21)])
+    ("vs-llama-server-bde2182", 21), ("vs-llama-server-tiny-af5ab6a", 21), ("vs-llama-server-tiny-05ca431", 24),
+    ("vs-llama-server-05ca431", 24)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -133,7 +134,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     of "Three runs on tiny-hybrid-wide", -tiny-72633c1 (and -b) those of "The floor under a first token", -72633c1 those of "Gemma 3
     270M at 72633c1", -tiny-145dd16 and -tiny-246eaa2 those of "On a slower host of the same kind", -246eaa2
     those of "Gemma 3 270M on the slower host", -bde2182 those of "Gemma 3 270M at bde2182, on the
-    slower host", -tiny-af5ab6a those of "Tiny-small at af5ab6a, on the slower host": the table built
+    slower host", -tiny-af5ab6a those of "Tiny-small at af5ab6a, on the slower host", -05ca431 and
+    -tiny-05ca431 those of "The long cold prompt paired, and the floor of RSS": the table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
@@ -144,7 +146,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
         runs.append(load_results(run_dir))
     assert len(runs) == 3
     rows = [line for line in combined_table(runs).splitlines() if line.startswith("| vs-llama-server |")]
-    assert len(rows) == n_rows  # every figure, the alternating pairs, the control's, scaling and CPU per token
+    assert len(rows) == n_rows  # every figure, the alternating pairs, the control's, scaling, CPU per token (and the floor)
     combined = (folder / "combined.md").read_text().splitlines()
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in combined] == []
@@ -167,7 +169,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b",
                                          "vs-llama-server-72633c1", "vs-llama-server-tiny-145dd16",
                                          "vs-llama-server-tiny-246eaa2", "vs-llama-server-246eaa2",
-                                         "vs-llama-server-bde2182", "vs-llama-server-tiny-af5ab6a"])
+                                         "vs-llama-server-bde2182", "vs-llama-server-tiny-af5ab6a",
+                                         "vs-llama-server-tiny-05ca431", "vs-llama-server-05ca431"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
@@ -177,7 +180,8 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
     assert len(samples) == 3
     table = pooled.markdown(pooled.pool(samples), 3).splitlines()
     rows = [line for line in table if line.startswith("| ") and not line.startswith("| figure |")]
-    assert len(rows) == 5  # four paired figures and /slots p99
+    with_cold = "cold" in samples[0]["pairs"]  # the long cold prompt paired too
+    assert len(rows) == (6 if with_cold else 5)  # four (or five) paired figures and /slots p99
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in page] == []
 
