@@ -41,16 +41,17 @@ both in a pair): ``PAIRS`` one-stream requests (decode tok/s), as many one-strea
 tok/s through the chat template), ``TTFT_PAIRS`` short requests (time to first token),
 ``COLD_PAIRS`` long prompts on documents neither server has seen (time to first token cold: one
 such prompt per round is too few for a figure of a few percent), and ``CACHED_PAIRS`` questions
-on a document each server already holds (time to first token with the prefix cached). A round lasts minutes and a 200-token request a
-few seconds; a host whose speed drifts between phases gives the rounds' figures whichever
-phase each round met, the pairs meet it together — and a round's time to first token is the
-median of three requests, a few milliseconds each on a small model, where one scheduling
-hiccup decides it: the pairs give dozens. Then the **control**: the same pairs between
-llama-server and a second llama-server process, whose ratios show how far two identical servers
-differ on this host (:mod:`tools.bench.vs_llama_server_figures`). Last, **the floor**: ours,
-llama-server and a bare Python server on the same bindings (:mod:`tools.bench.bare_completion`)
-each serve the same few requests one at a time, and ours' RSS is given over the bare one's —
-on a small model most of ours' RSS is the interpreter's, which no Python server sheds.
+on a document each server already holds (time to first token with the prefix cached). A round
+lasts minutes and a 200-token request a few seconds; a host whose speed drifts between phases
+gives the rounds' figures whichever phase each round met, the pairs meet it together — and a
+round's time to first token is the median of three requests, a few milliseconds each on a
+small model, where one scheduling hiccup decides it: the pairs give dozens. Then the
+**control**: the same pairs between llama-server and a second llama-server process, whose
+ratios show how far two identical servers differ on this host
+(:mod:`tools.bench.vs_llama_server_figures`). Last, **the floor**: ours, llama-server and a bare
+Python server on the same bindings (:mod:`tools.bench.bare_completion`) each serve the same few
+requests one at a time, and ours' RSS is given over the bare one's — on a small model most of
+ours' RSS is the interpreter's, which no Python server sheds.
 
 Every figure is reported as ours / llama-server's: the row's value and baseline are the
 medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
@@ -243,7 +244,8 @@ async def rss_floor(ctx: BenchContext, http: Any, binary: str, model: str, max_t
             for i in range(3):
                 await completion(http, srv.base, doc + ferry_question(i, i + 2), TTFT_TOKENS)
             out[variant] = {"rss_mib": round((srv.rss_kib() or 0) / 1024, 1),
-                            "peak_rss_mib": round((srv.peak_kib() or 0) / 1024, 1), "rss_detail_mib": rss_detail(srv.pid)}
+                            "peak_rss_mib": round((srv.peak_kib() or 0) / 1024, 1),
+                            "rss_detail_mib": rss_detail(srv.pid)}
     return out
 
 
