@@ -27,6 +27,7 @@ from engine.backend import BatchItem
 from engine.host_cache import common_prefix
 from engine.llama_backend.model import LoadedModel
 from engine.sampling import SamplerParams
+from tools.bench.common import decode_prompt
 
 HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
         b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
@@ -89,8 +90,7 @@ class BareServer:
     def prefill(self, tokens: list[int], sampler: Any) -> int:
         keep = min(common_prefix(self.held, tokens), len(tokens) - 1)
         self.model.seq_rm(0, keep, -1)
-        for at in range(keep, len(tokens), self.model.n_batch):  # a decode takes at most n_batch tokens
-            self.model.decode([BatchItem(0, tokens[at:at + self.model.n_batch], at)])
+        decode_prompt(self.model, 0, tokens[keep:], keep)
         self.held = list(tokens)
         return self.model.sample(0, sampler)
 

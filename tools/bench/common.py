@@ -73,6 +73,16 @@ def spread(values: Iterable[float | None]) -> dict[str, Any]:
     return {"median": _r(percentile(v, 50)), "min": _r(v[0]), "max": _r(v[-1]), "n": len(v)}
 
 
+def decode_prompt(model: Any, seq: int, tokens: list[int], pos0: int = 0) -> None:
+    """``tokens`` into sequence ``seq`` from position ``pos0``, in chunks of the model's
+    ``n_batch`` (one ``llama_decode`` takes no more), the last token's logits kept for sampling."""
+    from engine.backend import BatchItem
+
+    nb = model.n_batch
+    for at in range(0, len(tokens), nb):
+        model.decode([BatchItem(seq, tokens[at:at + nb], pos0 + at, at + nb >= len(tokens))])
+
+
 def p10_median_p90(values: Iterable[float], digits: int = 1) -> dict[str, float]:
     """A sample's median and 10th/90th percentiles, rounded: what the standalone benches report."""
     v = list(values)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, TypeVar
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from .common import BenchError, now, spread
 from .traffic import sse_events, steady_rate
 
@@ -172,11 +174,8 @@ async def compute_thread_counters(http: Any, base: str) -> dict[str, float] | No
         if r.status != 200:
             return None
         text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in COMPUTE_THREAD_COUNTERS:
-            out[COMPUTE_THREAD_COUNTERS[name]] = float(value)
+    out = {COMPUTE_THREAD_COUNTERS[m.name]: m.value for family in text_string_to_metric_families(text)
+           for m in family.samples if m.name in COMPUTE_THREAD_COUNTERS}
     return out or None
 
 

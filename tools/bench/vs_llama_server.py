@@ -211,7 +211,7 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
             http, servers[v].base, 950 + i, max_tokens), "decode_tok_s")
         ttft = await each_pair(ctx.pick(TTFT_PAIRS, 4), lambda v, i: completion(
             http, servers[v].base, f"A list of rivers, number {700 + i}:", TTFT_TOKENS), "ttft_ms")
-        limit, n_cold = ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4), ctx.pick(COLD_PAIRS, 1)
+        limit, n_cold = document_tokens(ctx), ctx.pick(COLD_PAIRS, 1)
         fresh = {v: [await shared_document(http, srv.base, 800 + i, limit) for i in range(n_cold)]
                  for v, srv in servers.items()}
         cold = await each_pair(n_cold, lambda v, i: completion(
@@ -236,17 +236,26 @@ async def rss_floor(ctx: BenchContext, http: Any, binary: str, model: str, max_t
     doc = ""
     for variant in variants:
         with start(variant, binary, model, SLOTS, ctx.threads) as srv:
-            doc = doc or await shared_document(http, srv.base, 500, ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4))
+            doc = doc or await shared_document(http, srv.base, 500, document_tokens(ctx))
             await completion(http, srv.base, "Warm up: the weather today is", 8)
             await completion(http, srv.base, story(1000), max_tokens)
             for i in range(FLOOR_SHORT):
                 await completion(http, srv.base, f"A list of rivers, number {1000 + i}:", TTFT_TOKENS)
             for i in range(3):
                 await completion(http, srv.base, doc + ferry_question(i, i + 2), TTFT_TOKENS)
-            out[variant] = {"rss_mib": round((srv.rss_kib() or 0) / 1024, 1),
-                            "peak_rss_mib": round((srv.peak_kib() or 0) / 1024, 1),
-                            "rss_detail_mib": rss_detail(srv.pid)}
+            out[variant] = memory(srv)
     return out
+
+
+def document_tokens(ctx: BenchContext) -> int:
+    """The long documents' size (by the server's tokenizer): ``PREFIX_TOKENS``, a quarter with --quick."""
+    return ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4)
+
+
+def memory(srv: OpenAIServer) -> dict[str, Any]:
+    """A server's RSS now, its peak, and the RSS split into anonymous memory and file pages (MiB)."""
+    return {"rss_mib": round((srv.rss_kib() or 0) / 1024, 1), "peak_rss_mib": round((srv.peak_kib() or 0) / 1024, 1),
+            "rss_detail_mib": rss_detail(srv.pid)}
 
 
 def slots_phase_tokens(max_tokens: int, four_s: float) -> int:
@@ -297,10 +306,8 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
         if threads_before and threads_after:  # ours: how long the phase stepped on fewer compute threads
             out["cpu_four"]["compute_threads"] = {k: round(threads_after[k] - threads_before.get(k, 0.0), 3)
                                                   for k in threads_after}
-        out["rss_mib"] = round((srv.rss_kib() or 0) / 1024, 1)
-        out["peak_rss_mib"] = round((srv.peak_kib() or 0) / 1024, 1)
-        out["rss_detail_mib"] = rss_detail(srv.pid)
-        cache = await prompt_cache_phase(http, srv.base, base_n, ctx.pick(PREFIX_TOKENS, PREFIX_TOKENS // 4))
+        out.update(memory(srv))
+        cache = await prompt_cache_phase(http, srv.base, base_n, document_tokens(ctx))
         chat_one = await chat(http, srv.base, base_n + 30, max_tokens)
         chat_short = [await chat(http, srv.base, base_n + 40 + i, 8) for i in range(2)]
         chat_four = await concurrent(http, srv.base, list(range(base_n + 31, base_n + 31 + SLOTS)), max_tokens,

@@ -176,10 +176,10 @@ def rss_floor_row(res: Result, s: dict[str, Any], floor: dict[str, dict[str, Any
     """Ours' RSS over a bare Python server's on the same bindings after the same requests: on a
     small model RSS is mostly the interpreter's, which no Python server sheds, so "≤ 1.1×
     llama-server" cannot be met there and this budget says how much ours holds above that floor."""
-    ours, bare, theirs = (floor[v]["rss_mib"] for v in (OURS, FLOOR, LABEL))
+    s["rss_floor"] = {v: floor[v]["rss_mib"] for v in (OURS, FLOOR, LABEL)}
+    ours, bare, theirs = s["rss_floor"].values()
     text, limit, kind = BUDGETS["rss_floor"]
     q = ratio(ours, bare)
-    s["rss_floor"] = {v: floor[v]["rss_mib"] for v in (OURS, FLOOR, LABEL)}
     note = f"llama-server {theirs} MiB (ours {ratio(ours, theirs):.2f}× it)" if theirs else ""
     res.rows.append(Row(FLOOR_ROW, ours, "MiB", bare, FLOOR, text, None if q is None else q <= limit, note,
                         limit=limit, on="ratio", kind=kind))

@@ -37,14 +37,12 @@ def greedy_decode(model, tokens: list[int], n_predict: int, seq: int = 0,
     harness computes it for streamed pieces (first to last token).
     """
     from engine.llama_backend import BatchItem, SamplerParams
+    from tools.bench.common import decode_prompt
 
     sampler = model.make_sampler(SamplerParams(temperature=0))
     t_start = time.perf_counter()
-    pos, nb = 0, model.n_batch
-    for i in range(0, len(tokens), nb):
-        chunk = tokens[i:i + nb]
-        model.decode([BatchItem(seq, chunk, pos, i + nb >= len(tokens))])
-        pos += len(chunk)
+    decode_prompt(model, seq, tokens)
+    pos = len(tokens)
     times: list[float] = []
     tok = sampler.sample(model, seq)
     times.append(time.perf_counter())
