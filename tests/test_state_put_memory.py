@@ -107,6 +107,8 @@ async def test_refused_concurrent_state_puts_give_their_buffers_back_without_the
         try:
             job = app.engine.submit(GenRequest(0, prompt="busy", n_predict=4000))
             await until(lambda: app.engine.snapshot(0).job_id == job.id, "slot 0 generating")
+            # paused as if its client stopped reading: slot 0 stays busy however fast the host decodes
+            job.set_client_blocked(True)
             host, port = app.address
             holder, *others = [await HydraClient.connect(host, port) for _ in range(5)]
             frame = encode_request(Op.STATE_PUT, b"0", b"\x03" + bytes(PUT_SIZE - 1))
