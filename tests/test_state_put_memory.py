@@ -104,13 +104,15 @@ async def test_refused_concurrent_state_puts_give_their_buffers_back_without_the
     async with in_process_app(tiny_model_path) as app:
         gc.collect()
         gc.disable()
+        clients: list[HydraClient] = []
         try:
             job = app.engine.submit(GenRequest(0, prompt="busy", n_predict=4000))
             await until(lambda: app.engine.snapshot(0).job_id == job.id, "slot 0 generating")
             # paused as if its client stopped reading: slot 0 stays busy however fast the host decodes
             job.set_client_blocked(True)
             host, port = app.address
-            holder, *others = [await HydraClient.connect(host, port) for _ in range(5)]
+            clients += [await HydraClient.connect(host, port) for _ in range(5)]
+            holder, *others = clients
             frame = encode_request(Op.STATE_PUT, b"0", b"\x03" + bytes(PUT_SIZE - 1))
             await holder.send_raw(frame[:PUT_SIZE // 2])
             await until(lambda: tracked.alive == 1, "the resident buffer leased")
@@ -125,12 +127,14 @@ async def test_refused_concurrent_state_puts_give_their_buffers_back_without_the
             await until(lambda: tracked.alive == 1, "the refused transfers' own buffers freed")
             await holder.send_raw(frame[PUT_SIZE // 2:])
             assert (await asyncio.wait_for(holder.read_response(), 30)).status == Status.BUSY
-            for c in (holder, *others):
+            for c in clients:
                 await c.close()
             job.cancel()
             assert tracked.alive == 1  # the resident one: kept for the next transfer
         finally:
             gc.enable()
+            for c in clients:  # after a failure too: an unclosed transport fails the next test's setup
+                await c.close()
 
 
 @pytest.mark.asyncio

@@ -6,7 +6,8 @@ the floor under its time to first token (a server of :mod:`tools.bench.ttft_gaps
 uvloop; an ``asyncio.Protocol`` reading requests with httptools (llhttp, as this server's
 codec does); the body through ``json``; the prompt tokenized on the loop; decoded and sampled on
 one inference thread reached as the engine reaches its own (a queue in, ``call_soon_threadsafe``
-back); the common prefix with the previous prompt kept in the KV cache, as both servers keep it;
+back); the common prefix with the previous prompt kept in the KV cache, as both servers keep it
+(a recurrent model's state, which cannot be cut back, computed again from the start);
 llama-server's default sampler chain made per request; each token as one SSE chunk of a chunked
 body. One sequence, one request at a time: no validation, slots, snapshots, metrics or logs —
 not a server, a floor. ``GET`` answers 200 (the benches' readiness probe).
@@ -47,7 +48,11 @@ class InferenceThread:
     def _work(self) -> None:
         while True:
             done, fn, args = self.jobs.get()
-            self.loop.call_soon_threadsafe(done, fn(*args))
+            try:
+                result = fn(*args)
+            except Exception as e:  # the request fails; the thread goes on to the next one
+                result = e
+            self.loop.call_soon_threadsafe(done, result)
 
 
 class Completion:
@@ -62,7 +67,13 @@ class Completion:
         self.sampler = server.model.make_sampler(SamplerParams())  # llama-server's defaults
         server.infer.call(self.token, server.prefill, tokens, self.sampler)
 
-    def token(self, tok: int) -> None:
+    def token(self, tok: int | Exception) -> None:
+        if isinstance(tok, Exception):  # a bench waiting on this stream sees it end, not a hang
+            self.transport.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n" if not self.head_sent else b"")
+            self.transport.close()
+            self.sampler.free()
+            return
         piece = self.server.model.token_to_piece(tok).decode("utf-8", "replace")
         event = {"id": self.cid, "object": "text_completion", "created": self.created, "model": "m",
                  "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]}
@@ -89,7 +100,10 @@ class BareServer:
     # ---- inference thread
     def prefill(self, tokens: list[int], sampler: Any) -> int:
         keep = min(common_prefix(self.held, tokens), len(tokens) - 1)
-        self.model.seq_rm(0, keep, -1)
+        if not self.model.seq_rm(0, keep, -1):  # a recurrent state cannot be cut back: start over
+            self.model.seq_rm(0, -1, -1)
+            keep = 0
+        self.held = tokens[:keep]
         decode_prompt(self.model, 0, tokens[keep:], keep)
         self.held = list(tokens)
         return self.model.sample(0, sampler)
