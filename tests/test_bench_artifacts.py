@@ -116,7 +116,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-tiny-72633c1", 21), ("vs-llama-server-tiny-72633c1-b", 21), ("vs-llama-server-72633c1", 21),
     ("vs-llama-server-tiny-145dd16", 21), ("vs-llama-server-tiny-246eaa2", 21), ("vs-llama-server-246eaa2", 21),
     ("vs-llama-server-bde2182", 21), ("vs-llama-server-tiny-af5ab6a", 21), ("vs-llama-server-tiny-05ca431", 24),
-    ("vs-llama-server-05ca431", 24)])
+    ("vs-llama-server-05ca431", 24), ("kinds/tiny-moe/vs-llama-server-b4eae21", 24),
+    ("kinds/tiny-moe/vs-llama-server-b4eae21-b", 24)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -135,7 +136,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     270M at 72633c1", -tiny-145dd16 and -tiny-246eaa2 those of "On a slower host of the same kind", -246eaa2
     those of "Gemma 3 270M on the slower host", -bde2182 those of "Gemma 3 270M at bde2182, on the
     slower host", -tiny-af5ab6a those of "Tiny-small at af5ab6a, on the slower host", -05ca431 and
-    -tiny-05ca431 those of "The long cold prompt paired, and the floor of RSS": the table built
+    -tiny-05ca431 those of "The long cold prompt paired, and the floor of RSS", kinds/tiny-moe/…-b4eae21
+    (and -b) those of "The fleet's kind again: tiny-moe at b4eae21": the table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
@@ -187,17 +189,19 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
 
 
 @pytest.mark.parametrize("folders", [("vs-llama-server-tiny-72633c1", "vs-llama-server-tiny-72633c1-b"),
-                                     ("vs-llama-server-tiny-145dd16", "vs-llama-server-tiny-246eaa2")])
+                                     ("vs-llama-server-tiny-145dd16", "vs-llama-server-tiny-246eaa2"),
+                                     ("kinds/tiny-moe/vs-llama-server-b4eae21",
+                                      "kinds/tiny-moe/vs-llama-server-b4eae21-b")])
 def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
-    """"The floor under a first token" and "On a slower host of the same kind" pool two sets of
-    three runs each: ``tools/bench/pooled.py`` on both, row for row."""
+    """"The floor under a first token", "On a slower host of the same kind" and "The fleet's kind
+    again" pool two sets of three runs each: ``tools/bench/pooled.py`` on both, row for row."""
     from tools.bench import pooled
 
     samples = pooled.load([DOCS_RUNS / f for f in folders])
     assert len(samples) == 6
     table = pooled.markdown(pooled.pool(samples), 6).splitlines()
     rows = [line for line in table if line.startswith("| ") and not line.startswith("| figure |")]
-    assert len(rows) == 5
+    assert len(rows) == (6 if "cold" in samples[0]["pairs"] else 5)  # the long cold prompt paired too
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in page] == []
 
