@@ -15,6 +15,7 @@ from .sampling import SamplerParams
 if TYPE_CHECKING:
     import numpy as np
 
+    from .buffers import Buffer
     from .chat.formats import ChatFormat
     from .kv_cache import KvCacheInfo
     from .model_params import ModelParams
@@ -123,11 +124,11 @@ class ModelBackend(Protocol):
     def state_seq_get(self, seq: int) -> bytes | memoryview: ...
     def state_seq_get_into(self, seq: int, buf: bytearray | memoryview) -> int: ...
     def state_seq_set(self, seq: int, data: bytes | bytearray | memoryview) -> int: ...
-    def checkpoint_get(self, seq: int, reuse: bytearray | None = None) -> bytes | bytearray:
+    def checkpoint_get(self, seq: int, reuse: Buffer | None = None) -> bytes | Buffer | memoryview:
         """The part of ``seq``'s state that cannot be cut back (the recurrent state, the window
         cache): llama.cpp's ``PARTIAL_ONLY`` capture, what a context checkpoint keeps. Written
         into ``reuse`` (a dropped checkpoint's buffer) when it is large enough."""
-    def checkpoint_set(self, seq: int, data: bytes | bytearray) -> bool:
+    def checkpoint_set(self, seq: int, data: bytes | Buffer | memoryview) -> bool:
         """Load a :meth:`checkpoint_get` capture into ``seq`` (its other cells stay); False when
         llama.cpp refuses it."""
 

@@ -31,6 +31,7 @@ slot's state is replaced from outside (STATE_PUT, erase) or the model changes.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 from .backend import ModelBackend
@@ -45,7 +46,7 @@ SPARE_PER_SLOT = 2
 @dataclass
 class Checkpoint:
     tokens: list[int]  # the prefix the state is at: positions [0, len)
-    state: bytes | bytearray
+    state: bytes | bytearray | mmap.mmap | memoryview
 
     @property
     def n(self) -> int:
@@ -59,7 +60,7 @@ class Checkpoints:
     max_per_slot: int = 32  # llama-server's default n_ctx_checkpoints
     min_step: int = 8192  # llama-server's checkpoint_min_step
     per_slot: dict[int, list[Checkpoint]] = field(default_factory=dict)
-    spare: dict[int, list[bytearray]] = field(default_factory=dict)  # dropped ones' buffers, per slot
+    spare: dict[int, list[bytearray | mmap.mmap]] = field(default_factory=dict)  # dropped ones' buffers, per slot
     created: int = 0
     restored: int = 0
 
@@ -158,8 +159,9 @@ class Checkpoints:
         _remove(kept, dropped)
         spare = self.spare.setdefault(seq, [])
         for c in dropped:
-            if len(spare) < SPARE_PER_SLOT and isinstance(c.state, bytearray):
-                spare.append(c.state)
+            buf = c.state.obj if isinstance(c.state, memoryview) else c.state  # a mapping's capture is a view of it
+            if len(spare) < SPARE_PER_SLOT and isinstance(buf, (bytearray, mmap.mmap)):
+                spare.append(buf)
 
     # read from the event loop while the inference thread changes them: copy first (atomic
     # under the GIL), never iterate a live dict

@@ -22,6 +22,7 @@ from typing import Sequence
 from codec.errors import CodecError
 from codec.slotfile import HEAD_SIZE, encode_slot_file_head, parse_slot_file_head
 
+from .buffers import Buffer, lazy_buffer
 from .checkpoints import Checkpoint
 
 
@@ -46,13 +47,13 @@ class DiskTier:
             raise
         return paths
 
-    def read(self, path: Path, n_tokens: int, *, mapped: bool = False) -> bytearray | memoryview:
+    def read(self, path: Path, n_tokens: int, *, mapped: bool = False) -> Buffer | memoryview:
         """The state in a file this tier wrote (its header is checked all the same).
 
         ``mapped``: a view of the file mapped copy-on-write, for a state that is loaded into a
         slot once and dropped. llama.cpp then reads the page cache in place: a read into a new
         buffer would first copy it all and fault every page in (200 MiB: ~110 ms against ~12).
-        The view outlives the file's removal. Otherwise a bytearray of its own, for a
+        The view outlives the file's removal. Otherwise a buffer of its own, for a
         checkpoint a slot keeps (it does not hold on to a removed file, and can become a spare
         buffer)."""
         with open(path, "rb") as f:
@@ -66,7 +67,7 @@ class DiskTier:
                 return bytearray()
             if mapped:
                 return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))[start:]
-            out = bytearray(size - start)
+            out = lazy_buffer(size - start)  # the pages faulted in by readinto, the GIL released
             f.seek(start)
             if f.readinto(out) != len(out):
                 raise OSError(f"{path.name}: cut short while being read")

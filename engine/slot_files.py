@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from codec.errors import CodecError
 from codec.slotfile import HEAD_SIZE, encode_slot_file_head, parse_slot_file_head, parse_tokens
 
+from .buffers import Buffer, lazy_buffer
 from .jobs import BadInput, EngineBusy, EngineUnavailable
 
 if TYPE_CHECKING:
@@ -123,11 +124,11 @@ def _write(path: Path, tokens: list[int], state: memoryview) -> int:
     return len(head) + len(state)
 
 
-def _read(path: Path, max_tokens: int) -> tuple[list[int], bytearray, int]:
+def _read(path: Path, max_tokens: int) -> tuple[list[int], Buffer, int]:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         n_tok = parse_slot_file_head(f.read(HEAD_SIZE), size, max_tokens)
         tokens = parse_tokens(f.read(4 * n_tok), n_tok)
-        state = bytearray(size - HEAD_SIZE - 4 * n_tok)
+        state = lazy_buffer(size - HEAD_SIZE - 4 * n_tok)  # the pages faulted in by readinto, the GIL released
         f.readinto(state)
     return tokens, state, size

@@ -50,6 +50,34 @@ def test_a_capture_into_a_dropped_checkpoints_buffer_is_that_buffer_and_restores
     assert generate(m, 0, len(prompt), 6) == reference
 
 
+def test_a_large_capture_goes_into_memory_its_copy_faults_in_and_restores(hybrid: LoadedModel, monkeypatch):
+    """A checkpoint of a large recurrent state (63 MB on the fleet's model) goes into a lazily
+    committed mapping, not a bytearray: a bytearray's zero-filling holds the GIL for ~23 ms and
+    the event loop answers nothing meanwhile, where the mapping's pages are faulted in by
+    llama.cpp's copy with the GIL released. Here every capture is "large": the same bytes as a
+    small one, restored from, and the mapping reused as a dropped checkpoint's buffer."""
+    import mmap
+
+    from engine import buffers
+
+    m = hybrid
+    m.clear_all()
+    prompt = m.tokenize("The quick brown fox jumps over the lazy dog, and the river runs to the sea.")
+    head, tail = prompt[:-4], prompt[-4:]
+    m.decode([BatchItem(0, head, 0)])
+    small = m.checkpoint_get(0)
+    monkeypatch.setattr(buffers, "LAZY_MIN", 0)
+    large = m.checkpoint_get(0)
+    assert isinstance(large, mmap.mmap) and large[:] == bytes(small)
+    assert m.checkpoint_get(0, large) is large  # a spare mapping is written in place
+    m.decode([BatchItem(0, tail, len(head), True)])
+    reference = generate(m, 0, len(prompt), 6)
+
+    assert m.checkpoint_set(0, large) and m.seq_rm(0, len(head), -1)
+    m.decode([BatchItem(0, tail, len(head), True)])
+    assert generate(m, 0, len(prompt), 6) == reference
+
+
 def test_the_checkpoint_copy_bench_measures_a_real_capture():
     from tools.bench.checkpoint_copy import FIGURES, measure, runs_table
 

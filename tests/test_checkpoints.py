@@ -23,6 +23,8 @@ class Recording:
         self.taken.append(seq)
         self.offered.append(reuse)
         state = self.state_of.get(seq, b"state-%d" % len(self.taken))
+        if not isinstance(state, bytes):
+            return state  # a given buffer (a mapping, a view of one): handed back as LoadedModel does
         if reuse is not None and len(reuse) >= len(state):  # as LoadedModel: written into it
             reuse[:] = state
             return reuse
@@ -158,6 +160,21 @@ def test_a_dropped_checkpoints_buffer_takes_the_next_one():
     assert 0 not in ck.spare and ck.n_bytes() == len(b"state-4")
     ck.forget()
     assert ck.spare == {} and ck.n_bytes() == 0
+
+
+def test_a_dropped_mapping_or_a_view_of_one_is_a_spare_too():
+    """Large captures live in lazily committed mappings (engine.buffers.lazy_buffer), written
+    whole or seen through a view of what was written: either way the mapping is what the next
+    capture reuses; a ``bytes`` state (read back from elsewhere) is no buffer to write into."""
+    import mmap
+
+    ck, model = Checkpoints(max_per_slot=3, min_step=0), Recording()
+    whole, cut = mmap.mmap(-1, 64), mmap.mmap(-1, 64)
+    for n, state in ((10, whole), (20, memoryview(cut)[:10]), (30, b"read back")):
+        model.state_of[0] = state
+        fill(ck, model, [n])
+    ck.prune(0, [5] * 40)  # a new prompt shares nothing: all three go
+    assert len(ck.spare[0]) == 2 and ck.spare[0][0] is whole and ck.spare[0][1] is cut
 
 
 def test_handed_over_checkpoints_leave_no_spares_and_adopted_ones_join_in_order():

@@ -17,6 +17,7 @@ import numpy as np
 import llama_cpp.llama_cpp as L
 
 from ..backend import BatchItem
+from ..buffers import Buffer
 from ..kv_cache import KvCacheInfo
 from ..sampling import SamplerParams
 from . import seq_state
@@ -421,14 +422,14 @@ class LoadedModel(ModelText):
         seq = self._check_seq(seq)
         return seq_state.get_into(self._ctx_handle(), seq, buf)
 
-    def checkpoint_get(self, seq: int, reuse: bytearray | None = None) -> bytearray:
+    def checkpoint_get(self, seq: int, reuse: Buffer | None = None) -> Buffer | memoryview:
         """``seq``'s partial state (``PARTIAL_ONLY``: the recurrent part of a hybrid memory, the
         window part of an iSWA cache): a context checkpoint, as llama-server takes them; written
         into ``reuse`` when it is large enough."""
         seq = self._check_seq(seq)
         return seq_state.get_partial(self._ctx_handle(), seq, reuse)
 
-    def checkpoint_set(self, seq: int, data: bytes | bytearray) -> bool:
+    def checkpoint_set(self, seq: int, data: bytes | Buffer | memoryview) -> bool:
         """Load a :meth:`checkpoint_get` capture into ``seq``; the cells it does not cover stay."""
         seq = self._check_seq(seq)
         self._logit_idx.pop(seq, None)

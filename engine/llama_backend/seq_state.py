@@ -12,6 +12,7 @@ from typing import Any
 
 import llama_cpp.llama_cpp as L
 
+from ..buffers import Buffer, lazy_buffer
 from .runtime import StateError, clear_llama_errors, last_llama_errors
 
 _PARTIAL = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -35,21 +36,27 @@ def get_into(ctx: Any, seq: int, buf: bytearray | memoryview) -> int:
     return int(L.llama_state_seq_get_data(ctx, dst, len(mv), seq))
 
 
-def get_partial(ctx: Any, seq: int, reuse: bytearray | None = None) -> bytearray:
+def get_partial(ctx: Any, seq: int, reuse: Buffer | None = None) -> Buffer | memoryview:
     """``seq``'s ``PARTIAL_ONLY`` state (what a context checkpoint keeps), written by llama.cpp
     into the buffer that is kept: ``reuse`` when it is large enough (a dropped checkpoint's), else
     a new one. A large hybrid's recurrent state is tens of MiB, taken with every prompt, and most
-    of a new buffer's cost is the kernel handing out its pages (docs/performance.md)."""
+    of a new buffer's cost is the kernel handing out its pages (docs/performance.md): a new one
+    is a :func:`engine.buffers.lazy_buffer`, whose pages llama.cpp's copy faults in with the GIL
+    released, so the event loop goes on answering meanwhile."""
     n_max = int(L.llama_state_seq_get_size_ext(ctx, seq, _PARTIAL))
-    out = reuse if reuse is not None and len(reuse) >= n_max > 0 else bytearray(max(n_max, 1))
+    out = reuse if reuse is not None and len(reuse) >= n_max > 0 else lazy_buffer(max(n_max, 1))
     dst = (ctypes.c_uint8 * len(out)).from_buffer(out)
     n = int(L.llama_state_seq_get_data_ext(ctx, dst, n_max, seq, _PARTIAL))
     del dst  # ends the export: the buffer can be cut to the bytes written
-    del out[n:]
-    return out
+    if n == len(out):
+        return out
+    if isinstance(out, bytearray):
+        del out[n:]
+        return out
+    return memoryview(out)[:n]  # a mapping is not cut: the view is what was written
 
 
-def set_partial(ctx: Any, seq: int, data: bytes | bytearray) -> bool:
+def set_partial(ctx: Any, seq: int, data: bytes | Buffer | memoryview) -> bool:
     src, n_bytes = _source(data)
     clear_llama_errors()
     return n_bytes > 0 and int(L.llama_state_seq_set_data_ext(ctx, src, n_bytes, seq, _PARTIAL)) > 0
