@@ -78,6 +78,23 @@ def test_a_large_capture_goes_into_memory_its_copy_faults_in_and_restores(hybrid
     assert generate(m, 0, len(prompt), 6) == reference
 
 
+def test_a_large_state_capture_is_a_view_of_a_mapping_and_restores(hybrid: LoadedModel, monkeypatch):
+    """A whole sequence's state (a PREFILL's reply) goes into a mapping from 1 MiB up as well,
+    not a zeroed ctypes array, for the same reason; here every capture is "large"."""
+    import mmap
+
+    from engine import buffers
+
+    m = hybrid
+    m.clear_all()
+    m.decode([BatchItem(0, m.tokenize("The river runs to the sea, past three towns and a mill."), 0)])
+    small = bytes(m.state_seq_get(0))
+    monkeypatch.setattr(buffers, "LAZY_MIN", 0)
+    large = m.state_seq_get(0)
+    assert isinstance(large.obj, mmap.mmap) and large.readonly and bytes(large) == small
+    assert m.state_seq_set(1, large) == len(small)  # read in place from the mapping
+
+
 def test_the_checkpoint_copy_bench_measures_a_real_capture():
     from tools.bench.checkpoint_copy import FIGURES, measure, runs_table
 

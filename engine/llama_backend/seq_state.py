@@ -23,11 +23,15 @@ def size(ctx: Any, seq: int) -> int:
 
 
 def get(ctx: Any, seq: int) -> memoryview:
-    """A read-only view of the one buffer llama.cpp wrote ``seq``'s state into."""
+    """A read-only view of the one buffer llama.cpp wrote ``seq``'s state into: a
+    :func:`engine.buffers.lazy_buffer`, whose pages the copy faults in with the GIL released (a
+    zeroed ctypes array of the fleet model's state held it ~22 ms)."""
     n_max = int(L.llama_state_seq_get_size(ctx, seq))
-    buf = (ctypes.c_uint8 * max(n_max, 1))()
-    n = int(L.llama_state_seq_get_data(ctx, buf, n_max, seq))
-    return memoryview(buf).cast("B")[:n].toreadonly()
+    buf = lazy_buffer(max(n_max, 1))
+    dst = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
+    n = int(L.llama_state_seq_get_data(ctx, dst, n_max, seq))
+    del dst
+    return memoryview(buf)[:n].toreadonly()
 
 
 def get_into(ctx: Any, seq: int, buf: bytearray | memoryview) -> int:
