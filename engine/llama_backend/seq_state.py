@@ -26,15 +26,11 @@ def get(ctx: Any, seq: int) -> memoryview:
     """A read-only view of the one buffer llama.cpp wrote ``seq``'s state into: a
     :func:`engine.buffers.lazy_buffer`, whose pages the copy faults in with the GIL released (a
     zeroed ctypes array of the fleet model's state held it ~22 ms)."""
-    n_max = int(L.llama_state_seq_get_size(ctx, seq))
-    buf = lazy_buffer(max(n_max, 1))
-    dst = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
-    n = int(L.llama_state_seq_get_data(ctx, dst, n_max, seq))
-    del dst
-    return memoryview(buf)[:n].toreadonly()
+    buf = lazy_buffer(max(int(L.llama_state_seq_get_size(ctx, seq)), 1))
+    return memoryview(buf)[:get_into(ctx, seq, buf)].toreadonly()
 
 
-def get_into(ctx: Any, seq: int, buf: bytearray | memoryview) -> int:
+def get_into(ctx: Any, seq: int, buf: Buffer | memoryview) -> int:
     mv = memoryview(buf).cast("B")
     dst = (ctypes.c_uint8 * len(mv)).from_buffer(mv)
     return int(L.llama_state_seq_get_data(ctx, dst, len(mv), seq))
@@ -52,12 +48,10 @@ def get_partial(ctx: Any, seq: int, reuse: Buffer | None = None) -> Buffer | mem
     dst = (ctypes.c_uint8 * len(out)).from_buffer(out)
     n = int(L.llama_state_seq_get_data_ext(ctx, dst, n_max, seq, _PARTIAL))
     del dst  # ends the export: the buffer can be cut to the bytes written
-    if n == len(out):
-        return out
     if isinstance(out, bytearray):
         del out[n:]
         return out
-    return memoryview(out)[:n]  # a mapping is not cut: the view is what was written
+    return out if n == len(out) else memoryview(out)[:n]  # a mapping is not cut: a view of what was written
 
 
 def set_partial(ctx: Any, seq: int, data: bytes | Buffer | memoryview) -> bool:

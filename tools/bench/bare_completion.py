@@ -69,8 +69,9 @@ class Completion:
 
     def token(self, tok: int | Exception) -> None:
         if isinstance(tok, Exception):  # a bench waiting on this stream sees it end, not a hang
-            self.transport.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
-                                 b"Connection: close\r\n\r\n" if not self.head_sent else b"")
+            if not self.head_sent:
+                self.transport.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\n\r\n")
             self.transport.close()
             self.sampler.free()
             return
@@ -103,7 +104,7 @@ class BareServer:
         if not self.model.seq_rm(0, keep, -1):  # a recurrent state cannot be cut back: start over
             self.model.seq_rm(0, -1, -1)
             keep = 0
-        self.held = tokens[:keep]
+        self.held = tokens[:keep]  # what the sequence surely holds should the decode fail
         decode_prompt(self.model, 0, tokens[keep:], keep)
         self.held = list(tokens)
         return self.model.sample(0, sampler)
