@@ -35,6 +35,15 @@ def lazy_buffer(n: int) -> Buffer:
     return mmap.mmap(-1, n, flags=flags)
 
 
+def release_tail(buf: mmap.mmap, n: int) -> None:
+    """Give the pages of ``buf`` past its first ``n`` bytes back to the system (they read as
+    zeros if touched again). A reused mapping keeps every page an earlier, larger write
+    touched, and the byte counts that judge what fits see only the ``n`` bytes in use."""
+    start = -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+    if start < len(buf) and hasattr(mmap, "MADV_DONTNEED"):
+        buf.madvise(mmap.MADV_DONTNEED, start, len(buf) - start)
+
+
 class LeasedBuffer:
     def __init__(self, make: Callable[[int], Buffer] = lazy_buffer, keep_max: int = 8 << 30,
                  idle_keep: int = 64 << 20, idle_after: float = 10.0):

@@ -130,5 +130,6 @@ def _read(path: Path, max_tokens: int) -> tuple[list[int], Buffer, int]:
         n_tok = parse_slot_file_head(f.read(HEAD_SIZE), size, max_tokens)
         tokens = parse_tokens(f.read(4 * n_tok), n_tok)
         state = lazy_buffer(size - HEAD_SIZE - 4 * n_tok)  # the pages faulted in by readinto, the GIL released
-        f.readinto(state)
+        if f.readinto(state) != len(state):  # cut while being read: its tail would restore as zeros
+            raise CodecError("the file was cut short while being read")
     return tokens, state, size

@@ -78,6 +78,36 @@ def test_a_large_capture_goes_into_memory_its_copy_faults_in_and_restores(hybrid
     assert generate(m, 0, len(prompt), 6) == reference
 
 
+def test_a_capture_into_a_larger_spare_mapping_is_a_view_that_gives_the_rest_back(hybrid: LoadedModel,
+                                                                                   monkeypatch):
+    """A spare mapping from an earlier, larger capture is written in place and seen through a
+    view of the bytes written; the pages past them are given back to the system, since what
+    fits in memory is judged by the bytes in use (engine.buffers.release_tail)."""
+    import mmap
+
+    from engine import buffers
+
+    m = hybrid
+    m.clear_all()
+    prompt = m.tokenize("The quick brown fox jumps over the lazy dog, and the river runs to the sea.")
+    head, tail = prompt[:-4], prompt[-4:]
+    m.decode([BatchItem(0, head, 0)])
+    small = bytes(m.checkpoint_get(0))
+    monkeypatch.setattr(buffers, "LAZY_MIN", 0)
+    spare = buffers.lazy_buffer(len(small) + 3 * mmap.PAGESIZE)
+    spare[:] = b"\xee" * len(spare)  # every page touched by an earlier capture
+    view = m.checkpoint_get(0, spare)
+    assert isinstance(view, memoryview) and view.obj is spare and bytes(view) == small
+    kept = -(-len(small) // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert spare[kept:] == bytes(len(spare) - kept)  # given back: reads as zeros
+    m.decode([BatchItem(0, tail, len(head), True)])
+    reference = generate(m, 0, len(prompt), 6)
+
+    assert m.checkpoint_set(0, view) and m.seq_rm(0, len(head), -1)
+    m.decode([BatchItem(0, tail, len(head), True)])
+    assert generate(m, 0, len(prompt), 6) == reference
+
+
 def test_a_large_state_capture_is_a_view_of_a_mapping_and_restores(hybrid: LoadedModel, monkeypatch):
     """A whole sequence's state (a PREFILL's reply) goes into a mapping from 1 MiB up as well,
     not a zeroed ctypes array, for the same reason; here every capture is "large"."""
@@ -92,7 +122,7 @@ def test_a_large_state_capture_is_a_view_of_a_mapping_and_restores(hybrid: Loade
     monkeypatch.setattr(buffers, "LAZY_MIN", 0)
     large = m.state_seq_get(0)
     assert isinstance(large.obj, mmap.mmap) and large.readonly and bytes(large) == small
-    assert m.state_seq_set(1, large) == len(small)  # read in place from the mapping
+    assert m.state_seq_set(1, large) == len(small)  # restores (a read-only view is copied once to pass it)
 
 
 def test_the_checkpoint_copy_bench_measures_a_real_capture():

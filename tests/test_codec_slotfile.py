@@ -53,3 +53,27 @@ def test_claims_are_checked():
         parse_slot_file_head(b"GGUF" + bytes(8), 12, 10)
     with pytest.raises(Truncated):
         parse_slot_file_head(b"\x71\x73", 2, 10)
+
+
+def test_a_slot_file_cut_while_being_read_is_refused_not_restored_with_zeros(tmp_path, monkeypatch):
+    """The state's length comes from the file's size when it was opened; a file cut after that
+    reads short, and a state whose tail was never read must not reach llama.cpp as zeros."""
+    import os
+
+    from engine import slot_files
+
+    path = tmp_path / "a.bin"
+    state_bytes = b"s" * (1 << 20)  # past what a buffered read takes ahead, and a mapping (lazy_buffer)
+    slot_files._write(path, [1, 2, 3], memoryview(state_bytes))
+    tokens, state, size = slot_files._read(path, 100)
+    assert tokens == [1, 2, 3] and bytes(state) == state_bytes and size == path.stat().st_size
+
+    parse = slot_files.parse_slot_file_head
+
+    def cut_after_the_head(head, size, max_tokens):  # the size already taken: the file loses 16 bytes
+        os.truncate(path, size - 16)
+        return parse(head, size, max_tokens)
+
+    monkeypatch.setattr(slot_files, "parse_slot_file_head", cut_after_the_head)
+    with pytest.raises(CodecError, match="cut short"):
+        slot_files._read(path, 100)

@@ -12,7 +12,7 @@ from typing import Any
 
 import llama_cpp.llama_cpp as L
 
-from ..buffers import Buffer, lazy_buffer
+from ..buffers import Buffer, lazy_buffer, release_tail
 from .runtime import StateError, clear_llama_errors, last_llama_errors
 
 _PARTIAL = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -51,7 +51,10 @@ def get_partial(ctx: Any, seq: int, reuse: Buffer | None = None) -> Buffer | mem
     if isinstance(out, bytearray):
         del out[n:]
         return out
-    return out if n == len(out) else memoryview(out)[:n]  # a mapping is not cut: a view of what was written
+    if n == len(out):
+        return out
+    release_tail(out, n)  # a mapping is not cut: a view of what was written, the pages past it given back
+    return memoryview(out)[:n]
 
 
 def set_partial(ctx: Any, seq: int, data: bytes | Buffer | memoryview) -> bool:
