@@ -118,7 +118,7 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-bde2182", 21), ("vs-llama-server-tiny-af5ab6a", 21), ("vs-llama-server-tiny-05ca431", 24),
     ("vs-llama-server-05ca431", 24), ("kinds/tiny-moe/vs-llama-server-b4eae21", 24),
     ("kinds/tiny-moe/vs-llama-server-b4eae21-b", 24), ("kinds/tiny-hybrid-wide/vs-llama-server-c1e58b3", 24),
-    ("kinds/tiny-hybrid-wide/vs-llama-server-7d97bd8", 24)])
+    ("kinds/tiny-hybrid-wide/vs-llama-server-7d97bd8", 24), ("vs-llama-server-a5348d4", 24)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -140,7 +140,7 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     -tiny-05ca431 those of "The long cold prompt paired, and the floor of RSS", kinds/tiny-moe/…-b4eae21
     (and -b) those of "The fleet's kind again: tiny-moe at b4eae21", kinds/tiny-hybrid-wide/…-c1e58b3
     those of "tiny-hybrid-wide at c1e58b3", kinds/tiny-hybrid-wide/…-7d97bd8 those of "tiny-hybrid-wide
-    again at 7d97bd8": the table built
+    again at 7d97bd8", -a5348d4 those of "Gemma 3 270M at a5348d4": the table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
     runs = []
@@ -177,7 +177,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
                                          "vs-llama-server-bde2182", "vs-llama-server-tiny-af5ab6a",
                                          "vs-llama-server-tiny-05ca431", "vs-llama-server-05ca431",
                                          "kinds/tiny-hybrid-wide/vs-llama-server-c1e58b3",
-                                         "kinds/tiny-hybrid-wide/vs-llama-server-7d97bd8"])
+                                         "kinds/tiny-hybrid-wide/vs-llama-server-7d97bd8",
+                                         "vs-llama-server-a5348d4"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
