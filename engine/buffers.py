@@ -36,9 +36,10 @@ def lazy_buffer(n: int) -> Buffer:
 
 
 def release_tail(buf: mmap.mmap, n: int) -> None:
-    """Give the pages of ``buf`` past its first ``n`` bytes back to the system (they read as
-    zeros if touched again). A reused mapping keeps every page an earlier, larger write
-    touched, and the byte counts that judge what fits see only the ``n`` bytes in use."""
+    """Give the pages of ``buf`` past its first ``n`` bytes back to the system (an anonymous
+    mapping's read as zeros if touched again, a private file mapping's as the file). A reused
+    mapping keeps every page an earlier, larger write touched, and the byte counts that judge
+    what fits see only the ``n`` bytes in use."""
     start = -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
     if start < len(buf) and hasattr(mmap, "MADV_DONTNEED"):
         buf.madvise(mmap.MADV_DONTNEED, start, len(buf) - start)
