@@ -159,8 +159,7 @@ async def test_the_step_after_a_first_token_gives_way_on_the_inference_thread(mo
 async def test_the_tokens_held_back_for_the_last_checkpoint_go_in_the_prefills_step():
     """A model that takes context checkpoints (here a window cache that forgets) cuts a prompt
     END_OFFSET tokens before its end. The step goes on to those few tokens instead of ending
-    after the first chunk: the first token comes one hand-off sooner. A longer prompt still ends
-    its step after each chunk before the last checkpoint."""
+    after the first chunk: the first token comes one hand-off sooner."""
     factory = ScriptedFactory(n_swa=48, kv_shareable=False)
     async with scripted_engine(backend=factory, n_ctx_slot=64, time_slice=3600.0) as env:
         actor, model = env.engine.actor, env.model
@@ -172,6 +171,31 @@ async def test_the_tokens_held_back_for_the_last_checkpoint_go_in_the_prefills_s
         chunks = [n for batch in model.batches[decodes:] for _, n in batch]
         assert chunks[-1] == END_OFFSET and sum(chunks) == result.prompt_tokens  # cut at the checkpoint
         assert actor.stats["steps"] - steps == 1  # both chunks, and the token, in one step
+
+
+@pytest.mark.asyncio
+async def test_a_long_prompts_chunks_go_on_in_one_step_until_the_actor_has_mail():
+    """A prompt of several batches is fed chunk after chunk in one step, as llama-server's loop
+    goes on with no hand-off between (each costs 0.3–0.7 ms on the slower host); a request that
+    arrives meanwhile ends the step after the chunk in flight, and is admitted in the next."""
+    async with scripted_engine(n_slots=3, n_ctx_slot=256, time_slice=3600.0) as env:
+        actor, gate, model = env.engine.actor, env.factory.decode_gate, env.model
+        steps = actor.stats["steps"]
+        result = await env.engine.submit(GenRequest(0, prompt="x" * 150, n_predict=1)).result()
+        assert result.tokens_generated == 1 and result.prompt_tokens > 4 * model.n_batch
+        assert actor.stats["steps"] - steps == 1  # five chunks and the first token, one step
+
+        gate.close()
+        steps, seen = actor.stats["steps"], len(model.batches)
+        long = env.engine.submit(GenRequest(1, prompt="y" * 150, n_predict=1))
+        await gate.wait_held(1, "the long prompt's first chunk")
+        short = env.engine.submit(GenRequest(2, prompt="hi", n_predict=1))  # mail for the actor
+        gate.open()
+        assert (await short.result()).tokens_generated == 1 and (await long.result()).tokens_generated == 1
+        firsts = [i for i, batch in enumerate(model.batches[seen:]) if any(seq == 2 for seq, _ in batch)]
+        assert firsts == [1]  # the step ended after the chunk in flight; the next batch has it
+        # that step; the next, which ends with the short job's one token; the rest in one
+        assert actor.stats["steps"] - steps == 3
 
 
 @pytest.mark.asyncio
