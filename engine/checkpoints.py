@@ -31,10 +31,10 @@ slot's state is replaced from outside (STATE_PUT, erase) or the model changes.
 """
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, field
 
 from .backend import ModelBackend
+from .buffers import Buffer
 
 #: tokens before a prompt's end where checkpoints are taken (and 4 + n_ubatch), as llama-server
 END_OFFSET = 4
@@ -46,7 +46,7 @@ SPARE_PER_SLOT = 2
 @dataclass
 class Checkpoint:
     tokens: list[int]  # the prefix the state is at: positions [0, len)
-    state: bytes | bytearray | mmap.mmap | memoryview
+    state: bytes | Buffer | memoryview
 
     @property
     def n(self) -> int:
@@ -60,7 +60,7 @@ class Checkpoints:
     max_per_slot: int = 32  # llama-server's default n_ctx_checkpoints
     min_step: int = 8192  # llama-server's checkpoint_min_step
     per_slot: dict[int, list[Checkpoint]] = field(default_factory=dict)
-    spare: dict[int, list[bytearray | mmap.mmap]] = field(default_factory=dict)  # dropped ones' buffers, per slot
+    spare: dict[int, list[Buffer]] = field(default_factory=dict)  # dropped ones' buffers, per slot
     created: int = 0
     restored: int = 0
 
@@ -160,7 +160,7 @@ class Checkpoints:
         spare = self.spare.setdefault(seq, [])
         for c in dropped:
             buf = c.state.obj if isinstance(c.state, memoryview) else c.state  # a mapping's capture is a view of it
-            if len(spare) < SPARE_PER_SLOT and isinstance(buf, (bytearray, mmap.mmap)):
+            if len(spare) < SPARE_PER_SLOT and isinstance(buf, Buffer):
                 spare.append(buf)
 
     # read from the event loop while the inference thread changes them: copy first (atomic
