@@ -364,7 +364,8 @@ class EngineActor(SlotStateOps):
         job, model = msg.job, self.model
         if job.slot is None and model is not None and self.cfg.slot_prompt_similarity > 0:
             try:  # the slot is chosen by the prompt's tokens: tokenize now (long inputs on the inference thread)
-                tokens = job_input(model, job, False) if tokenize_on_loop(job.request) else \
+                on_loop = tokenize_on_loop(job.request, idle=not self.scheduler.running)
+                tokens = job_input(model, job, False) if on_loop else \
                     await asyncio.get_running_loop().run_in_executor(self._infer, job_input, model, job, False)
                 job.tokenized = (model, tokens)
             except Exception as e:

@@ -74,17 +74,16 @@ class Running:
 def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[int] | None:
     """The job's new tokens (None: it has no input and continues its slot). Raises BadInput."""
     if job.tokenized is not None and job.tokenized[0] is model:
-        new = job.tokenized[1]
-    elif job.request.messages is not None:
+        return job.tokenized[1]  # made by this function for this model: checked then
+    if job.request.messages is not None:
         text = model.render_chat(job.request.messages, **(job.request.template_vars or {}))
         job.opens_reasoning = generation_opens_reasoning(text, model.chat_syntax)
-        new = model.chat_text_tokens(text)
-    elif job.request.prompt is not None:
-        new = model.tokenize(job.request.prompt, add_special=not job.request.append or not slot_has_tokens)
-    elif job.request.tokens is not None:
-        new = list(job.request.tokens)
-    else:
+        return model.chat_text_tokens(text)
+    if job.request.prompt is not None:
+        return model.tokenize(job.request.prompt, add_special=not job.request.append or not slot_has_tokens)
+    if job.request.tokens is None:
         return None
+    new = list(job.request.tokens)  # the client's ids; the tokenizer's are in range
     if new and (min(new) < 0 or max(new) >= model.n_vocab):  # two passes at C speed, not one in Python
         raise BadInput(f"token id out of range 0..{model.n_vocab - 1}")
     return new
@@ -93,19 +92,26 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
 # Tokenizing this much text takes at most ~0.1 ms (Gemma 3's vocabulary: a 30-character prompt
 # 19 µs, 1,000 characters 260 µs): less than a hop to the inference thread and back
 LOOP_TOKENIZE_CHARS = 512
+# With no job running the loop has no stream to serve meanwhile, and the hop (~250 µs on a
+# 2-core host, a cold ~1,200-token prompt's first token 0.7 % of its time) is the only cost
+# left: the loop tokenizes up to this much (Gemma's vocabulary ~4 ms), a longer input still
+# goes to the inference thread so that /health and /slots stay answered.
+IDLE_LOOP_TOKENIZE_CHARS = 16384
 MESSAGE_MARKUP_CHARS = 16  # what the chat template adds around each message, roughly
 
 
-def tokenize_on_loop(request: GenRequest) -> bool:
+def tokenize_on_loop(request: GenRequest, idle: bool = False) -> bool:
     """Whether the request's input is cheap enough to tokenize on the event loop where the
     slot is chosen, instead of a round trip through the inference thread that costs a short
-    request's time to first token more than the tokenizing does. llama.cpp's tokenizer only
-    reads the vocabulary (llama-server tokenizes on its HTTP threads while it decodes), and a
-    live model is never freed (the reloader frees only the one it replaced)."""
+    request's time to first token more than the tokenizing does (``idle``: no job runs, so a
+    longer input is cheap enough too). llama.cpp's tokenizer only reads the vocabulary
+    (llama-server tokenizes on its HTTP threads while it decodes), and a live model is never
+    freed (the reloader frees only the one it replaced)."""
+    budget = IDLE_LOOP_TOKENIZE_CHARS if idle else LOOP_TOKENIZE_CHARS
     if request.messages is not None:
         if request.template_vars and request.template_vars.get("tools"):
             return False  # tool definitions render into the prompt: not short
-        left = LOOP_TOKENIZE_CHARS
+        left = budget
         for m in request.messages:  # stops at the first message past the budget, however many follow
             content = m.get("content") if isinstance(m, dict) else None
             if content is not None and not isinstance(content, str):
@@ -115,7 +121,7 @@ def tokenize_on_loop(request: GenRequest) -> bool:
                 return False
         return True
     if request.prompt is not None:
-        return len(request.prompt) <= LOOP_TOKENIZE_CHARS
+        return len(request.prompt) <= budget
     return True  # token ids, or nothing: no tokenizer at all
 
 

@@ -73,11 +73,12 @@ def test_choose_slot_by_similarity_threshold_then_lru():
 @pytest.mark.asyncio
 async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on_the_inference_thread():
     """Choosing a slot by similarity needs the prompt's tokens: a short input is tokenized on
-    the event loop (a round trip through the inference thread cost more than the tokenizing),
-    a long one, or a chat with tools, on the inference thread; either way only once."""
+    the event loop (a round trip through the inference thread cost more than the tokenizing);
+    with nothing running a longer one is too, up to a bound; past it, a chat with tools, or a
+    long input while a job runs on the inference thread; either way only once."""
     import threading
 
-    from engine.stepper import LOOP_TOKENIZE_CHARS
+    from engine.stepper import IDLE_LOOP_TOKENIZE_CHARS, LOOP_TOKENIZE_CHARS
 
     async with scripted_engine(n_slots=2, n_ctx_slot=1024) as env:
         model = env.engine.actor.model
@@ -88,22 +89,61 @@ async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on
             where.append(threading.current_thread().name)
             return real(text, *args, **kwargs)
 
+        def tokenized_on_loop() -> bool:
+            return len(where) == 1 and where[0] == loop_thread
+
+        def tokenized_on_inference_thread() -> bool:
+            return len(where) == 1 and where[0].startswith("hydra-inference")
+
         model.tokenize = tokenize
         loop_thread = threading.current_thread().name
         await run(env.engine, GenRequest(None, prompt="short", n_predict=1))
-        assert where == [loop_thread]
+        assert tokenized_on_loop()
         where.clear()
         await run(env.engine, GenRequest(None, prompt="x" * (LOOP_TOKENIZE_CHARS + 1), n_predict=1))
-        assert len(where) == 1 and where[0] != loop_thread and where[0].startswith("hydra-inference")
+        assert tokenized_on_loop()  # nothing else runs: no stream waits for the loop
+        where.clear()
+        with pytest.raises(BadInput, match="does not fit"):  # tokenized first, then too long
+            await run(env.engine, GenRequest(None, prompt="x" * (IDLE_LOOP_TOKENIZE_CHARS + 1), n_predict=1))
+        assert tokenized_on_inference_thread()
         where.clear()
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1))
-        assert where == [loop_thread]
+        assert tokenized_on_loop()
         where.clear()
-        many = [{"role": "user", "content": "hi"}] * (LOOP_TOKENIZE_CHARS // 8)  # short each, long together
-        await run(env.engine, GenRequest(None, messages=many, n_predict=1))
-        assert len(where) == 1 and where[0].startswith("hydra-inference")
+        many = [{"role": "user", "content": "hi"}] * (IDLE_LOOP_TOKENIZE_CHARS // 8)  # short each, long together
+        with pytest.raises(BadInput, match="does not fit"):
+            await run(env.engine, GenRequest(None, messages=many, n_predict=1))
+        assert tokenized_on_inference_thread()
         where.clear()
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1,
                                          template_vars={"tools": tools}))
-        assert len(where) == 1 and where[0].startswith("hydra-inference")
+        assert tokenized_on_inference_thread()
+
+
+@pytest.mark.asyncio
+async def test_a_longer_input_arriving_while_a_job_runs_is_tokenized_on_the_inference_thread():
+    """With a stream running, the loop that writes its tokens does not tokenize a prompt past
+    the short bound: the inference thread does, between steps."""
+    import threading
+
+    from engine.stepper import LOOP_TOKENIZE_CHARS
+
+    async with scripted_engine(n_slots=2, n_ctx_slot=1024, stepped=True) as env:
+        model = env.engine.actor.model
+        where: dict[str, str] = {}
+        real = model.tokenize
+
+        def tokenize(text, *args, **kwargs):
+            where[text[:5]] = threading.current_thread().name
+            return real(text, *args, **kwargs)
+
+        model.tokenize = tokenize
+        running = env.engine.submit(GenRequest(None, prompt="first", n_predict=8))
+        await env.settled()
+        assert env.held  # its first step, at the decode gate
+        longer = env.engine.submit(GenRequest(None, prompt="x" * (LOOP_TOKENIZE_CHARS + 1), n_predict=1))
+        await env.finish(running)
+        await env.finish(longer)
+        assert where["first"] == threading.current_thread().name  # nothing ran yet: on the loop
+        assert where["xxxxx"].startswith("hydra-inference")
