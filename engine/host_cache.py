@@ -43,10 +43,17 @@ MIB = 1 << 20
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the common case (a continuation, a shared system prompt) at C speed
+    if n and a[n - 1] == b[n - 1] and a[:n] == b[:n]:  # a continuation: one compare at C speed
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
-    while hi - lo > 1:
+    # slice equality runs at C speed: a window that doubles finds where they part with copies
+    # about as long as the common prefix (a slot holding another document: a few tokens, not
+    # the whole prompt), then bisection inside the last window
+    lo, hi = 0, min(n, 16)  # a[:lo] == b[:lo]
+    while a[lo:hi] == b[lo:hi]:
+        if hi == n:
+            return n
+        lo, hi = hi, min(n, 2 * hi)
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
             lo = mid
