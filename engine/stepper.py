@@ -257,7 +257,13 @@ def _hit_stop(r: Running, stops: list[str]) -> bool:
 
 
 STATE_SIZE_EVERY = 0.05  # seconds between two measurements of a running slot's state size
-HAND_OVER_EVERY = 0.002  # seconds: a small model's tokens go over in batches, not a wake-up each
+# Seconds between two hand-overs: a small model's tokens go over in batches, not a wake-up each.
+# A wake-up runs the loop (SCHED_RR) on a core a compute thread was using, and its partner
+# spins at the next barrier meanwhile: every 2 ms, tiny-moe's one stream (a token each
+# ~0.23 ms) made 5-10 % fewer tokens a second than every 5 ms, 10 ms ~1 % more than 5
+# (docs/performance.md, "Hand-overs every 5 ms"). A model whose decode takes longer (Gemma 3
+# 270M's ~10 ms) hands every token over as it comes.
+HAND_OVER_EVERY = 0.005
 HandOver = Callable[[list[tuple[Running, list]]], None]  # (job, its new token events) of a running step
 
 

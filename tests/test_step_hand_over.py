@@ -36,6 +36,29 @@ async def test_a_long_step_hands_its_tokens_over_while_it_runs(monkeypatch):
 
 
 @pytest.mark.asyncio
+async def test_a_fast_models_tokens_go_over_together_once_the_hand_over_interval_passed(monkeypatch):
+    """A hand-over wakes the event loop, which takes a core from a compute thread: a model that
+    makes a token every ~0.2 ms hands them over in batches, not one wake-up each. Within the
+    interval the tokens wait in the step; they all reach the stream when it ends."""
+    monkeypatch.setattr(stepper, "HAND_OVER_EVERY", 3600.0)
+    async with scripted_engine(time_slice=3600.0) as env:
+        gate, actor = env.factory.decode_gate, env.engine.actor
+        job = await _into_a_long_step(env, GenRequest(0, prompt="abc", n_predict=6))
+        steps = actor.stats["steps"]
+        first = await job.next_event()  # the first token ended its step: it went at once
+        for k in range(3):
+            gate.release(1)
+            await gate.wait_held(1, f"decode {k + 2} of the same step")
+        for _ in range(5):  # a hand-over posted from the inference thread would run by now
+            await asyncio.sleep(0)
+        assert job._job.events.qsize() == 0 and actor.stats["steps"] == steps
+        gate.open()
+        rest = [ev async for ev in _events(job)]
+    assert first is not None and len(rest) == 5  # six tokens in all, each once
+    assert (await job.result()).tokens_generated == 6
+
+
+@pytest.mark.asyncio
 async def test_a_long_step_ends_at_once_for_mail():
     async with scripted_engine(time_slice=3600.0) as env:
         gate, actor = env.factory.decode_gate, env.engine.actor
