@@ -45,6 +45,8 @@ class Scheduler:
         self.running: dict[int, Running] = {}  # slot id → its running job
         self.unassigned: deque[GenJob] = deque()  # jobs naming no slot, waiting for any
         self._clock = itertools.count(1)  # Slot.last_used
+        self._staged: deque[tuple[Running, list]] = deque()  # handed-over tokens not in their streams yet
+        self._staging = False  # a turn of the loop will deliver the next of them
 
     def quiescent(self) -> bool:
         """Nothing runs and no state transfer is in flight: a reload may swap now."""
@@ -106,11 +108,31 @@ class Scheduler:
                 fail(job, asyncio.CancelledError())
 
     def deliver(self, batch: list[tuple[Running, list]]) -> None:
-        """Tokens to their jobs' streams: what a step handed over while it ran (event loop)."""
-        for r, events in batch:
-            self._put(r, events)
+        """Tokens a running step handed over, to their jobs' streams (event loop): one job's a
+        turn of the loop. Every stream woken in one turn writes before the loop next reads its
+        sockets, so a ``/slots`` read or a new request that arrives meanwhile would wait for
+        all of their writes; one a turn, it waits for one."""
+        self._staged.extend(batch)
+        if not self._staging:
+            self._deliver_next()
+
+    def _deliver_next(self) -> None:
+        if self._staged:
+            r, events = self._staged.popleft()
+            self._put_now(r, events)
+        self._staging = bool(self._staged)
+        if self._staging:
+            asyncio.get_running_loop().call_soon(self._deliver_next)
 
     def _put(self, r: Running, events: list) -> None:
+        self._flush_staged()  # what was handed over before goes first
+        self._put_now(r, events)
+
+    def _flush_staged(self) -> None:
+        while self._staged:
+            self._put_now(*self._staged.popleft())
+
+    def _put_now(self, r: Running, events: list) -> None:
         for ev in events:
             r.job.events.put_nowait(ev)
         self.stats["tokens_generated"] += len(events)
@@ -151,6 +173,7 @@ class Scheduler:
         slot.finish()
         if r.sampler is not None:
             r.sampler.free()
+        self._flush_staged()  # the job's last tokens before its end
         job.events.put_nowait(None)
         if job.done is not None and not job.done.done():
             if r.error is not None:

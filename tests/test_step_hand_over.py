@@ -282,3 +282,48 @@ async def test_a_slots_state_size_waits_one_step_after_its_first_token(monkeypat
         await env.step()  # the last token: the job ends
         await job.result()
         assert env.engine.snapshot(0).state_size == env.model.state_seq_size(0) > after_second
+
+
+def _queued(r) -> list:
+    q, out = r.job.events, []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+@pytest.mark.asyncio
+async def test_handed_over_tokens_reach_one_stream_a_turn_of_the_loop_and_in_order():
+    """A hand-over that carries several streams' tokens puts one stream's into its queue per
+    turn of the event loop (what arrived on a socket meanwhile waits for one stream's write,
+    not for all); tokens put later for a stream (the step's end) come after what was staged."""
+    from types import SimpleNamespace
+
+    from engine.scheduler import Scheduler
+
+    sched = Scheduler([], slot_queue=1, stats={"tokens_generated": 0})
+    a, b, c = (SimpleNamespace(job=SimpleNamespace(events=asyncio.Queue())) for _ in range(3))
+    sched.deliver([(a, [1, 2]), (b, [3]), (c, [4])])
+    assert (_queued(a), _queued(b), _queued(c)) == ([1, 2], [], [])
+    await asyncio.sleep(0)
+    assert (_queued(b), _queued(c)) == ([3], [])
+    await asyncio.sleep(0)
+    assert _queued(c) == [4]
+    sched.deliver([(a, [5]), (b, [6])])
+    sched._put(b, [7])  # as after_step puts the rest of a step's tokens
+    assert (_queued(a), _queued(b)) == ([5], [6, 7])
+    assert sched.stats["tokens_generated"] == 7
+    await asyncio.sleep(0)  # the turn scheduled for b finds nothing left
+    assert (_queued(a), _queued(b)) == ([], [])
+
+
+@pytest.mark.asyncio
+async def test_streams_handed_over_a_token_at_a_time_get_every_token_in_order(monkeypatch):
+    """Two streams in long steps, every decode handed over: each stream's text is the same as
+    the job's result, token for token, and its end comes after its last token."""
+    monkeypatch.setattr(stepper, "HAND_OVER_EVERY", 0.0)
+    async with scripted_engine(time_slice=3600.0) as env:
+        jobs = [env.engine.submit(GenRequest(i, prompt=p, n_predict=12)) for i, p in enumerate(("abc", "xyz"))]
+        streamed = [[ev.piece async for ev in _events(job)] for job in jobs]
+        results = [await job.result() for job in jobs]
+    for pieces, res in zip(streamed, results):
+        assert len(pieces) == res.tokens_generated == 12 and b"".join(pieces) == res.text
