@@ -73,6 +73,37 @@ async def test_slots_under_load_reads_slots_while_four_longer_streams_decode(ser
     assert answers and all(ms > 0 for ms in answers)  # the first read is at once
 
 
+@pytest.mark.asyncio
+async def test_the_slots_poller_answers_latencies_and_a_refusal_stops_the_bench():
+    """``/slots`` is read by ``tools/bench/slots_poll.py`` in a process of its own (the bench's
+    loop parses the streams meanwhile): its answers come back as latencies, a non-200 answer as
+    the bench's error."""
+    from tools.bench.common import BenchError
+
+    def answering(status: int):
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(f"HTTP/1.1 {status} X\r\nContent-Length: 2\r\nConnection: close\r\n\r\n[]".encode())
+            await writer.drain()
+            writer.close()
+        return handle
+
+    for status in (200, 503):
+        server = await asyncio.start_server(answering(status), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        work = asyncio.sleep(0.05, result="done")  # the poller reads at once, then every 10 ms
+        try:
+            if status == 200:
+                result, answers = await w.while_polling_slots(f"http://127.0.0.1:{port}", work, 0.01)
+                assert result == "done" and answers and all(ms > 0 for ms in answers)
+            else:
+                with pytest.raises(BenchError, match="/slots answered 503"):
+                    await w.while_polling_slots(f"http://127.0.0.1:{port}", work, 0.01)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
 def test_the_chart_draws_every_figure_as_an_advantage(tmp_path):
     from tools.bench.common import Result
     from tools.bench.plots import draw_all

@@ -8,6 +8,9 @@ both servers.
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
+from pathlib import Path
 from typing import Any, Awaitable, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -93,34 +96,26 @@ def aggregate(runs: list[dict[str, Any]]) -> float | None:
     return steady_rate([r["times"] for r in runs])
 
 
-async def slots_poller(http: Any, base: str, stop: asyncio.Event, interval: float = SLOTS_POLL_S) -> list[float]:
-    """``GET /slots`` every ``interval`` s until ``stop``: each answer's latency, ms."""
-    out: list[float] = []
-    while not stop.is_set():
-        t0 = now()
-        async with http.get(f"{base}/slots") as r:
-            await r.read()
-            if r.status != 200:
-                raise BenchError(f"{base}/slots answered {r.status}")
-        out.append((now() - t0) * 1000)
-        try:
-            await asyncio.wait_for(stop.wait(), interval)
-        except TimeoutError:
-            pass
-    return out
-
-
-async def while_polling_slots(http: Any, base: str, work: Awaitable[T], interval: float = SLOTS_POLL_S
+async def while_polling_slots(base: str, work: Awaitable[T], interval: float = SLOTS_POLL_S
                               ) -> tuple[T, list[float]]:
-    """``work`` awaited while ``/slots`` is read every ``interval`` s: its result, and each
-    answer's latency (ms)."""
-    stop = asyncio.Event()
-    poller = asyncio.ensure_future(slots_poller(http, base, stop, interval))
+    """``work`` awaited while a process of its own reads ``/slots`` every ``interval`` s
+    (``tools/bench/slots_poll.py``): its result, and each answer's latency (ms)."""
+    host, _, port = base.split("://", 1)[1].rpartition(":")
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).with_name("slots_poll.py")), host, port, str(interval),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert child.stdin is not None and child.stdout is not None
     try:
+        if (await child.stdout.readline()).strip() != b"ready":
+            raise BenchError("the /slots poller did not start")
         result = await work
     finally:
-        stop.set()
-    return result, await poller
+        child.stdin.close()
+        out, _ = await child.communicate()
+    answer = json.loads(out.decode().strip().splitlines()[-1])
+    if "error" in answer:
+        raise BenchError(f"{base}: {answer['error']}")
+    return result, answer["latencies_ms"]
 
 
 async def count_tokens(http: Any, base: str, text: str) -> int:

@@ -21,7 +21,9 @@ both servers in a round):
    requests started in reverse order (so the conversations change slots) — the multi-stream
    slowdown of docs/performance.md showed only after such a history;
 3. **four concurrent streams**: aggregate tok/s in the window where all four produce, while a
-   poller reads ``/slots`` every 50 ms (its latency under load); each server's per-thread CPU
+   poller in a process of its own (``tools/bench/slots_poll.py``: not the client's event loop,
+   busy with the streams' chunks) reads ``/slots`` every 50 ms (its latency under load); each
+   server's per-thread CPU
    over the phase (``/proc/PID/task/*/stat``: where the time goes) and its RSS after it. A
    p99 needs answers: when that phase gave fewer than ``SLOTS_MIN_ANSWERS`` (a small model
    decodes the four streams in a fraction of a second), four longer streams follow with
@@ -271,7 +273,7 @@ async def slots_under_load(http: Any, base: str, base_n: int, max_tokens: int, f
     half as much again for the prefill and the polls' own time): the phase's record, the answers."""
     n = slots_phase_tokens(max_tokens, four_s)
     streams, answers = await while_polling_slots(
-        http, base, concurrent(http, base, list(range(base_n + 50, base_n + 50 + SLOTS)), n), SLOTS_LOAD_POLL_S)
+        base, concurrent(http, base, list(range(base_n + 50, base_n + 50 + SLOTS)), n), SLOTS_LOAD_POLL_S)
     return {"max_tokens": n, "poll_s": SLOTS_LOAD_POLL_S, "four_phase_answers": four_answers,
             "tokens": sum(r["chunks"] for r in streams)}, answers
 
@@ -298,7 +300,7 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
             four = await concurrent(http, srv.base, list(range(base_n + 10, base_n + 10 + SLOTS)), max_tokens)
             return four, before, srv.thread_cpu(), now() - t0
 
-        (four, before, after, four_s), polls = await while_polling_slots(http, srv.base, four_streams())
+        (four, before, after, four_s), polls = await while_polling_slots(srv.base, four_streams())
         threads_after = await compute_thread_counters(http, srv.base)
         if len(polls) < SLOTS_MIN_ANSWERS:
             out["slots_phase"], polls = await slots_under_load(http, srv.base, base_n, max_tokens, four_s, len(polls))
