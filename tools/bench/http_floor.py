@@ -27,10 +27,8 @@ import argparse
 import asyncio
 import functools
 import json
-import socket
 import statistics
 import sys
-import time
 from itertools import groupby
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +37,7 @@ from tools.bench.common import (MODEL_HELP, interleaved, machine_info, min_max_t
                                 report_run, table_only)
 from tools.bench.llama_server import OpenAIServer, build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
+from tools.bench.slots_poll import timed_get
 from tools.bench.vs_llama_server import free_port, start
 from tools.spawn import thread_cpu_seconds
 
@@ -48,16 +47,10 @@ HEALTH_BODY = json.dumps({"status": "ok", "startup_stage": "ready", "has_model":
 
 def health_us(port: int) -> float:
     """One ``GET /health`` on a new connection: µs from before ``connect`` until the close."""
-    t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=30.0) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        head = s.recv(65536)
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"/health answered {head[:80]!r}")
-        while s.recv(65536):
-            pass
-    return (time.perf_counter() - t0) * 1e6
+    status, seconds = timed_get(port, "/health")
+    if status != 200:
+        raise RuntimeError(f"/health answered {status}")
+    return seconds * 1e6
 
 
 def _block(srv: OpenAIServer, n: int) -> tuple[list[float], float]:

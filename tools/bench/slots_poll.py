@@ -6,7 +6,8 @@ Prints ``ready`` once it runs, then, when stdin closes, one JSON line: each answ
 ms, or the error that stopped it. The bench reads ``/slots`` from here rather than from its own
 event loop, which at the same time parses the streams' chunks: an answer that waited there while
 the client read a burst of tokens measured the client as much as the server. Blocking sockets,
-a new connection each, as a monitoring probe asks.
+a new connection each, as a monitoring probe asks (``timed_get``, which ``http_floor`` times
+``/health`` with too).
 """
 from __future__ import annotations
 
@@ -17,27 +18,30 @@ import sys
 import time
 
 
-def get_slots(host: str, port: int) -> int:
-    """One ``GET /slots`` on a new connection, read to its end; the status code."""
-    with socket.create_connection((host, port), timeout=10) as s:
-        s.sendall(f"GET /slots HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
+def timed_get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, float]:
+    """One ``GET path`` on a new connection, read to its end: the status code, and the seconds
+    from before ``connect`` until the server's close."""
+    t0 = time.perf_counter()
+    with socket.create_connection((host, port), timeout=30.0) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        head = s.recv(65536)
+        while s.recv(65536):
+            pass
     try:
-        return int(data.split(b" ", 2)[1])
+        status = int(head.split(b" ", 2)[1])
     except (IndexError, ValueError):
-        return 0
+        status = 0
+    return status, time.perf_counter() - t0
 
 
 def poll(host: str, port: int, interval: float) -> dict[str, object]:
     out: list[float] = []
     while True:  # one read at least, however short the work
-        t0 = time.perf_counter()
-        status = get_slots(host, port)
+        status, seconds = timed_get(port, "/slots", host)
         if status != 200:
             return {"error": f"/slots answered {status}", "latencies_ms": out}
-        out.append((time.perf_counter() - t0) * 1000)
+        out.append(seconds * 1000)
         if select.select([sys.stdin], [], [], interval)[0]:  # stdin readable: closed, time to stop
             return {"latencies_ms": out}
 
