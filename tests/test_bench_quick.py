@@ -141,6 +141,17 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert res.summary["four_tok_s"]["ratios"] == [0.5, 0.5, 0.5]
     assert rows[FIGURES[1][1]].ok is False  # TTFT twice as long
     assert rows[FIGURES[4][1]].ok is True  # /slots p99 half of llama-server's
+    # with the answers kept, the /slots row is the p99 of all of them, each round's ratio in the note
+    # (ours: six slow answers, all in one round — the median of the rounds' p99s would be 1 ms)
+    for r in rounds:
+        theirs, slow = r["variant"] == "llama-server", r["variant"] == "hydra" and r["round"] == 0
+        r["slots_ms"] = [1.0] * 98 + [2.0] * 2 if theirs else [1.0] * 94 + [9.0] * 6 if slow else [1.0] * 100
+    again = Result("vs-llama-server")
+    report(again, rounds, 3)
+    slots = {r.metric: r for r in again.rows}[FIGURES[4][1]]
+    assert (slots.value, slots.baseline, slots.ok) == (pytest.approx(9.0), pytest.approx(2.0), False)
+    assert "the p99 of 300 and 300 answers" in slots.note
+    assert again.summary["slots_p99_ms"]["hydra"]["median"] == 2.5  # the rounds' own p99s, as before
     assert rows[FIGURES[5][1]].ok is True  # the same RSS: within "≤ 1.1×"
     assert "0.50 (0.50–0.50) over 3 rounds" in four.note
     # RSS over the bare Python server's: its own budget, llama-server's figure beside it

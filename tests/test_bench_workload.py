@@ -68,9 +68,12 @@ async def test_slots_under_load_reads_slots_while_four_longer_streams_decode(ser
     # a phase of 0.2 s for 200 tokens asks for 1.5 s: 1,500 tokens; a long one changes nothing
     assert vs.slots_phase_tokens(200, 0.2) == 1500 and vs.slots_phase_tokens(200, 8.0) == 200
     assert vs.slots_phase_tokens(200, 0.0) == vs.SLOTS_LOAD_MAX_TOKENS
-    phase, answers = await vs.slots_under_load(session, base(server), 7, 4, 10.0, 3)  # 4 tokens a stream
+    phase, answers = await vs.slots_under_load(session, base(server), 7, 4, 10.0, 3, want=1)  # 4 tokens a stream
     assert phase["max_tokens"] == 4 and phase["four_phase_answers"] == 3 and phase["tokens"] > 0
-    assert answers and all(ms > 0 for ms in answers)  # the first read is at once
+    assert phase["repeats"] == 1 and answers and all(ms > 0 for ms in answers)  # the first read is at once
+    # too few answers: four new streams again, up to the bound
+    phase, more = await vs.slots_under_load(session, base(server), 7, 4, 10.0, 3, want=10_000)
+    assert phase["repeats"] == vs.SLOTS_LOAD_REPEATS and len(more) >= vs.SLOTS_LOAD_REPEATS
 
 
 @pytest.mark.asyncio

@@ -27,7 +27,9 @@ both servers in a round):
    over the phase (``/proc/PID/task/*/stat``: where the time goes) and its RSS after it. A
    p99 needs answers: when that phase gave fewer than ``SLOTS_MIN_ANSWERS`` (a small model
    decodes the four streams in a fraction of a second), four longer streams follow with
-   ``/slots`` read every 10 ms, and the figure is theirs (``slots_phase`` in the round);
+   ``/slots`` read every 10 ms, again with new prompts until ``SLOTS_LOAD_ANSWERS`` answers
+   came, and the figure is theirs (``slots_phase`` in the round); the row is the p99 of every
+   answer of the run's rounds;
 4. **a long prompt, cold then cached**: a document of ~1,200 tokens (by the server's own
    ``/tokenize``) asked a question, then three other questions on the same document — time
    to first token cold, and with the document's prefix cached (both cache prompts by default);
@@ -56,7 +58,8 @@ requests one at a time, and ours' RSS is given over the bare one's — on a smal
 ours' RSS is the interpreter's, which no Python server sheds.
 
 Every figure is reported as ours / llama-server's: the row's value and baseline are the
-medians over rounds, the note gives the per-round ratio's median and min–max. A chunk of the
+medians over rounds (``/slots`` p99: over every answer of the rounds), the note gives the
+per-round ratio's median and min–max. A chunk of the
 stream is counted as one token (both servers send one per token for this text).
 
 Without a llama-server binary the scenario reports ``skipped: no llama-server (reason)``: a
@@ -80,7 +83,8 @@ from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, comp
                               concurrent, ferry_question, prompt_cache_phase, shared_document, story, strip,
                               while_polling_slots)
 from .vs_llama_server_figures import (BUDGETS, CONTROL, FLOOR, LABEL, NAME, OURS, SLOTS, SLOTS_LOAD_POLL_S,
-                                      SLOTS_MIN_ANSWERS, SLOTS_WIDE, VARIANTS, report)
+                                      SLOTS_LOAD_ANSWERS, SLOTS_LOAD_REPEATS, SLOTS_MIN_ANSWERS, SLOTS_WIDE, VARIANTS,
+                                      report)
 
 TEMPLATES = Path(__file__).parent / "templates"
 CTX = 8192
@@ -267,15 +271,24 @@ def slots_phase_tokens(max_tokens: int, four_s: float) -> int:
 
 
 async def slots_under_load(http: Any, base: str, base_n: int, max_tokens: int, four_s: float,
-                           four_answers: int) -> tuple[dict[str, Any], list[float]]:
+                           four_answers: int, want: int = SLOTS_LOAD_ANSWERS) -> tuple[dict[str, Any], list[float]]:
     """Four streams long enough for ``SLOTS_MIN_ANSWERS`` answers of ``/slots`` read every
     ``SLOTS_LOAD_POLL_S`` (from how long the four-stream phase took for ``max_tokens``, with
-    half as much again for the prefill and the polls' own time): the phase's record, the answers."""
+    half as much again for the prefill and the polls' own time), four new ones again until
+    ``want`` answers came (at most ``SLOTS_LOAD_REPEATS`` times: a slot's context bounds a
+    stream): the phase's record, the answers."""
     n = slots_phase_tokens(max_tokens, four_s)
-    streams, answers = await while_polling_slots(
-        base, concurrent(http, base, list(range(base_n + 50, base_n + 50 + SLOTS)), n), SLOTS_LOAD_POLL_S)
+    answers: list[float] = []
+    tokens = repeats = 0
+    while repeats < SLOTS_LOAD_REPEATS and (repeats == 0 or len(answers) < want):
+        first = base_n + 50 + repeats * SLOTS
+        streams, got = await while_polling_slots(
+            base, concurrent(http, base, list(range(first, first + SLOTS)), n), SLOTS_LOAD_POLL_S)
+        answers += got
+        tokens += sum(r["chunks"] for r in streams)
+        repeats += 1
     return {"max_tokens": n, "poll_s": SLOTS_LOAD_POLL_S, "four_phase_answers": four_answers,
-            "tokens": sum(r["chunks"] for r in streams)}, answers
+            "repeats": repeats, "tokens": tokens}, answers
 
 
 async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, model: str, rnd: int,
