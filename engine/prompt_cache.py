@@ -317,12 +317,13 @@ def prefix_intact(model: ModelBackend, seq: int, n: int) -> bool:
     """
     if n <= 0:
         return True
-    pos_min, pos_max = model.seq_pos_min(seq), model.seq_pos_max(seq)
-    if pos_min < 0 or pos_max < n - 1:
+    pos_max = model.seq_pos_max(seq)
+    if pos_max != n - 1 and (model.recurrent or pos_max < n - 1):
         return False
-    if model.recurrent:
-        return pos_max == n - 1
-    return serves(pos_min, n, model.n_swa)
+    if model.recurrent:  # not empty (pos_max >= 0); llama.cpp's pos_min walks every cell (~20 µs)
+        return True
+    pos_min = model.seq_pos_min(seq)
+    return pos_min >= 0 and serves(pos_min, n, model.n_swa)
 
 
 def plan_chunk_reuse(cached: list[int], prompt: list[int], n_past: int,

@@ -269,3 +269,34 @@ def test_which_llama_contexts_share_prefixes_across_slots(unified, n_swa, swa_fu
 
     m = SimpleNamespace(cparams=SimpleNamespace(kv_unified=unified, swa_full=swa_full), n_swa=n_swa)
     assert LoadedModel.kv_shareable.fget(m) is shareable
+
+
+class _Positions:
+    """What prefix_intact asks of a model: a sequence's positions, and whether pos_min was asked."""
+
+    def __init__(self, pos_min: int, pos_max: int, recurrent: bool = False, n_swa: int = 0):
+        self.pos_min, self.pos_max, self.recurrent, self.n_swa = pos_min, pos_max, recurrent, n_swa
+        self.asked_min = False
+
+    def seq_pos_max(self, seq: int) -> int:
+        return self.pos_max
+
+    def seq_pos_min(self, seq: int) -> int:
+        self.asked_min = True
+        return self.pos_min
+
+
+@pytest.mark.parametrize("model, n, intact", [
+    (_Positions(0, 9), 10, True), (_Positions(0, 9), 5, True), (_Positions(0, 4), 10, False),
+    (_Positions(-1, -1), 1, False), (_Positions(3, 9), 10, False),  # full attention needs every cell
+    (_Positions(3, 9, n_swa=4), 10, True), (_Positions(3, 9, n_swa=4), 5, False),  # a window from n - n_swa + 1
+    (_Positions(0, 9, recurrent=True), 10, True),  # a recurrent state serves exactly what it holds
+    (_Positions(0, 9, recurrent=True), 5, False), (_Positions(-1, -1, recurrent=True), 3, False),
+])
+def test_a_prefix_is_intact_where_its_cells_are_all_there(model, n, intact):
+    from engine.prompt_cache import prefix_intact
+
+    assert prefix_intact(model, 0, n) is intact
+    assert prefix_intact(model, 0, 0) is True
+    if model.recurrent:  # pos_min walks every cell in llama.cpp: not asked when pos_max decides
+        assert not model.asked_min
