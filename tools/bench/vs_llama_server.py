@@ -315,13 +315,13 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
 
         (four, before, after, four_s), polls = await while_polling_slots(srv.base, four_streams())
         threads_after = await compute_thread_counters(http, srv.base)
+        out.update(memory(srv))  # before the longer phase, whose streams leave states in both prompt caches
         if len(polls) < SLOTS_MIN_ANSWERS:
             out["slots_phase"], polls = await slots_under_load(http, srv.base, base_n, max_tokens, four_s, len(polls))
         out["cpu_four"] = _cpu_breakdown(srv, before, after, sum(r["chunks"] for r in four), four_s)
         if threads_before and threads_after:  # ours: how long the phase stepped on fewer compute threads
             out["cpu_four"]["compute_threads"] = {k: round(threads_after[k] - threads_before.get(k, 0.0), 3)
                                                   for k in threads_after}
-        out.update(memory(srv))
         cache = await prompt_cache_phase(http, srv.base, base_n, document_tokens(ctx))
         chat_one = await chat(http, srv.base, base_n + 30, max_tokens)
         chat_short = [await chat(http, srv.base, base_n + 40 + i, 8) for i in range(2)]
