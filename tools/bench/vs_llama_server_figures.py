@@ -125,13 +125,13 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
         return [p[side] for p in found], [p["llama-server"] for p in found]
 
     s: dict[str, Any] = {}
+    answers = {v: [x for r in rounds if r["variant"] == v for x in r.get("slots_ms") or ()] for v in VARIANTS}
     for figure in FIGURES:
         whole, beside = None, ""
-        answers = {v: [x for r in rounds if r["variant"] == v for x in r.get("slots_ms") or ()] for v in VARIANTS}
         if figure[0] == "slots_p99_ms" and all(answers.values()):  # a round's p99 is its 2nd-slowest of ~200
-            whole = summarize(answers["hydra"])["p99"], summarize(answers["llama-server"])["p99"]
-            beside = f"; the row: the p99 of {len(answers['hydra'])} and {len(answers['llama-server'])} answers"
-        _figure(res, s, figure, of("hydra", figure[0]), of("llama-server", figure[0]), beside=beside, whole=whole)
+            whole = summarize(answers[OURS])["p99"], summarize(answers["llama-server"])["p99"]
+            beside = f"; the row: the p99 of {len(answers[OURS])} and {len(answers["llama-server"])} answers"
+        _figure(res, s, figure, of(OURS, figure[0]), of("llama-server", figure[0]), beside=beside, whole=whole)
     controls = {skey: _compare(CONTROL, *sides(control[key], CONTROL), "ratio_per_pair")
                 for key, (skey, *_) in PAIRED if control.get(key)}
     for key, figure in PAIRED:
