@@ -129,8 +129,9 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
     for figure in FIGURES:
         whole, beside = None, ""
         if figure[0] == "slots_p99_ms" and all(answers.values()):  # a round's p99 is its 2nd-slowest of ~200
-            whole = summarize(answers[OURS])["p99"], summarize(answers["llama-server"])["p99"]
-            beside = f"; the row: the p99 of {len(answers[OURS])} and {len(answers["llama-server"])} answers"
+            ours, theirs = answers[OURS], answers["llama-server"]
+            whole = summarize(ours)["p99"], summarize(theirs)["p99"]
+            beside = f"; the row: the p99 of {len(ours)} and {len(theirs)} answers"
         _figure(res, s, figure, of(OURS, figure[0]), of("llama-server", figure[0]), beside=beside, whole=whole)
     controls = {skey: _compare(CONTROL, *sides(control[key], CONTROL), "ratio_per_pair")
                 for key, (skey, *_) in PAIRED if control.get(key)}
