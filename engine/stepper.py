@@ -19,6 +19,7 @@ while a step is in flight (it is awaiting the step), so there is one owner at a 
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -106,23 +107,46 @@ def tokenize_on_loop(request: GenRequest, idle: bool = False) -> bool:
     request's time to first token more than the tokenizing does (``idle``: no job runs, so a
     longer input is cheap enough too). llama.cpp's tokenizer only reads the vocabulary
     (llama-server tokenizes on its HTTP threads while it decodes), and a live model is never
-    freed (the reloader frees only the one it replaced)."""
+    freed (the reloader frees only the one it replaced).
+
+    A chat's size is what its template renders: the messages' text, the calls an assistant
+    made, and the tool definitions (rendering them is tens of µs, tokenizing what they render
+    the cost). With tools it is never short: only an idle loop takes one, an agent's next turn
+    on an otherwise quiet engine."""
     budget = IDLE_LOOP_TOKENIZE_CHARS if idle else LOOP_TOKENIZE_CHARS
     if request.messages is not None:
-        if request.template_vars and request.template_vars.get("tools"):
-            return False  # tool definitions render into the prompt: not short
-        left = budget
+        tools = request.template_vars.get("tools") if request.template_vars else None
+        if tools and not idle:
+            return False
+        left = budget - (_json_chars(tools) if tools else 0)
         for m in request.messages:  # stops at the first message past the budget, however many follow
-            content = m.get("content") if isinstance(m, dict) else None
-            if content is not None and not isinstance(content, str):
+            size = _rendered_chars(m)
+            if size is None:
                 return False  # content parts: left to the inference thread
-            left -= len(content or "") + MESSAGE_MARKUP_CHARS
+            left -= size + MESSAGE_MARKUP_CHARS
             if left < 0:
                 return False
         return True
     if request.prompt is not None:
         return len(request.prompt) <= budget
     return True  # token ids, or nothing: no tokenizer at all
+
+
+def _json_chars(value: Any) -> int:
+    return len(json.dumps(value, default=str))  # parsed JSON, written again at C speed
+
+
+def _rendered_chars(message: Any) -> int | None:
+    """About what a message renders to (None: content parts, whose size is not a string's)."""
+    if not isinstance(message, dict):
+        return 0
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        return None
+    reasoning = message.get("reasoning_content")
+    calls = message.get("tool_calls")
+    return (len(content or "") + (len(reasoning) if isinstance(reasoning, str) else 0)
+            + (_json_chars(calls) if calls else 0))
 
 
 def sampling_for_output(model: ModelBackend, job: GenJob) -> SamplerParams:

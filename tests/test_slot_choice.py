@@ -74,8 +74,9 @@ def test_choose_slot_by_similarity_threshold_then_lru():
 async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on_the_inference_thread():
     """Choosing a slot by similarity needs the prompt's tokens: a short input is tokenized on
     the event loop (a round trip through the inference thread cost more than the tokenizing);
-    with nothing running a longer one is too, up to a bound; past it, a chat with tools, or a
-    long input while a job runs on the inference thread; either way only once."""
+    with nothing running a longer one is too, a chat with tools included, up to a bound on what
+    it renders; past it, or a long input or any chat with tools while a job runs, on the
+    inference thread; either way only once."""
     import threading
 
     from engine.stepper import IDLE_LOOP_TOKENIZE_CHARS, LOOP_TOKENIZE_CHARS
@@ -118,6 +119,18 @@ async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1,
                                          template_vars={"tools": tools}))
+        assert tokenized_on_loop()  # an agent's turn on an idle engine
+        where.clear()
+        # what the template renders counts: the tools' definitions, an assistant's calls
+        big = [{"type": "function", "function": {"name": "f", "description": "d" * IDLE_LOOP_TOKENIZE_CHARS}}]
+        await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1,
+                                         template_vars={"tools": big}))  # (the scripted template renders no tools)
+        assert tokenized_on_inference_thread()
+        where.clear()
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "a" * IDLE_LOOP_TOKENIZE_CHARS}}
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+        await run(env.engine, GenRequest(None, messages=turns, n_predict=1, template_vars={"tools": tools}))
         assert tokenized_on_inference_thread()
 
 
@@ -143,7 +156,13 @@ async def test_a_longer_input_arriving_while_a_job_runs_is_tokenized_on_the_infe
         await env.settled()
         assert env.held  # its first step, at the decode gate
         longer = env.engine.submit(GenRequest(None, prompt="x" * (LOOP_TOKENIZE_CHARS + 1), n_predict=1))
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        agent = env.engine.submit(GenRequest(None, messages=[{"role": "user", "content": "agent"}], n_predict=1,
+                                             template_vars={"tools": tools}))
         await env.finish(running)
         await env.finish(longer)
+        await env.finish(agent)
         assert where["first"] == threading.current_thread().name  # nothing ran yet: on the loop
         assert where["xxxxx"].startswith("hydra-inference")
+        agent_text = [k for k in where if k not in ("first", "xxxxx")]
+        assert agent_text and where[agent_text[0]].startswith("hydra-inference")  # a chat with tools: never short
