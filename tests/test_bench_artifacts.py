@@ -170,6 +170,19 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     assert [line for line in rows if line not in page] == []
 
 
+def test_the_binary_port_table_in_the_docs_is_made_of_its_committed_runs():
+    """"The binary port's budgets again, at 9d34715": the table built from the committed runs of
+    busy-host, decode-overhead, meta-under-decode and connections, each row in the page."""
+    folder = DOCS_RUNS / "binary-port-9d34715"
+    runs = [load_results(folder / f"run-{r}") for r in (1, 2, 3)]
+    assert all(len(run) == 4 for run in runs)
+    rows = [line for line in combined_table(runs).splitlines()
+            if line.startswith("| ") and not line.startswith("| scenario |")]
+    assert len(rows) == 15
+    page = (REPO / "docs" / "performance.md").read_text().splitlines()
+    assert [line for line in rows if line not in page] == []
+
+
 @pytest.mark.parametrize("folder_name", ["vs-llama-server-75443f2", "vs-llama-server-9c29522",
                                          "vs-llama-server-tiny-75443f2", "vs-llama-server-2269a8d",
                                          "vs-llama-server-tiny-2269a8d", "vs-llama-server-ee20f51",
