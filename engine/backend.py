@@ -65,6 +65,9 @@ class ModelBackend(Protocol):
     @property
     def user_turn_tokens(self) -> list[int]:
         """The tokens that open a user turn in the chat template's prompts (empty: unknown)."""
+    @property
+    def tool_result_turns(self) -> int:
+        """How the template writes tool results: 0 not in user turns, 1 a run in one, 2 one each."""
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         """Prompt text for ``messages`` with the generation prompt; ``extra``: template variables."""
     def chat_text_tokens(self, text: str) -> list[int]:

@@ -186,6 +186,7 @@ class ScriptedBackend:
 
     chat_syntax = detect_format(None)
     user_turn_tokens: list[int] = []  # this format's turns are not marked by special tokens
+    tool_result_turns = 0
 
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: "

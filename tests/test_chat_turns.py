@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.chat.turns import last_turn_start, user_turn_opening
+from engine.chat.turns import last_turn_start, tool_result_turns, user_turn_opening, user_turns_after_last_user
 from engine.llama_backend.chat_template import ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -48,3 +48,47 @@ def test_the_last_start_is_found_and_a_missing_one_is_none():
 def test_the_last_start_is_what_a_plain_search_finds(tokens, opening):
     starts = [i for i in range(len(tokens) - len(opening) + 1) if tokens[i:i + len(opening)] == opening]
     assert last_turn_start(tokens, opening) == (starts[-1] if starts else None)
+
+
+EACH_TOOL = ("{% for m in messages %}{% if m['role'] in ('user', 'tool') %}<|u|>{% else %}<|a|>{% endif %}"
+             "{{ m['content'] }}<|e|>{% endfor %}")
+
+
+@pytest.mark.parametrize("source, turns", [
+    ((TEMPLATES / "qwen35_xml.jinja").read_text(), 1),  # a run of results in one user turn
+    ((TEMPLATES / "hermes.jinja").read_text(), 1),
+    (EACH_TOOL, 2),
+    (GEMMA, 0),  # a "tool" turn of its own
+])
+def test_how_a_template_writes_tool_results_is_found_by_rendering_two(source, turns):
+    render = renderer(source)
+    assert tool_result_turns(render, user_turn_opening(render)) == turns
+
+
+def test_the_user_turns_after_the_last_user_message_are_its_tool_results():
+    call = {"role": "assistant", "content": ""}
+    result = {"role": "tool", "content": "r"}
+    agent = [{"role": "system", "content": "s"}, {"role": "user", "content": "task"},
+             call, result, result, call, result]
+    assert user_turns_after_last_user(agent, 1) == 2  # two runs of results
+    assert user_turns_after_last_user(agent, 2) == 3
+    assert user_turns_after_last_user(agent, 0) == 0
+    assert user_turns_after_last_user(agent + [{"role": "user", "content": "more"}], 1) == 0
+    assert user_turns_after_last_user([{"role": "system", "content": "s"}], 1) is None  # no user message
+
+
+def test_skipped_starts_are_passed_over_from_the_end():
+    assert last_turn_start([1, 2, 9, 1, 2, 9, 1, 2], [1, 2], skip=1) == 3
+    assert last_turn_start([1, 2, 9, 1, 2, 9, 1, 2], [1, 2], skip=2) == 0
+    assert last_turn_start([1, 2, 9, 1, 2], [1, 2], skip=2) is None
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), min_size=1, max_size=3),
+       st.integers(0, 3))
+def test_skipping_finds_what_a_search_from_the_end_finds(tokens, opening, skip):
+    starts, end = [], len(tokens)  # occurrences from the end, not overlapping
+    for i in range(len(tokens) - len(opening), -1, -1):
+        if i + len(opening) <= end and tokens[i:i + len(opening)] == opening:
+            starts.append(i)
+            end = i
+    assert last_turn_start(tokens, opening, skip) == (starts[skip] if skip < len(starts) else None)

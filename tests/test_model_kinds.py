@@ -400,6 +400,36 @@ async def test_a_new_agent_starts_from_the_system_prompt_it_shares_with_the_slot
     assert fresh["choices"][0]["message"] == answer["choices"][0]["message"]
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", sorted(RECURRENT))
+async def test_an_agents_next_turn_is_cut_where_llama_server_cuts_it(kind):
+    """Qwen's template writes a tool's result in a user turn, but it is no user message: the
+    turn's checkpoints are llama-server's, 4 + n_ubatch and 4 tokens before its prompt's end,
+    and none where the result starts (a cut there left a chunk of a few dozen tokens, which
+    llama.cpp computes token by token against the whole context). The task's own user turn,
+    where the agent's first prompt was cut, keeps its checkpoint."""
+    messages = [{"role": "system", "content": "You are a coding agent. Call one tool at a time."},
+                {"role": "user", "content": "Find where the port is parsed."}]
+
+    async def tokens_before_last(server: AgentServer, marker: str) -> int:
+        async with server.http.post("/apply-template", json={"messages": messages, "tools": [READ]}) as r:
+            text = (await r.json())["prompt"]
+        async with server.http.post("/tokenize", json={"content": text[:text.rfind(marker)],
+                                                       "add_special": True, "parse_special": True}) as r:
+            return len((await r.json())["tokens"])
+
+    async with agent_chat(kind) as server:
+        task = await tokens_before_last(server, "<|im_start|>user")
+        await server.chat(messages, 0)
+        messages += agent_turn(0)
+        result = await tokens_before_last(server, "<|im_start|>user")  # the tool result's turn
+        end = (await server.chat(messages, 0))["usage"]["prompt_tokens"]
+        async with server.http.get("/slots") as r:
+            taken = {c["n_tokens"] for c in (await r.json())[0]["checkpoints"]}
+    assert task < result < end - 4
+    assert task in taken and end - 4 in taken and result not in taken, (task, result, end, sorted(taken))
+
+
 async def agents_take_turns(server: AgentServer, n_agents: int) -> None:
     """``n_agents`` agents take three steps each, in turn on slot 0: from the second step on,
     each comes back with all but the last 4 tokens of its previous prompt cached; the last

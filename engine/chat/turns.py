@@ -9,8 +9,15 @@ start and takes a checkpoint at the last one (``tools/server/server-context.cpp`
 template (llama.cpp's autoparser, ``user_start``). The same here: :func:`user_turn_opening`
 finds that text once per template, :func:`last_turn_start` finds its tokens in a prompt.
 
-Templates that render a tool's result as a user turn (Qwen's) make that the last user turn
-of an agent's prompt, as in llama-server.
+The turn is the last **user message**'s, as llama-server's spans have it: a template that
+renders a tool's result as a user turn (Qwen's) does not make that result a user message, and
+llama-server cuts an agent's next turn only where checkpoints near its end go. A cut at the
+result would also leave a chunk of a few dozen tokens, which llama.cpp's CPU attention
+computes token by token against the whole context (a 54-token chunk at ~4,000 tokens of
+context took longer than 458 tokens: docs/performance.md, "An agent's turn cut where
+llama-server cuts it"). :func:`tool_result_turns` finds once per template whether its tool
+results open user turns, :func:`user_turns_after_last_user` counts them in a conversation,
+and :func:`last_turn_start` skips that many.
 """
 from __future__ import annotations
 
@@ -46,9 +53,42 @@ def user_turn_opening(render: Callable[[list[dict[str, Any]], bool], str]) -> st
     return opening[cut:] or None
 
 
-def last_turn_start(tokens: list[int], opening: list[int]) -> int | None:
-    """Where the last occurrence of ``opening`` starts in ``tokens``; None when it is not there.
-    One backward scan for its first token at C speed, then a slice comparison per candidate."""
+def tool_result_turns(render: Callable[[list[dict[str, Any]], bool], str], opening: str | None) -> int:
+    """How ``render`` writes tool results: 0, not in user turns (or unknown); 1, consecutive
+    results share one user turn (Qwen's); 2, each opens its own."""
+    if not opening:
+        return 0
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in (1, 2)]
+    messages = [{"role": "user", "content": _FIRST}, {"role": "assistant", "content": _REPLY, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": _SECOND},
+                {"role": "tool", "tool_call_id": "c2", "content": _SECOND}]
+    try:
+        text = render(messages, False)
+    except Exception:  # a template without tool calls: its results are not user turns
+        return 0
+    after = text.find(_REPLY)
+    return 0 if after < 0 else min(2, text.count(opening, after))
+
+
+def user_turns_after_last_user(messages: list[Any], tool_turns: int) -> int | None:
+    """The user turns a template renders after the conversation's last user message (its tool
+    results', by :func:`tool_result_turns`); None when no message is the user's."""
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    if "user" not in roles:
+        return None
+    last = len(roles) - 1 - roles[::-1].index("user")
+    after = roles[last + 1:]
+    if tool_turns == 2:
+        return after.count("tool")
+    if tool_turns == 1:  # a run of results is one turn
+        return sum(1 for i, role in enumerate(after) if role == "tool" and (i == 0 or after[i - 1] != "tool"))
+    return 0
+
+
+def last_turn_start(tokens: list[int], opening: list[int], skip: int = 0) -> int | None:
+    """Where the last occurrence of ``opening`` starts in ``tokens`` (``skip``: that many later
+    ones passed over first); None when it is not there. One backward scan for its first token
+    at C speed, then a slice comparison per candidate."""
     if not opening or len(tokens) < len(opening):
         return None
     head, back = opening[0], tokens[::-1]
@@ -60,5 +100,9 @@ def last_turn_start(tokens: list[int], opening: list[int]) -> int | None:
             return None
         start = len(tokens) - 1 - at
         if tokens[start:start + len(opening)] == opening:
-            return start
+            if not skip:
+                return start
+            skip -= 1
+            at += len(opening)  # occurrences do not overlap
+            continue
         at += 1

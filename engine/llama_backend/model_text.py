@@ -14,7 +14,7 @@ import numpy as np
 import llama_cpp.llama_cpp as L
 
 from ..chat.formats import ChatFormat, detect_format
-from ..chat.turns import user_turn_opening
+from ..chat.turns import tool_result_turns, user_turn_opening
 from ..utf8 import utf8_masks
 from . import vocab
 from .chat_template import ChatTemplate
@@ -49,6 +49,7 @@ class ModelText:
             self._check_chat_template()  # refuses an unsupported --chat-template at start too)
         self._chat_syntax: ChatFormat | None = None
         self._user_turn_tokens: list[int] | None = None
+        self._tool_result_turns = 0
         self._utf8_masks: np.ndarray | None = None
         self._pieces: list[bytes] | None = None
         # tokens' text, each asked of llama.cpp once (a dict read instead of a call, ~3 µs a
@@ -156,9 +157,24 @@ class ModelText:
         """The tokens that open a user turn in this template's prompts (``engine.chat.turns``;
         empty when the template does not show them): a checkpoint goes where the last starts."""
         if self._user_turn_tokens is None:
-            opening = user_turn_opening(lambda messages, gen: self.apply_chat_template(messages, gen))
-            self._user_turn_tokens = self.tokenize(opening, add_special=False, parse_special=True) if opening else []
+            self._probe_turns()
         return self._user_turn_tokens
+
+    @property
+    def tool_result_turns(self) -> int:
+        """Whether this template writes tool results in user turns (``engine.chat.turns``):
+        0 no, 1 a run of results in one, 2 one each."""
+        if self._user_turn_tokens is None:
+            self._probe_turns()
+        return self._tool_result_turns
+
+    def _probe_turns(self) -> None:
+        def render(messages: list[dict[str, Any]], gen: bool) -> str:
+            return self.apply_chat_template(messages, gen)
+
+        opening = user_turn_opening(render)
+        self._tool_result_turns = tool_result_turns(render, opening)
+        self._user_turn_tokens = self.tokenize(opening, add_special=False, parse_special=True) if opening else []
 
     def utf8_masks(self) -> np.ndarray:
         """bool[4, n_vocab]: row k says which tokens keep the text valid UTF-8 when it ends
