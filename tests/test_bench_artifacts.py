@@ -359,21 +359,25 @@ def test_agent_turn_summary_takes_per_turn_ratios_to_llama_server():
     assert "| 2 | turn, send to last reply's end | 150 | 165 | 1.050 (0.90–1.20) |" in table
 
 
-@pytest.mark.parametrize("folder, same_prompts_from", [("tiny-hybrid-wide", 0), ("tiny-hybrid-wide-4-agents", 3)])
-def test_the_agent_turns_tables_in_the_docs_are_made_of_their_committed_runs(folder, same_prompts_from):
+@pytest.mark.parametrize("folder, same_prompts_from, model, until", [
+    ("tiny-hybrid-wide", 0, "tiny-hybrid-wide", None), ("tiny-hybrid-wide-4-agents", 3, "tiny-hybrid-wide", None),
+    ("tiny-moe", 0, "tiny-moe", 11), ("tiny-moe-before-bafa853", 0, "tiny-moe", 11)])
+def test_the_agent_turns_tables_in_the_docs_are_made_of_their_committed_runs(folder, same_prompts_from, model, until):
     """docs/performance/agent-turns/FOLDER/run-N.json are the runs of "Agents' turns against
-    llama-server" (and of "More agents than slots" there): the table built from them
-    (``agent_turns --table``) is the page's, and both servers computed the same prompts (with
-    four agents, from the fourth turn on: llama-server recomputes some before)."""
+    llama-server" (and of "More agents than slots" there, and of "An agent's turn cut where
+    llama-server cuts it"): the table built from them (``agent_turns --table``) is the page's,
+    and both servers computed the same prompts (with four agents, from the fourth turn on:
+    llama-server recomputes some before; on tiny-moe but the two agents' last turn, where ours
+    finds the first agent's prompt cached from the one-agent phase but 4 tokens)."""
     from tools.bench.agent_turns import runs_table
     from tools.bench.common import load_runs
 
     runs = load_runs(DOCS_RUNS / "agent-turns" / folder)
-    assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
+    assert len(runs) == 3 and all(r["model"] == model for r in runs)
     assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
     for run in runs:
         for turns in run["samples"].values():
-            ours, theirs = ([t["prompt_n"] for t in turns[k][same_prompts_from:]] for k in ("ours", "llama-server"))
+            ours, theirs = ([t["prompt_n"] for t in turns[k][same_prompts_from:until]] for k in ("ours", "llama-server"))
             assert ours == theirs
 
 
