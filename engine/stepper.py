@@ -28,7 +28,7 @@ import numpy as np
 
 from .backend import BatchItem, ModelBackend
 from .chat.formats import generation_opens_reasoning
-from .chat.turns import last_turn_start, user_turns_after_last_user
+from .chat.turns import last_user_message_start
 from .checkpoints import Checkpoints
 from .jobs import BadInput, GenJob, GenRequest, KvCacheFull, TokenEvent
 from .prompt_cache import PromptCache
@@ -180,8 +180,8 @@ def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) 
         raise BadInput(f"prompt of {len(target)} tokens does not fit the slot context of {n_ctx_slot}")
     if job.request.messages is not None and cache.checkpoints.wanted(model):  # only where checkpoints are taken
         # the last user message's turn, as llama-server's spans: not a tool result's user turn
-        skip = user_turns_after_last_user(job.request.messages, model.tool_result_turns)
-        r.user_turn = None if skip is None else last_turn_start(target, model.user_turn_tokens, skip)
+        r.user_turn = last_user_message_start(target, model.user_turn_tokens, job.request.messages,
+                                              model.tool_result_turns)
     # the last token must be decoded (again) to get its logits — unless they came with the state
     given, slot.last_logits = slot.last_logits, None
     given = given if need_logits and not slot.tail and target == slot.tokens else None

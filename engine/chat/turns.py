@@ -17,7 +17,7 @@ computes token by token against the whole context (a 54-token chunk at ~4,000 to
 context took longer than 458 tokens: docs/performance.md, "An agent's turn cut where
 llama-server cuts it"). :func:`tool_result_turns` finds once per template whether its tool
 results open user turns, :func:`user_turns_after_last_user` counts them in a conversation,
-and :func:`last_turn_start` skips that many.
+and :func:`last_turn_start` skips that many (:func:`last_user_message_start`, both).
 """
 from __future__ import annotations
 
@@ -83,6 +83,15 @@ def user_turns_after_last_user(messages: list[Any], tool_turns: int) -> int | No
     if tool_turns == 1:  # a run of results is one turn
         return sum(1 for i, role in enumerate(after) if role == "tool" and (i == 0 or after[i - 1] != "tool"))
     return 0
+
+
+def last_user_message_start(tokens: list[int], opening: list[int], messages: list[Any],
+                            tool_turns: int) -> int | None:
+    """Where the turn of ``messages``' last user message starts in their rendered ``tokens``
+    (``opening``: the template's user-turn tokens; ``tool_turns``: :func:`tool_result_turns`);
+    None when it is not found or no message is the user's."""
+    skip = user_turns_after_last_user(messages, tool_turns)
+    return None if skip is None else last_turn_start(tokens, opening, skip)
 
 
 def last_turn_start(tokens: list[int], opening: list[int], skip: int = 0) -> int | None:
