@@ -99,3 +99,30 @@ async def test_openai_completion_and_chat_with_a_fixed_seed(gemma):
         assert 1 <= chat.usage.completion_tokens <= 8
     finally:
         await client.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_context_reserves_one_logits_row_per_slot_as_llama_server_does(capsys):
+    """A decode asks for at most one logits row per slot, so the context reserves no more
+    (llama-server's ``server_output_limits``). llama.cpp's default, ``n_batch`` rows, sizes the
+    compute buffer for a ubatch of logits rows, on Gemma's 262,144-token vocabulary more than
+    the 512 MiB of those rows alone; with one row per slot it is ~22 MiB."""
+    from engine.llama_backend import LoadedModel, set_llama_logging
+    from engine.model_files import resolve_model
+
+    set_llama_logging(True)  # llama.cpp's lines to sys.stderr, which capsys holds
+    try:
+        m = LoadedModel(resolve_model("gemma-270m"), n_ctx=4096, n_seq_max=4, n_batch=2048, n_threads=1,
+                        kv_unified=False)
+    finally:
+        set_llama_logging(False)
+    try:
+        logged = capsys.readouterr().err
+        outputs = re.search(r"n_outputs_max\s+=\s+(\d+)", logged)
+        compute = re.search(r"CPU compute buffer size =\s+([\d.]+) MiB", logged)
+        assert outputs and compute, logged[-2000:]
+        assert int(outputs.group(1)) == 4
+        logits_rows_mib = m.n_ubatch * m.n_vocab * 4 / 2**20
+        assert float(compute.group(1)) < logits_rows_mib / 10, (compute.group(0), logits_rows_mib)
+    finally:
+        m.close()

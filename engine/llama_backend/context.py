@@ -60,6 +60,12 @@ def context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, 
     cparams.n_threads = n_threads
     cparams.n_threads_batch = int(n_threads_batch) if n_threads_batch and n_threads_batch > 0 else n_threads
     cparams.kv_unified = bool(kv_unified)
+    # a decode asks for one logits row per sequence at most (LlamaBatch.fill), so the context
+    # reserves that many outputs, as llama-server does (server_output_limits); llama.cpp's
+    # default of n_batch sizes the compute buffer for a whole ubatch of logits rows: n_ubatch
+    # times the vocabulary in floats, ~500 MiB on a 256K vocabulary, never used
+    cparams.n_outputs_max = int(n_seq_max)
+    cparams.n_outputs_max_per_seq = 1
     cparams.no_perf = True
     set_fields(cparams, extra, "llama_context_params")
     return cparams
