@@ -137,6 +137,7 @@ def test_probes_and_ok_requests_are_debug_and_a_summary_counts_them(tiny_model_p
         assert [(r["level"], r["status"]) for r in requests] == [("INFO", "NOT_FOUND")], requests
         summary = next(r for r in records if r["msg"] == "summary")
         assert summary["level"] == "INFO" and {"tokens", "prompt_tokens", "slots_busy"} <= set(summary)
+        assert not [r for r in records if r.get("logger") == "engine.llama_cpp"]  # llama.cpp's lines: verbose only
 
 
 def test_verbose_shows_every_request(tiny_model_path):
@@ -147,6 +148,8 @@ def test_verbose_shows_every_request(tiny_model_path):
         _until_counted(p, hydra=1, http=1)
         assert re.search(r" DEBUG hydra_rpc\.http: http method=GET path=/slots status=\d+", p.log), p.log
         assert re.search(r" DEBUG hydra_rpc: request op=INFO .*status=OK", p.log), p.log
+        # llama.cpp's own lines too, as llama-server shows them when verbose, in the server's format
+        assert re.search(r" DEBUG engine\.llama_cpp: llama_context: n_ctx\s+= \d+$", p.log, re.M), p.log
 
 
 def test_serve_port_0_makes_the_http_port_free_too(tiny_model_path):

@@ -589,3 +589,29 @@ def test_a_tokens_text_is_asked_of_llama_cpp_once_up_to_the_bound(tiny_model_pat
         assert m.token_to_piece(1, special=True) == m.token_pieces()[1]  # special text is not the cache's
     finally:
         m.close()
+
+
+def test_llama_cpps_lines_reach_the_engine_logger_whole_and_only_when_it_is_at_debug() -> None:
+    """llama.cpp writes a line in pieces (a piece of level CONT goes on the one before): the
+    logger gets whole lines, one record each, and none unless it is at DEBUG."""
+    import logging
+
+    from engine.llama_backend import runtime
+
+    got: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: got.append(record.getMessage())  # type: ignore[method-assign]
+    log, level = runtime.llama_log, runtime.llama_log.level
+    log.addHandler(handler)
+    try:
+        log.setLevel(logging.INFO)
+        runtime._log_cb_impl(2, b"print_info: quiet\n", None)
+        assert got == []
+        log.setLevel(logging.DEBUG)
+        runtime._log_cb_impl(2, b"print_info: n_vocab = ", None)
+        runtime._log_cb_impl(5, b"512\nload_tensors: \x1b[31m", None)
+        runtime._log_cb_impl(5, b"done\n", None)
+        assert got == ["print_info: n_vocab = 512", "load_tensors: \x1b[31mdone"]  # the formatter escapes it
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

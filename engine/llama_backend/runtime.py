@@ -2,12 +2,16 @@
 
 llama.cpp logs through one callback per process. We keep it silent by default but remember
 the last warnings and errors, which turn an opaque failure (a NULL model, a decode that
-returns 1) into an error message that says why.
+returns 1) into an error message that says why. With the ``engine`` loggers at DEBUG (``-v``,
+``-lv 4`` and up, ``--log-level DEBUG``) every line goes to ``engine.llama_cpp`` too, as
+llama-server shows llama.cpp's lines when verbose: through the server's formatter, escaped
+(a grammar's parse error quotes the client's grammar).
 """
 from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import os
 import sys
 import threading
@@ -47,6 +51,9 @@ class StateError(LlamaBackendError):
 _GGML_LOG_WARN, _GGML_LOG_ERROR, _GGML_LOG_CONT = 3, 4, 5  # ggml.h enum ggml_log_level
 _recent_errors: collections.deque[str] = collections.deque(maxlen=16)
 _log_state = {"verbose": False, "last_level": 0}
+llama_log = logging.getLogger("engine.llama_cpp")
+_partial = threading.local()  # per thread: a line llama.cpp writes in pieces, until its newline
+_LONGEST_LINE = 4096
 
 
 def _log_cb_impl(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
@@ -60,8 +67,21 @@ def _log_cb_impl(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None
         if _log_state["verbose"]:
             sys.stderr.write(s)
             sys.stderr.flush()
+        if llama_log.isEnabledFor(logging.DEBUG):
+            _forward(s)
     except Exception:  # never raise into C
         pass
+
+
+def _forward(text: str) -> None:
+    """llama.cpp's text to ``engine.llama_cpp``, a record per complete line."""
+    *lines, rest = (getattr(_partial, "text", "") + text).split("\n")
+    if len(rest) > _LONGEST_LINE:  # a line that never ends still goes out, in records this long
+        lines, rest = lines + [rest], ""
+    _partial.text = rest
+    for line in lines:
+        if line.strip():
+            llama_log.debug("%s", line)
 
 
 # keep a module-level reference: llama.cpp stores the raw function pointer

@@ -158,7 +158,8 @@ _NO_EFFECT = {
     **dict.fromkeys(["--log-disable", "--log-file", "--log-jsonl", "--log-prompts-dir", "--log-colors",
                      "--log-prefix", "--log-timestamps"], _LOG),
     **dict.fromkeys(["--verbose", "--verbosity"], "hydra-llama-engine maps it onto --log-level (-v: DEBUG; -lv N: "
-                                                  "<= 1 ERROR, 2 WARNING, 3 INFO, >= 4 DEBUG); serve: use --log-level"),
+                                                  "<= 1 ERROR, 2 WARNING, 3 INFO, >= 4 DEBUG, with llama.cpp's own "
+                                                  "lines); serve: use --log-level"),
     **dict.fromkeys(["--cpu-mask", "--cpu-range", "--cpu-strict", "--poll", "--cpu-mask-batch", "--cpu-range-batch",
                      "--cpu-strict-batch", "--poll-batch", "--numa"], _THREADS),
     "--cache-idle-slots": "the prompt cache saves a slot's state when another conversation takes it, not before",
