@@ -183,6 +183,20 @@ def test_the_binary_port_table_in_the_docs_is_made_of_its_committed_runs():
     assert [line for line in rows if line not in page] == []
 
 
+def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed_runs():
+    """"The default-flags reload on this host, the old tree beside the new": for each tree, the
+    table built from its two committed reload-stall runs, each row in the page."""
+    folder = DOCS_RUNS / "reload-stall-3418ac1-vs-e1ed976"
+    page = (REPO / "docs" / "performance.md").read_text().splitlines()
+    for commit in ("3418ac1", "e1ed976"):
+        runs = [load_results(folder / commit / f"run-{r}") for r in (1, 2)]
+        assert all(run[0].scenario == "reload-stall" and run[0].machine["git_commit"] == commit for run in runs)
+        rows = [line for line in combined_table(runs).splitlines()
+                if line.startswith("| ") and not line.startswith("| scenario |")]
+        assert len(rows) == 9
+        assert [line for line in rows if line not in page] == []
+
+
 @pytest.mark.parametrize("folder_name", ["vs-llama-server-75443f2", "vs-llama-server-9c29522",
                                          "vs-llama-server-tiny-75443f2", "vs-llama-server-2269a8d",
                                          "vs-llama-server-tiny-2269a8d", "vs-llama-server-ee20f51",
