@@ -611,7 +611,10 @@ def test_llama_cpps_lines_reach_the_engine_logger_whole_and_only_when_it_is_at_d
         runtime._log_cb_impl(2, b"print_info: n_vocab = ", None)
         runtime._log_cb_impl(5, b"512\nload_tensors: \x1b[31m", None)
         runtime._log_cb_impl(5, b"done\n", None)
-        assert got == ["print_info: n_vocab = 512", "load_tensors: \x1b[31mdone"]  # the formatter escapes it
+        runtime._log_cb_impl(2, b"..", None)  # the load's progress dots, no newline
+        runtime._log_cb_impl(1, b"repack: a tensor\n", None)
+        assert got == ["print_info: n_vocab = 512", "load_tensors: \x1b[31mdone",  # the formatter escapes it
+                       "..", "repack: a tensor"]
     finally:
         log.removeHandler(handler)
         log.setLevel(level)

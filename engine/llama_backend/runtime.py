@@ -68,14 +68,19 @@ def _log_cb_impl(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None
             sys.stderr.write(s)
             sys.stderr.flush()
         if llama_log.isEnabledFor(logging.DEBUG):
-            _forward(s)
+            _forward(s, level == _GGML_LOG_CONT)
     except Exception:  # never raise into C
         pass
 
 
-def _forward(text: str) -> None:
-    """llama.cpp's text to ``engine.llama_cpp``, a record per complete line."""
-    *lines, rest = (getattr(_partial, "text", "") + text).split("\n")
+def _forward(text: str, cont: bool) -> None:
+    """llama.cpp's text to ``engine.llama_cpp``, a record per complete line; a piece that is not
+    a continuation starts a new line (the load's progress dots end without one)."""
+    before = getattr(_partial, "text", "")
+    if before and not cont:
+        llama_log.debug("%s", before)
+        before = ""
+    *lines, rest = (before + text).split("\n")
     if len(rest) > _LONGEST_LINE:  # a line that never ends still goes out, in records this long
         lines, rest = lines + [rest], ""
     _partial.text = rest
