@@ -35,7 +35,6 @@ from .slot_state_ops import SlotStateOps
 from .slots import Slot, SlotSnapshot
 from .status import ConfigureOutcome, ModelIdentity, ReloadState, ReloadStatus
 from .stepper import Running, job_input, run_step, tokenize_on_loop
-from .tokenizer_thread import TokenizerThread, Tokenized
 
 log = logging.getLogger("engine.actor")
 
@@ -68,7 +67,6 @@ class EngineActor(SlotStateOps):
         self.cache = PromptCache.build(self.slots, cfg.model, cfg.cache_ram_mib, cfg.slot_save_path,
                                        cfg.ctx_checkpoints, cfg.checkpoint_min_step)
         self._task: asyncio.Task | None = None
-        self.tokenizer = TokenizerThread()  # long inputs, tokenized beside the decode
         self._state_buf = LeasedBuffer(bytearray)
         self.priorities: dict[str, str] = {}  # thread → scheduling, as set at start (INFO ``priorities``)
         self.compute_threads: ComputeThreads | None = None
@@ -80,7 +78,6 @@ class EngineActor(SlotStateOps):
             Submit: self._on_submit, StateGet: self._on_state_get, StatePut: self._on_state_put,
             Erase: self._on_erase, Configure: self._on_configure, Wake: self._on_wake, WithModel: self._on_with_model,
             BuildDone: self.reloader.on_build_done, DrainTimeout: self.reloader.on_drain_timeout,
-            Tokenized: self._on_tokenized,
         }
         self._publish()
 
@@ -123,7 +120,6 @@ class EngineActor(SlotStateOps):
         self.scheduler.stop_all(EngineUnavailable("engine stopping"), self._serving())
         for slot in self.slots:
             self.erases.answer(slot, 0, EngineUnavailable("engine stopping"))
-        await self.tokenizer.close(EngineUnavailable("engine stopping"))  # before its model is freed
         if self.loader is not None:
             self.reloader.cancel("engine stopping")
             if self.model is not None:
@@ -367,28 +363,15 @@ class EngineActor(SlotStateOps):
     async def _on_submit(self, msg: Submit) -> None:
         job, model = msg.job, self.model
         if job.slot is None and model is not None and self.cfg.slot_prompt_similarity > 0:
-            # the slot is chosen by the prompt's tokens: tokenize first, a long input beside the decode
-            if not tokenize_on_loop(job.request, idle=not self.scheduler.running):
-                self.tokenizer.start(job, model, self.post)
-                return
-            try:
-                job.tokenized = (model, job_input(model, job, False))
+            try:  # the slot is chosen by the prompt's tokens: tokenize now (long inputs on the inference thread)
+                on_loop = tokenize_on_loop(job.request, idle=not self.scheduler.running)
+                tokens = job_input(model, job, False) if on_loop else \
+                    await asyncio.get_running_loop().run_in_executor(self._infer, job_input, model, job, False)
+                job.tokenized = (model, tokens)
             except Exception as e:
                 fail(job, e)
                 return
         self.scheduler.offer(job, self._serving())
-        self._publish()
-
-    async def _on_tokenized(self, msg: Tokenized) -> None:
-        try:
-            tokens = self.tokenizer.take(msg)
-        except Exception as e:
-            fail(msg.job, e)
-            return
-        if tokens is None:
-            return  # failed already: the engine is stopping
-        msg.job.tokenized = (msg.model, tokens)
-        self.scheduler.offer(msg.job, self._serving())
         self._publish()
 
     # ------------------------------------------------------------------ configure
@@ -415,7 +398,7 @@ class EngineActor(SlotStateOps):
 
     # ------------------------------------------------------------------ for the Reloader
     def quiescent(self) -> bool:
-        return self.scheduler.quiescent() and not self.tokenizer.pending
+        return self.scheduler.quiescent()
 
     def busy_slots(self) -> list[int]:
         return self.scheduler.busy_slots()

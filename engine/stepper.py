@@ -91,21 +91,21 @@ def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[i
 
 
 # Tokenizing this much text takes at most ~0.1 ms (Gemma 3's vocabulary: a 30-character prompt
-# 19 µs, 1,000 characters 260 µs): less than a hop to the tokenizer thread and back
+# 19 µs, 1,000 characters 260 µs): less than a hop to the inference thread and back
 LOOP_TOKENIZE_CHARS = 512
 # With no job running the loop has no stream to serve meanwhile, and the hop (~250 µs on a
 # 2-core host, a cold ~1,200-token prompt's first token 0.7 % of its time) is the only cost
 # left: the loop tokenizes up to this much (Gemma's vocabulary ~4 ms), a longer input still
-# goes to the tokenizer thread so that /health and /slots stay answered.
+# goes to the inference thread so that /health and /slots stay answered.
 IDLE_LOOP_TOKENIZE_CHARS = 16384
 MESSAGE_MARKUP_CHARS = 16  # what the chat template adds around each message, roughly
 
 
 def tokenize_on_loop(request: GenRequest, idle: bool = False) -> bool:
     """Whether the request's input is cheap enough to tokenize on the event loop where the
-    slot is chosen, instead of a round trip through the tokenizer thread
-    (:mod:`engine.tokenizer_thread`) that costs a short request's time to first token more than
-    the tokenizing does (``idle``: no job runs, so a longer input is cheap enough too). llama.cpp's tokenizer only reads the vocabulary
+    slot is chosen, instead of a round trip through the inference thread that costs a short
+    request's time to first token more than the tokenizing does (``idle``: no job runs, so a
+    longer input is cheap enough too). llama.cpp's tokenizer only reads the vocabulary
     (llama-server tokenizes on its HTTP threads while it decodes), and a live model is never
     freed (the reloader frees only the one it replaced).
 
@@ -122,7 +122,7 @@ def tokenize_on_loop(request: GenRequest, idle: bool = False) -> bool:
         for m in request.messages:  # stops at the first message past the budget, however many follow
             size = _rendered_chars(m)
             if size is None:
-                return False  # content parts: left to the tokenizer thread
+                return False  # content parts: left to the inference thread
             left -= size + MESSAGE_MARKUP_CHARS
             if left < 0:
                 return False

@@ -4,8 +4,6 @@ over every slot; when all are busy the job waits in one shared, bounded queue.
 (Over HTTP with the real model: test_prompt_cache_llama.)"""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from engine.jobs import BadInput, EngineBusy, GenRequest
@@ -73,12 +71,12 @@ def test_choose_slot_by_similarity_threshold_then_lru():
 
 
 @pytest.mark.asyncio
-async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on_the_tokenizer_thread():
+async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on_the_inference_thread():
     """Choosing a slot by similarity needs the prompt's tokens: a short input is tokenized on
     the event loop (a round trip through the inference thread cost more than the tokenizing);
     with nothing running a longer one is too, a chat with tools included, up to a bound on what
     it renders; past it, or a long input or any chat with tools while a job runs, on the
-    tokenizer thread; either way only once."""
+    inference thread; either way only once."""
     import threading
 
     from engine.stepper import IDLE_LOOP_TOKENIZE_CHARS, LOOP_TOKENIZE_CHARS
@@ -95,8 +93,8 @@ async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on
         def tokenized_on_loop() -> bool:
             return len(where) == 1 and where[0] == loop_thread
 
-        def tokenized_beside() -> bool:
-            return len(where) == 1 and where[0].startswith("hydra-tokenizer")
+        def tokenized_on_inference_thread() -> bool:
+            return len(where) == 1 and where[0].startswith("hydra-inference")
 
         model.tokenize = tokenize
         loop_thread = threading.current_thread().name
@@ -108,7 +106,7 @@ async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on
         where.clear()
         with pytest.raises(BadInput, match="does not fit"):  # tokenized first, then too long
             await run(env.engine, GenRequest(None, prompt="x" * (IDLE_LOOP_TOKENIZE_CHARS + 1), n_predict=1))
-        assert tokenized_beside()
+        assert tokenized_on_inference_thread()
         where.clear()
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1))
         assert tokenized_on_loop()
@@ -116,7 +114,7 @@ async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on
         many = [{"role": "user", "content": "hi"}] * (IDLE_LOOP_TOKENIZE_CHARS // 8)  # short each, long together
         with pytest.raises(BadInput, match="does not fit"):
             await run(env.engine, GenRequest(None, messages=many, n_predict=1))
-        assert tokenized_beside()
+        assert tokenized_on_inference_thread()
         where.clear()
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1,
@@ -127,20 +125,19 @@ async def test_a_short_input_is_tokenized_where_the_slot_is_chosen_a_long_one_on
         big = [{"type": "function", "function": {"name": "f", "description": "d" * IDLE_LOOP_TOKENIZE_CHARS}}]
         await run(env.engine, GenRequest(None, messages=[{"role": "user", "content": "hi"}], n_predict=1,
                                          template_vars={"tools": big}))  # (the scripted template renders no tools)
-        assert tokenized_beside()
+        assert tokenized_on_inference_thread()
         where.clear()
         call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "a" * IDLE_LOOP_TOKENIZE_CHARS}}
         turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": "c", "content": "ok"}]
         await run(env.engine, GenRequest(None, messages=turns, n_predict=1, template_vars={"tools": tools}))
-        assert tokenized_beside()
+        assert tokenized_on_inference_thread()
 
 
 @pytest.mark.asyncio
-async def test_a_longer_input_arriving_while_a_job_runs_is_tokenized_while_the_steps_go_on():
+async def test_a_longer_input_arriving_while_a_job_runs_is_tokenized_on_the_inference_thread():
     """With a stream running, the loop that writes its tokens does not tokenize a prompt past
-    the short bound, and neither does the inference thread between two steps (every stream
-    would wait for it): the tokenizer thread does, and the running job steps on meanwhile."""
+    the short bound: the inference thread does, between steps."""
     import threading
 
     from engine.stepper import LOOP_TOKENIZE_CHARS
@@ -148,14 +145,10 @@ async def test_a_longer_input_arriving_while_a_job_runs_is_tokenized_while_the_s
     async with scripted_engine(n_slots=2, n_ctx_slot=1024, stepped=True) as env:
         model = env.engine.actor.model
         where: dict[str, str] = {}
-        entered, release = threading.Event(), threading.Event()
         real = model.tokenize
 
         def tokenize(text, *args, **kwargs):
             where[text[:5]] = threading.current_thread().name
-            if text.startswith("xxxxx"):
-                entered.set()
-                release.wait(30)
             return real(text, *args, **kwargs)
 
         model.tokenize = tokenize
@@ -166,48 +159,10 @@ async def test_a_longer_input_arriving_while_a_job_runs_is_tokenized_while_the_s
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         agent = env.engine.submit(GenRequest(None, messages=[{"role": "user", "content": "agent"}], n_predict=1,
                                              template_vars={"tools": tools}))
-        await env.step()  # the actor takes both between two steps and steps on: held at the next
-        assert await asyncio.to_thread(entered.wait, 30)  # the longer input is being tokenized…
-        assert env.held and env.actor.stats["steps"] == 1  # …and the running job's next step did not wait
-        assert not longer.finished()
-        release.set()
         await env.finish(running)
         await env.finish(longer)
         await env.finish(agent)
         assert where["first"] == threading.current_thread().name  # nothing ran yet: on the loop
-        assert where["xxxxx"].startswith("hydra-tokenizer")
+        assert where["xxxxx"].startswith("hydra-inference")
         agent_text = [k for k in where if k not in ("first", "xxxxx")]
-        assert agent_text and where[agent_text[0]].startswith("hydra-tokenizer")  # a chat with tools: never short
-
-
-@pytest.mark.asyncio
-async def test_a_pending_tokenization_holds_a_reload_and_stopping_fails_its_job():
-    """The model a tokenization reads stays: while one is pending the engine is not quiescent
-    (no reload swaps or frees that model), and stopping the engine fails the job and waits for
-    the tokenization before the model goes."""
-    import threading
-
-    from engine.jobs import EngineUnavailable
-    from engine.stepper import IDLE_LOOP_TOKENIZE_CHARS
-
-    async with scripted_engine(n_slots=2, n_ctx_slot=1024) as env:
-        model = env.engine.actor.model
-        entered, release = threading.Event(), threading.Event()
-        real = model.tokenize
-
-        def tokenize(text, *args, **kwargs):
-            entered.set()
-            release.wait(30)
-            return real(text, *args, **kwargs)
-
-        model.tokenize = tokenize
-        job = env.engine.submit(GenRequest(None, prompt="x" * (IDLE_LOOP_TOKENIZE_CHARS + 1), n_predict=1))
-        await env.wait_for(entered.is_set, "the tokenizer thread reads the input")
-        assert not env.actor.quiescent()
-        stopping = asyncio.ensure_future(env.engine.stop())
-        await env.wait_for(lambda: job.finished(), "the pending job failed by the stop")
-        assert not stopping.done() and env.actor.model is not None  # the model waits for the tokenizer
-        release.set()
-        await asyncio.wait_for(stopping, 30)
-        with pytest.raises(EngineUnavailable):
-            await job.result()
+        assert agent_text and where[agent_text[0]].startswith("hydra-inference")  # a chat with tools: never short
