@@ -177,11 +177,16 @@ def test_the_binary_port_table_in_the_docs_is_made_of_its_committed_runs():
     folder = DOCS_RUNS / "binary-port-9d34715"
     runs = [load_results(folder / f"run-{r}") for r in (1, 2, 3)]
     assert all(len(run) == 4 for run in runs)
-    rows = [line for line in combined_table(runs).splitlines()
-            if line.startswith("| ") and not line.startswith("| scenario |")]
+    rows = _table_rows(runs)
     assert len(rows) == 15
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in page] == []
+
+
+def _table_rows(runs: list) -> list[str]:
+    """The figure rows of the combined table of ``runs`` (its header lines left out)."""
+    return [line for line in combined_table(runs).splitlines()
+            if line.startswith("| ") and not line.startswith("| scenario |")]
 
 
 def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed_runs():
@@ -192,8 +197,7 @@ def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed
     for commit in ("3418ac1", "e1ed976"):
         runs = [load_results(folder / commit / f"run-{r}") for r in (1, 2)]
         assert all(run[0].scenario == "reload-stall" and run[0].machine["git_commit"] == commit for run in runs)
-        rows = [line for line in combined_table(runs).splitlines()
-                if line.startswith("| ") and not line.startswith("| scenario |")]
+        rows = _table_rows(runs)
         assert len(rows) == 9
         assert [line for line in rows if line not in page] == []
 
