@@ -19,6 +19,12 @@ As llama-server does (server-context.cpp, ``create_checkpoint`` and its callers)
 * and, in a chat, before the chunk where the prompt's last user turn starts
   (``engine.chat.turns``, llama-server's ``message_spans``): the next conversation with the
   same system prompt and tools restores there;
+* beyond llama-server, where a prompt parted from the slot's tokens when no checkpoint was
+  there (``diverged``): the prompt restored an earlier one and computes the tokens between
+  again. Prompts that share a prefix part at its end (another question on the same document,
+  another conversation after the same system prompt), so the next one restores there and
+  computes only its own part, as a memory that can be cut back does — llama-server computes
+  about one ubatch again for each. Taken only where that saves at least DIVERGED_MIN_TOKENS;
 * at most ``max_per_slot`` per slot: when full, one within ``min_step`` tokens of the
   checkpoint before it goes first, else the oldest; one at the same position is replaced;
 * restored when a new prompt diverges inside the slot's tokens (``best`` + ``restore``):
@@ -41,6 +47,10 @@ END_OFFSET = 4
 #: buffers of dropped checkpoints a slot keeps for the next ones it takes (a prompt takes two):
 #: a new buffer of tens of MiB costs ten times the copy into it, mostly the kernel's page faults
 SPARE_PER_SLOT = 2
+#: tokens a prompt must compute again before the point where it parted from the slot's tokens
+#: for a checkpoint there: below that, the next prompt's recompute costs about what the copy
+#: does (on the fleet's model a checkpoint is ~60 MiB, a token of prefill far more than its share)
+DIVERGED_MIN_TOKENS = 64
 
 
 @dataclass
@@ -70,13 +80,31 @@ class Checkpoints:
         return self.max_per_slot > 0 and (model.recurrent or (model.n_swa > 0 and not model.kv_shareable))
 
     @staticmethod
-    def points(end: int, n_batch: int, n_ubatch: int, user_turn: int | None = None) -> tuple[int, ...]:
+    def points(end: int, n_batch: int, n_ubatch: int, *marks: int | None) -> tuple[int, ...]:
         """Where checkpoints of a prompt of ``end`` tokens are taken, in order: before its end,
-        and where its last user turn starts (``user_turn``, a chat's: engine.chat.turns)."""
+        and at ``marks`` (where its last user turn starts, a chat's: engine.chat.turns; where it
+        parted from the slot's tokens: :meth:`diverged`)."""
         at = {end - min(n_batch, END_OFFSET + n_ubatch), end - min(n_batch, END_OFFSET)}
-        if user_turn is not None:
-            at.add(user_turn)
+        at.update(m for m in marks if m is not None)
         return tuple(sorted(p for p in at if 0 < p < end))
+
+    @staticmethod
+    def diverged(kept: int, common: int, end: int, newest: int | None) -> int | None:
+        """Where to checkpoint a prompt of ``end`` tokens that shares ``common`` tokens with
+        what its slot held but kept only ``kept`` of them (restored at an earlier checkpoint):
+        at ``common``, when the prompt goes on past it, computes enough again before it, and
+        rewrote what an earlier prompt fed — it parts before the slot's ``newest`` checkpoint
+        (a prompt's last is 4 tokens before its end). An agent's next turn parts after it, in
+        the answer the template renders anew, and its own prompt's checkpoints serve the turn
+        after: one there would be a copy for nothing."""
+        if common - kept < DIVERGED_MIN_TOKENS or common >= end:
+            return None
+        return common if newest is None or common < newest else None
+
+    def newest(self, seq: int) -> int | None:
+        """The longest prefix one of ``seq``'s checkpoints holds (None: it has none)."""
+        kept = self.per_slot.get(seq)
+        return kept[-1].n if kept else None
 
     @staticmethod
     def chunk_len(held: int, want: int, points: tuple[int, ...]) -> int:

@@ -135,9 +135,11 @@ class PromptCache:
                                checkpoints_restored=ck.restored)
 
     def line_up(self, model: ModelBackend, slot: Slot, target: list[int], max_keep: int, *,
-                continuation: bool = False) -> int:
+                continuation: bool = False) -> tuple[int, int | None]:
         """Make ``slot``'s KV hold the longest prefix of ``target`` it can get cheaply, at most
-        ``max_keep`` tokens; returns that length (``slot.tokens`` is set to it).
+        ``max_keep`` tokens; returns that length (``slot.tokens`` is set to it) and where a
+        checkpoint is to be taken for ``target`` parting from the slot's tokens
+        (``Checkpoints.diverged``; None: nowhere).
 
         A ``continuation`` (the target extends what the slot holds: a DECODE, an append) keeps
         the slot's KV even with ``cache_prompt`` off, and as it is: there it is the session the
@@ -148,8 +150,9 @@ class PromptCache:
             model.seq_clear(slot.id)
             slot.tokens = []
             self.checkpoints.forget(slot.id)
-            return 0
+            return 0, None
         common = own = min(common_prefix(slot.tokens, target), max_keep)
+        newest = self.checkpoints.newest(slot.id)  # before this prompt prunes them
         # a continuation keeps the slot's KV as it is, unless it cannot be cut back to it
         if own and (not continuation or model.recurrent) and not prefix_intact(model, slot.id, own):
             own = 0
@@ -165,7 +168,8 @@ class PromptCache:
         slot.tokens = target[:n]
         self.checkpoints.prune(slot.id, slot.tokens)
         self._count(target, source, n, common)
-        return n
+        parted = self.checkpoints.diverged(n, common, len(target), newest) if self.checkpoints.wanted(model) else None
+        return n, parted
 
     def _pick_source(self, model: ModelBackend, slot: Slot, target: list[int], max_keep: int, own: int,
                      common: int, continuation: bool) -> tuple[str, int, Any]:

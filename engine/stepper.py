@@ -62,6 +62,7 @@ class Running:
     logits_given: bool = False  # the slot's last token came with its logits: sample without a decode
     budget: BudgetTracker | None = None  # the job's reasoning budget, while it has one
     user_turn: int | None = None  # a chat prompt's last user turn starts here: a checkpoint (engine.chat.turns)
+    diverged: int | None = None  # the prompt parted from the slot's tokens here: a checkpoint (Checkpoints.diverged)
 
     @property
     def finished(self) -> bool:
@@ -186,7 +187,7 @@ def admit(model: ModelBackend, r: Running, n_ctx_slot: int, cache: PromptCache) 
     given, slot.last_logits = slot.last_logits, None
     given = given if need_logits and not slot.tail and target == slot.tokens else None
     max_keep = len(target) - 1 if need_logits and given is None else len(target)
-    keep = cache.line_up(model, slot, target, max_keep, continuation=new is None or job.request.append)
+    keep, r.diverged = cache.line_up(model, slot, target, max_keep, continuation=new is None or job.request.append)
     if given is not None and keep == len(target):
         model.set_logits(slot.id, given)
         r.logits_given = True
@@ -389,7 +390,7 @@ def _fill_batch(model: ModelBackend, running: list[Running], token_budget: int, 
         n = min(budget, len(r.pending))
         if ckpts is not None:  # context checkpoints near the prompt's end (engine.checkpoints)
             held = len(r.slot.tokens)
-            points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.user_turn)
+            points = ckpts.points(held + len(r.pending), token_budget, model.n_ubatch, r.user_turn, r.diverged)
             ckpts.before_chunk(model, r.slot.id, r.slot.tokens, points)
             n = ckpts.chunk_len(held, n, points)
         chunk = r.pending[:n]

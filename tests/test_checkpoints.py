@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.checkpoints import END_OFFSET, SPARE_PER_SLOT, Checkpoint, Checkpoints
+from engine.checkpoints import DIVERGED_MIN_TOKENS, END_OFFSET, SPARE_PER_SLOT, Checkpoint, Checkpoints
 
 
 @dataclass
@@ -66,6 +66,31 @@ def test_positions_as_llama_server_takes_them_and_chunks_end_there():
     assert Checkpoints.chunk_len(0, 80, points) == 64
     assert Checkpoints.chunk_len(64, 80, points) == 32
     assert Checkpoints.chunk_len(96, 80, points) == 80  # no point ahead: the whole chunk
+
+
+def test_where_a_prompt_parted_from_the_slot_when_it_computes_enough_again_before_it():
+    # restored at 500 (a checkpoint), parted from the slot's tokens at 1,000: one there, so
+    # that the next prompt parting there too computes nothing before it
+    # (the slot's newest checkpoint 4 tokens before its previous prompt's end, 1,200)
+    assert Checkpoints.diverged(500, 1000, 1010, 1196) == 1000
+    assert Checkpoints.diverged(500, 1000, 1010, None) == 1000  # none to restore: computed from 500 on
+    assert Checkpoints.diverged(1000 - DIVERGED_MIN_TOKENS, 1000, 1010, 1196) == 1000
+    assert Checkpoints.diverged(1001 - DIVERGED_MIN_TOKENS, 1000, 1010, 1196) is None  # too little recomputed
+    assert Checkpoints.diverged(1000, 1000, 1010, 1196) is None  # kept all it shared: nothing recomputed
+    assert Checkpoints.diverged(0, 1000, 1000, 1196) is None  # the whole prompt was the slot's: no point inside
+    assert Checkpoints.diverged(0, 0, 1000, 1196) is None  # nothing shared
+    # an agent's next turn parts in the answer after its prompt's last checkpoint (the template
+    # renders the answer anew): that checkpoint serves the turn after, none is taken
+    assert Checkpoints.diverged(1196, 1400, 1500, 1196) is None
+    # a chunk ends there, beside llama-server's points and a chat's user turn
+    assert Checkpoints.points(1010, 2048, 512, None, 1000) == (494, 1000, 1006)
+    assert Checkpoints.points(1010, 2048, 512, 300, 1000) == (300, 494, 1000, 1006)
+    assert Checkpoints.chunk_len(500, 2048, Checkpoints.points(1010, 2048, 512, None, 1000)) == 500
+    ck = Checkpoints()
+    assert ck.newest(0) is None
+    ck.before_chunk(Recording(), 0, list(range(8)), (8,))
+    ck.before_chunk(Recording(), 0, list(range(4)), (4,))
+    assert ck.newest(0) == 8
 
 
 def test_taken_at_a_point_once_and_not_for_unknown_tokens():

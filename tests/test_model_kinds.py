@@ -256,10 +256,12 @@ async def test_multi_turn_chat_over_http_reuses_the_slot(pair):
 async def test_another_question_on_a_document_restores_the_checkpoint_one_ubatch_back(pair):
     """llama-server takes checkpoints 4 + n_ubatch and 4 tokens before a prompt's end. The next
     prompt on the same document diverges inside the question, after the later one: a recurrent
-    slot restores the earlier one and computes about one ubatch again, not the document."""
+    slot restores the earlier one and computes about one ubatch again, not the document. It
+    takes a checkpoint where it parted from the first (llama-server does not): a third question
+    that parts there too restores it and computes only its own tokens."""
     kind, a, _ = pair
     doc = "The ferry leaves the north town at dawn and reaches the south town by noon. " * 18
-    first, second = doc + "Question: which town is first? Answer:", doc + "Question: when does it arrive? Answer:"
+    asks = [doc + f"Question: which town is {w}? Answer:" for w in ("first", "last", "nearer to the sea")]
     async with aiohttp.ClientSession(f"http://127.0.0.1:{a.http_port}") as http:
         async def complete(prompt: str) -> dict:
             body = {"prompt": prompt, "max_tokens": N, "temperature": 0, "id_slot": 1}
@@ -267,21 +269,29 @@ async def test_another_question_on_a_document_restores_the_checkpoint_one_ubatch
                 assert resp.status == 200, await resp.text()
                 return await resp.json()
 
-        one = await complete(first)
-        two = await complete(second)
-    n_first, n_ubatch = one["usage"]["prompt_tokens"], 512  # server A's -ub, under its -b 2048
-    assert n_first > n_ubatch + 4 + 100
-    cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
-    if kind in RECURRENT:
-        assert cached == n_first - 4 - n_ubatch, two["usage"]
-    else:  # a sliding window cuts back within the window; never less than the checkpoint
-        assert cached >= n_first - 4 - n_ubatch, two["usage"]
+        answers = [await complete(prompt) for prompt in asks]
+        async with http.get("/slots") as resp:
+            taken = {c["n_tokens"] for c in (await resp.json())[1]["checkpoints"]}
+    from engine.host_cache import common_prefix
     from engine.llama_backend.model import LoadedModel
     from engine.model_files import resolve_model
 
     with LoadedModel(resolve_model(kind), n_ctx=1024, n_seq_max=1) as m:
-        want = m.detokenize(greedy_reference(kind, m.tokenize(second, add_special=True)))
-    assert two["choices"][0]["text"] == want.decode("utf-8", "replace")
+        tokens = [m.tokenize(prompt, add_special=True) for prompt in asks]
+        wants = [m.detokenize(greedy_reference(kind, t)).decode("utf-8", "replace") for t in tokens[1:]]
+    n_first, n_ubatch = len(tokens[0]), 512  # server A's -ub, under its -b 2048
+    assert n_first > n_ubatch + 4 + 100
+    parted = common_prefix(tokens[0], tokens[1])  # where the second question parts from the first
+    assert common_prefix(tokens[1], tokens[2]) >= parted  # … and the third from the second
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers[1:]]
+    if kind in RECURRENT:
+        assert cached[0] == n_first - 4 - n_ubatch, answers[1]["usage"]
+        assert parted in taken, taken
+        assert cached[1] == parted, answers[2]["usage"]
+    else:  # a sliding window cuts back within the window; never less than the checkpoint
+        assert cached[0] >= n_first - 4 - n_ubatch, answers[1]["usage"]
+        assert cached[1] >= parted, answers[2]["usage"]
+    assert [a["choices"][0]["text"] for a in answers[1:]] == wants
 
 
 READ = {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
