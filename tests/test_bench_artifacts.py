@@ -124,7 +124,8 @@ def test_no_committed_result_names_a_home_directory():
     ("kinds/tiny-moe/vs-llama-server-3097a91", 24), ("kinds/tiny-moe/vs-llama-server-3097a91-b", 24),
     ("vs-llama-server-3097a91", 24), ("vs-llama-server-tiny-d9f8b58", 24),
     ("vs-llama-server-tiny-c0d10b2", 24), ("kinds/tiny-moe/vs-llama-server-c0d10b2", 24),
-    ("vs-llama-server-c0d10b2", 24), ("vs-llama-server-ee8da8f", 24)])
+    ("vs-llama-server-c0d10b2", 24), ("vs-llama-server-ee8da8f", 24),
+    ("kinds/tiny-moe/vs-llama-server-87a7005", 24), ("kinds/tiny-moe/vs-llama-server-747739a", 24)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -152,7 +153,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     -3097a91 those of "Gemma 3 270M at 3097a91", -tiny-d9f8b58 those of "tiny-small at d9f8b58",
     -tiny-c0d10b2 those of "`/slots` p99 over a run's answers", kinds/tiny-moe/…-c0d10b2 those of
     "tiny-moe at c0d10b2", -c0d10b2 those of "Gemma 3 270M at c0d10b2", -ee8da8f those of
-    "Gemma 3 270M at ee8da8f": the
+    "Gemma 3 270M at ee8da8f", kinds/tiny-moe/…-87a7005 and …-747739a those of "A checkpoint where
+    a prompt parts": the
     table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -225,7 +227,8 @@ def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed
                                          "vs-llama-server-a5348d4", "vs-llama-server-3097a91",
                                          "vs-llama-server-tiny-d9f8b58", "vs-llama-server-tiny-c0d10b2",
                                          "kinds/tiny-moe/vs-llama-server-c0d10b2", "vs-llama-server-c0d10b2",
-                                         "vs-llama-server-ee8da8f"])
+                                         "vs-llama-server-ee8da8f", "kinds/tiny-moe/vs-llama-server-87a7005",
+                                         "kinds/tiny-moe/vs-llama-server-747739a"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
