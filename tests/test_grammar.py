@@ -210,3 +210,81 @@ def test_lazy_grammar_waits_for_its_trigger(m: LoadedModel) -> None:
     s.free()
     text = m.detokenize(out)
     assert text.startswith(b"<go>") and len(text) == 6 and text[4:].isdigit(), text
+
+
+def test_greedy_under_a_lazy_grammar_passes_a_token_whose_trigger_text_breaks_it(m: LoadedModel) -> None:
+    """Before its trigger a lazy grammar refuses only a token that fires the trigger with text
+    the grammar cannot take: greedy then takes the next most likely token, as the full
+    candidate path does."""
+    import dataclasses
+    import re
+
+    import numpy as np
+
+    toks = m.tokenize(PROMPT)
+    m.decode([BatchItem(0, toks, 0, True)])
+    row = np.array(m.logits(0), dtype=np.float32)
+    first, second = (int(t) for t in np.argsort(row)[::-1][:2])
+    piece = m.token_to_piece(first)
+    assert piece.strip() and piece not in m.token_to_piece(second), (piece, m.token_to_piece(second))
+    trigger = r"[\s\S]*?(" + re.escape(piece.decode("utf-8")) + r")[\s\S]*"
+    for params in (SamplerParams(temperature=0.0), SamplerParams(temperature=0.0, penalty_repeat=1.1)):  # numpy's argmax, the chain
+        spec = GrammarSpec('root ::= "qqqq"', lazy=True, trigger_patterns=(trigger,))
+        s = make_sampler(dataclasses.replace(params, grammar=spec), m)
+        try:
+            assert s.sample(m, 0) == second
+        finally:
+            s.free()
+
+
+def _start_as_searched(pattern: str, buf: bytes) -> int | None:
+    """llama.cpp's rule, on the pattern as written: where an unanchored one matches in the
+    window (or an anchored one the whole text), its first non-empty group, else the match."""
+    import re
+
+    from engine.llama_backend.grammar_sampler import TRIGGER_WINDOW
+
+    rx = re.compile(pattern.encode())
+    if pattern.startswith("^") and pattern.endswith("$"):
+        m = rx.fullmatch(buf)
+    else:
+        m = rx.search(buf, max(0, len(buf) - TRIGGER_WINDOW))
+    if m is None:
+        return None
+    starts = [m.start(g) for g in range(1, rx.groups + 1) if m.start(g) >= 0 and m.end(g) > m.start(g)]
+    return starts[0] if starts else m.start(0)
+
+
+TRIGGERS = [r"[\s\S]*?(<tool_call>)[\s\S]*", r"[\s\S]*?<tool_call>", r"[\S\s]*?(x)?(<tool_call>)",
+            r"</think>[\s\S]*?(<tool_call>)[\s\S]*", r'^\s*(\{\s*"name")[\s\S]*$', r"^[\s\S]*?</think>\s*(<tool_call>)[\s\S]*$",
+            r"[\s\S]*?", r"[\s\S]*?(\[TOOL_CALLS\]|<tool_call>)"]
+
+
+@pytest.mark.parametrize("pattern", TRIGGERS)
+def test_a_trigger_fires_where_the_pattern_as_written_fires(pattern: str) -> None:
+    """A leading lazy any-text run is taken off a trigger before it is searched (searched with
+    it, each token's search was quadratic in the text: ~100 ms on 4 KB); where the grammar's
+    text starts stays what the pattern as written gives, on texts with and without the opener,
+    past the search window too."""
+    import random
+
+    from engine.llama_backend.grammar_sampler import TRIGGER_WINDOW, compile_triggers, trigger_start
+
+    (trigger,) = compile_triggers(GrammarSpec("root ::= \"a\"", "root", True, (pattern,)))
+    rng = random.Random(7)
+    words = [b"x", b" ", b"\n", b"<tool_call>", b"</think>", b'{"name"', b"[TOOL_CALLS]", b"text ", b"<tool"]
+    texts = [b"", b"<tool_call>", b"x" * (TRIGGER_WINDOW + 50) + b"<tool_call>", b"<tool_call>" + b"x" * TRIGGER_WINDOW]
+    texts += [b"".join(rng.choice(words) for _ in range(rng.randrange(1, 40))) for _ in range(300)]
+    for text in texts:
+        assert trigger_start(trigger, text) == _start_as_searched(pattern, text), text
+
+
+def test_the_tool_formats_triggers_are_searched_without_their_lazy_prefix() -> None:
+    """The chat formats' triggers start with ``[\\s\\S]*?``: each is searched as its opener on."""
+    from engine.chat.tool_grammar import tool_call_grammar
+    from engine.llama_backend.grammar_sampler import compile_triggers
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    spec = tool_call_grammar("QWEN_XML", [tool], parallel=False, force=False, named=None)
+    (trigger,) = compile_triggers(spec)
+    assert trigger.unprefixed and trigger.pattern.pattern.startswith(b"(<tool_call>)")

@@ -294,7 +294,7 @@ def sample_row(sampler: "Sampler", row: np.ndarray) -> int:
     accept it into the grammar and the chain. Raises :class:`GrammarExhausted` (nothing
     accepted) when the grammar allows no token."""
     chain, grammar = sampler.handle, sampler.grammar
-    if grammar is not None and grammar.active and _plain_greedy(sampler):
+    if grammar is not None and _plain_greedy(sampler):
         tok = _greedy_pick(sampler, grammar, row)
         grammar.accept(tok)
         L.llama_sampler_accept(chain, tok)
@@ -315,8 +315,10 @@ def _plain_greedy(sampler: "Sampler") -> bool:
 
 
 def _greedy_pick(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray) -> int:
-    """Greedy under an active grammar, as the general path decides it, without building the
-    whole candidate array for the first choice or the shortlist."""
+    """Greedy under a grammar, as the general path decides it, without building the whole
+    candidate array for the first choice or, when the grammar is active, the shortlist (a lazy
+    one before its trigger refuses only a token whose trigger text breaks it: the resample
+    takes such tokens out one by one)."""
     logits = row
     if sampler.bias_ids is not None:
         logits = row.copy()
@@ -324,7 +326,7 @@ def _greedy_pick(sampler: "Sampler", grammar: GrammarConstraint, row: np.ndarray
     tok = int(np.argmax(logits))
     if grammar.allows(tok):
         return tok
-    if len(logits) > SHORTLIST:
+    if grammar.active and len(logits) > SHORTLIST:
         ids = np.argpartition(logits, -SHORTLIST)[-SHORTLIST:]
         short = np.empty(SHORTLIST, dtype=TOKEN_DATA)
         short["id"], short["logit"], short["p"] = ids, logits[ids], 0.0
