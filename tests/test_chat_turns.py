@@ -92,3 +92,45 @@ def test_skipping_finds_what_a_search_from_the_end_finds(tokens, opening, skip):
             starts.append(i)
             end = i
     assert last_turn_start(tokens, opening, skip) == (starts[skip] if skip < len(starts) else None)
+
+
+# ---- several calls in one answer: llama-server's default for parallel_tool_calls ----------
+ONLY_FIRST_CALL = ("{% for m in messages %}{% if m['role'] == 'assistant' and m.get('tool_calls') %}"
+                   "<call>{{ m['tool_calls'][0]['function']['name'] }}</call>{% else %}{{ m['content'] }}{% endif %}"
+                   "{% endfor %}")
+ONE_CALL_ONLY = ("{% for m in messages %}{% if m.get('tool_calls') and m['tool_calls']|length != 1 %}"
+                 "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+                 "{{ m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize("source, several", [
+    ((TEMPLATES / "qwen35_xml.jinja").read_text(), True),  # the fleet's family
+    ((TEMPLATES / "hermes.jinja").read_text(), True),
+    (ONLY_FIRST_CALL, False),  # writes an answer's first call only
+    (ONE_CALL_ONLY, False),  # refuses two, as Llama 3.1's
+    (GEMMA, False),  # knows no calls
+])
+def test_whether_a_template_writes_an_answers_second_call(source, several):
+    from engine.chat.formats import renders_parallel_calls
+
+    assert renders_parallel_calls(renderer(source)) is several
+
+
+def test_a_request_that_does_not_say_may_make_as_many_calls_as_the_template_writes():
+    """``parallel_tool_calls`` absent: the grammar allows several calls where the template
+    writes them (llama-server's default), one where it does not; a request's own value wins."""
+    from engine.chat.formats import ChatFormat, ToolFormat
+    from engine.chat.prompt import plan_chat, read_chat_options
+    from engine.chat.tool_grammar import tool_call_grammar, validate_tools
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    grammars = {p: tool_call_grammar("QWEN_XML", validate_tools(tools), parallel=p, force=False, named=None).text
+                for p in (False, True)}
+    assert grammars[False] != grammars[True]
+    messages = [{"role": "user", "content": "hi"}]
+    for writes_several in (False, True):
+        fmt = ChatFormat(ToolFormat.QWEN_XML, "<think>", "</think>", parallel_calls=writes_several)
+        for body, parallel in (({}, writes_several), ({"parallel_tool_calls": False}, False),
+                               ({"parallel_tool_calls": True}, True)):
+            plan = plan_chat(messages, read_chat_options({"tools": tools, **body}), fmt)
+            assert plan.grammar is not None and plan.grammar.text == grammars[parallel], (writes_several, body)

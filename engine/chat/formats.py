@@ -1,13 +1,15 @@
 """Which tool-call and reasoning syntax a chat template makes its model write.
 
 The choice follows llama-server's ``common/chat.cpp`` as it stood before its auto-parser: a
-few characteristic strings of the Jinja source name the format. Pure text inspection: the
-template is never rendered here.
+few characteristic strings of the Jinja source name the format (pure text inspection). Whether
+the template writes several calls in one answer takes a render (:func:`renders_parallel_calls`,
+given the model's render function).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 class ToolFormat(enum.Enum):
@@ -48,6 +50,9 @@ class ChatFormat:
     tools: ToolFormat
     think_open: str | None = None
     think_close: str | None = None
+    # the template writes an answer's second tool call (renders_parallel_calls): a request
+    # that does not say otherwise may make several, as llama-server's parallel_tool_calls
+    parallel_calls: bool = False
 
     @property
     def call_markers(self) -> tuple[str, ...]:
@@ -99,3 +104,23 @@ def generation_opens_reasoning(prompt_text: str, fmt: ChatFormat) -> bool:
     if not fmt.think_open:
         return False
     return prompt_text.rstrip().endswith(fmt.think_open)
+
+
+_PROBE_CALLS = ("hydra_probe_first", "hydra_probe_second")
+
+
+def renders_parallel_calls(render: Callable[[list[dict[str, Any]], bool], str]) -> bool:
+    """Does the template write the second of an answer's two tool calls? llama-server's
+    ``supports_parallel_tool_calls`` (``common/jinja/caps.cpp``), which is its default for a
+    request's ``parallel_tool_calls``. ``render(messages, add_generation_prompt)``; a template
+    that refuses two calls (Llama 3.1's raises) or ignores calls writes none."""
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": "{\"arg\": \"x\"}"}}
+             for i, name in enumerate(_PROBE_CALLS)]
+    messages = [{"role": "user", "content": "User message"},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                *({"role": "tool", "tool_call_id": c["id"], "content": "Tool response"} for c in calls),
+                {"role": "user", "content": "User message"}]
+    try:
+        return _PROBE_CALLS[1] in render(messages, False)
+    except Exception:
+        return False

@@ -46,7 +46,7 @@ class ChatOptions:
 
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = ToolChoice()
-    parallel_tool_calls: bool = False
+    parallel_tool_calls: bool | None = None  # None: as the template allows (ChatFormat.parallel_calls)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_format: str = "auto"
     response_format: GrammarSpec | None = None  # from response_format / json_schema / grammar
@@ -141,8 +141,8 @@ def read_chat_options(body: dict[str, Any], *, default_kwargs: dict[str, Any] | 
         except ValueError as e:
             raise ChatRequestError(str(e), "tools") from None
     opts.tool_choice = read_tool_choice(body.get("tool_choice"), opts.tools)
-    parallel = body.get("parallel_tool_calls", False)
-    if not isinstance(parallel, bool):
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
         raise ChatRequestError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     opts.parallel_tool_calls = parallel
     kwargs = body.get("chat_template_kwargs")
@@ -228,7 +228,8 @@ def plan_chat(messages: list[dict[str, Any]], opts: ChatOptions, fmt: ChatFormat
         choice = opts.tool_choice
         selected = [t for t in tools if choice.name is None or t["function"]["name"] == choice.name]
         try:
-            grammar = tool_call_grammar(fmt.tools.name, selected, parallel=opts.parallel_tool_calls,
+            parallel = fmt.parallel_calls if opts.parallel_tool_calls is None else opts.parallel_tool_calls
+            grammar = tool_call_grammar(fmt.tools.name, selected, parallel=parallel,
                                         force=choice.mode == "required", named=choice.name)
             check_grammar_spec(grammar)  # what the tools' schemas made of it compiles, before a slot
         except ValueError as e:

@@ -7,13 +7,14 @@ part lives apart from the context, its sequences and the decode. It needs of the
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
 
 import llama_cpp.llama_cpp as L
 
-from ..chat.formats import ChatFormat, detect_format
+from ..chat.formats import ChatFormat, detect_format, renders_parallel_calls
 from ..chat.turns import tool_result_turns, user_turn_opening
 from ..utf8 import utf8_masks
 from . import vocab
@@ -149,7 +150,8 @@ class ModelText:
     def chat_syntax(self) -> ChatFormat:
         """The template's tool-call and reasoning format (``engine.chat.formats``)."""
         if self._chat_syntax is None:
-            self._chat_syntax = detect_format(self._builtin_template or self.chat.source)
+            fmt = detect_format(self._builtin_template or self.chat.source)
+            self._chat_syntax = replace(fmt, parallel_calls=renders_parallel_calls(self.apply_chat_template))
         return self._chat_syntax
 
     @property
