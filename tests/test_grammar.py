@@ -257,7 +257,8 @@ def _start_as_searched(pattern: str, buf: bytes) -> int | None:
 
 TRIGGERS = [r"[\s\S]*?(<tool_call>)[\s\S]*", r"[\s\S]*?<tool_call>", r"[\S\s]*?(x)?(<tool_call>)",
             r"</think>[\s\S]*?(<tool_call>)[\s\S]*", r'^\s*(\{\s*"name")[\s\S]*$', r"^[\s\S]*?</think>\s*(<tool_call>)[\s\S]*$",
-            r"[\s\S]*?", r"[\s\S]*?(\[TOOL_CALLS\]|<tool_call>)"]
+            r"[\s\S]*?", r"[\s\S]*?(\[TOOL_CALLS\]|<tool_call>)", r"[\s\S]*?\[TOOL_CALLS\]|<tool_call>",
+            r"[\s\S]*?[|(]x|<tool_call>"]
 
 
 @pytest.mark.parametrize("pattern", TRIGGERS)

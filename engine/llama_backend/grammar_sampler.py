@@ -126,11 +126,34 @@ class Trigger:
     unprefixed: bool = False
 
 
+def _top_level_alternation(body: str) -> bool:
+    """Does ``body`` have a ``|`` outside every group and character class? Then a leading lazy
+    run belongs to its first alternative only, and cannot be taken off the whole."""
+    depth, in_class, i = 0, False, 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class, i = True, i + (2 if body[i + 1:i + 2] == "]" else 1)  # "[]...]": a literal ] first
+            continue
+        elif c in "()":
+            depth += 1 if c == "(" else -1
+        elif c == "|" and depth == 0:
+            return True
+        i += 1
+    return False
+
+
 def _compile_trigger(p: str) -> Trigger:
     anchored = p.startswith("^") and p.endswith("$")
     body, unprefixed = p, False
-    while not anchored and body.startswith(_ANY_LAZY):
-        body, unprefixed = body[len(_ANY_LAZY[0]):], True
+    if not anchored and not _top_level_alternation(p):
+        while body.startswith(_ANY_LAZY):
+            body, unprefixed = body[len(_ANY_LAZY[0]):], True  # the two spellings are as long
     try:
         return Trigger(re.compile((body or p).encode("utf-8")), anchored, unprefixed and bool(body))
     except re.error as e:
