@@ -16,6 +16,7 @@ Python regexes and the replay is checked on a clone before the real grammar sees
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import tempfile
@@ -148,6 +149,9 @@ def _top_level_alternation(body: str) -> bool:
     return False
 
 
+# a request's triggers are compiled where its chat is planned (check_grammar_spec) and again
+# for its sampler, and the formats' few patterns recur in every request with tools
+@functools.lru_cache(maxsize=64)
 def _compile_trigger(p: str) -> Trigger:
     anchored = p.startswith("^") and p.endswith("$")
     body, unprefixed = p, False
