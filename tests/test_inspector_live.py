@@ -51,11 +51,19 @@ def _capture() -> tuple[bytes, list[int]]:
 class Lines:
     """A child's stdout lines, read by a thread, waited for with a deadline."""
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, proc: subprocess.Popen, pipe=None):
         self.q: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        pump = lambda: [self.q.put(ln.decode()) for ln in iter(proc.stdout.readline, b"")]  # noqa: E731
+        pipe = proc.stdout if pipe is None else pipe
+        pump = lambda: [self.q.put(ln.decode()) for ln in iter(pipe.readline, b"")]  # noqa: E731
         threading.Thread(target=pump, daemon=True).start()
+
+    def drained(self) -> str:
+        """Every line read so far that ``next`` has not returned."""
+        rest = []
+        while not self.q.empty():
+            rest.append(self.q.get_nowait())
+        return "".join(rest)
 
     def next(self, timeout: float = 20.0) -> str:
         try:
@@ -157,11 +165,10 @@ def test_live_interface_capture_through_tcpdump():
     srv, port = _hydra_like_server()
     with subprocess.Popen([*INSPECT, "-i", "lo", "--port", str(port)], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE) as p, _killed(p):
+        errors = Lines(p, p.stderr)  # drained to the end: a full pipe would stop the child
         ready = ""
         while "listening on lo" not in ready:  # tcpdump's own line: the capture is running
-            line = p.stderr.readline().decode()
-            assert line, f"inspect exited: {ready}"
-            ready += line
+            ready += errors.next(30)
         lines = Lines(p)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
             c.sendall(encode_request(Op.INFO, b"", b"", b"live"))
@@ -169,5 +176,17 @@ def test_live_interface_capture_through_tcpdump():
         request, response = lines.next(30), lines.next(30)
         assert re.search(r"\bINFO\b", request) and "OK" in response, (request, response)
         p.send_signal(signal.SIGINT)  # the deadline below only turns a hang into a failure
-        assert p.wait(60) == 0
+        try:
+            rc = p.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"inspect still running 60 s after SIGINT: {_process_tree(p.pid)}; "
+                                 f"its stderr: {errors.drained()}") from None
+        assert rc == 0, errors.drained()
     srv.close()
+
+
+def _process_tree(pid: int) -> str:
+    """``pid`` and its children with their states and what they wait in (for a hang's report)."""
+    out = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:32,args", "--ppid", str(pid), "-p", str(pid)],
+                         capture_output=True, text=True, timeout=10)
+    return out.stdout
