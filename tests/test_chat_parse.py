@@ -175,7 +175,12 @@ SAMPLES = [
     Sample("xml-malformed", QWEN_CODER, "Try:\n<tool_call>\n<oops>\n</tool_call>",
            content="Try:\n<tool_call>\n<oops>\n</tool_call>", well_formed=False),
     Sample("xml-truncated", QWEN_CODER, "<tool_call>\n<function=run>\n<parameter=code>\nprint(",
-           content="<tool_call>\n<function=run>\n<parameter=code>\nprint(", well_formed=False),
+           calls=[("run", "{")], well_formed=False),  # cut by max_tokens: the call so far
+    Sample("xml-truncated-after-a-parameter", QWEN_CODER,
+           "Running it.\n<tool_call>\n<function=run>\n<parameter=n>\n3\n</parameter>\n<parameter=code>\npri",
+           content="Running it.", calls=[("run", '{"n": 3')], well_formed=False),
+    Sample("xml-truncated-before-its-name-ends", QWEN_CODER, "<tool_call>\n<function=ru",
+           content="<tool_call>\n<function=ru", well_formed=False),  # no name, no call
     # --- Hermes 2 Pro / Qwen 2.5 / Qwen 3
     Sample("hermes-text-two-calls", HERMES,
            "Let me look.\n" + hermes_call("get_weather", '{"location":"Paris",  "unit": "c"}') + "\n"
@@ -256,7 +261,7 @@ def expected(sample: Sample) -> ChatMessage:
 def test_final_parse(sample):
     msg = parse_output(sample.text, sample.fmt, partial=False, **sample.opts)
     assert msg == expected(sample)
-    for call in msg.tool_calls:
+    for call in msg.tool_calls if sample.well_formed else ():
         assert isinstance(json.loads(call.arguments), dict)
 
 
@@ -365,6 +370,31 @@ def test_stream_truncated_call_keeps_what_was_sent():
     deltas, final = stream(text, HERMES, piece_sizes(1), {})
     assert reassemble(deltas) == final
     assert [c.name for c in final.tool_calls] == ["a"]
+
+
+TWO_CALLS_AND_A_CUT = {  # the second call cut by max_tokens inside its arguments
+    HERMES: (hermes_call("a", '{"x": 1}') + '\n<tool_call>\n{"name": "b", "arguments": {"pattern": "VAL',
+             [("a", '{"x": 1}'), ("b", '{"pattern": "VAL')]),
+    QWEN_CODER: (xml_call("a", x="1") + "\n<tool_call>\n<function=b>\n<parameter=n>\n2\n</parameter>\n<param",
+                 [("a", '{"x": 1}'), ("b", '{"n": 2')]),
+    MISTRAL: ('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"pattern": "VAL',
+              [("a", '{"x": 1}'), ("b", '{"pattern": "VAL')]),
+    DEEPSEEK: (DS_BEGIN + ds_call("a", '{"x": 1}') + ds_call("b", '{"pattern": "VAL').split("\n```<")[0],
+               [("a", '{"x": 1}'), ("b", '{"pattern": "VAL')]),
+}
+
+
+@pytest.mark.parametrize("fmt", list(TWO_CALLS_AND_A_CUT), ids=lambda f: f.tools.value)
+def test_a_call_cut_by_the_end_of_the_text_is_the_call_so_far(fmt):
+    """As llama-server's lenient final parse: an answer cut inside a call (``max_tokens``)
+    reports it with the arguments written so far, whole or streamed, and no markup as
+    content; the stream's final message is the whole parse."""
+    text, calls = TWO_CALLS_AND_A_CUT[fmt]
+    whole = parse_output("Calling.\n" + text, fmt, partial=False)
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == calls
+    assert whole.content in ("Calling.", "Calling.\n")  # what the format keeps before a call
+    deltas, final = stream("Calling.\n" + text, fmt, piece_sizes(3), {})
+    assert reassemble(deltas) == final == whole
 
 
 def test_partial_holds_back_marker_prefixes():

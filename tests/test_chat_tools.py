@@ -130,6 +130,31 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(chat):
     assert all(c["id"] for c in calls)
 
 
+def test_a_call_cut_by_max_tokens_is_the_call_so_far(chat):
+    """As llama-server: an answer that ``max_tokens`` cuts inside a call reports that call with
+    the arguments written so far and ``finish_reason: "length"`` — whole and streamed alike,
+    with none of its markup as content."""
+    kw = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+              temperature=0, extra_body=NO_THINK)
+    full = chat.chat.completions.create(max_tokens=200, **kw)
+    call = full.choices[0].message.tool_calls[0].function
+    cut_in_arguments = False
+    for n in range(full.usage.completion_tokens - 1, 0, -1):
+        whole = chat.chat.completions.create(max_tokens=n, **kw).choices[0]
+        msg, finish = streamed_message(chat.chat.completions.create(stream=True, max_tokens=n, **kw))
+        assert whole.finish_reason == finish == "length", (n, whole)
+        calls = whole.message.tool_calls or []
+        assert [(c.function.name, c.function.arguments) for c in calls] == [
+            (c["name"], c["arguments"]) for c in msg["tool_calls"].values()], n
+        if not calls:  # cut before the call's name is whole: no call yet
+            assert "<tool_call>" in whole.message.content, (n, whole.message)
+            break
+        assert not whole.message.content and not msg["content"], (n, whole.message)
+        assert calls[0].function.name == call.name and call.arguments.startswith(calls[0].function.arguments)
+        cut_in_arguments |= len(calls[0].function.arguments) < len(call.arguments)
+    assert cut_in_arguments
+
+
 def test_tool_choice_none_answers_in_text(chat):
     r = chat.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8,
                                      temperature=0)

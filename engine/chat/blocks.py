@@ -48,6 +48,7 @@ class Ctx:
     partial: bool
     memo: pj.Memo
     schemas: dict[str, dict]
+    ended: bool = False  # partial text that will not grow: a call needs no more to be shown
 
 
 def lit(text: str, k: int, s: str) -> int:
@@ -113,7 +114,7 @@ def _json_call(text: str, j: int, ctx: Ctx, model_id: bool) -> tuple[RawCall | N
         return RawCall(name, raw, call_id), scan.end, False
     if not ctx.partial:
         return None, None, True
-    if not name or args is None or (model_id and call_id is None):
+    if not name or args is None or (model_id and call_id is None and not ctx.ended):
         return None, None, False
     raw = text[args.start:args.end] if args.end is not None else text[args.start:].rstrip()
     return RawCall(name, raw, call_id), None, False

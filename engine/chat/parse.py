@@ -9,8 +9,9 @@ turn into something else: the start of a marker (``<tool_ca``), trailing whitesp
 server strips it before a call and at the end of reasoning), a JSON answer that may be a call.
 
 Exceptions, by necessity: a final parse releases held-back text into the content (the
-marker never came), and an answer that stops in the middle of a call, or whose call turns
-out malformed, ends up as content although a partial parse showed a call.
+marker never came), and a call that turns out malformed ends up as content although a
+partial parse showed a call. An answer that stops in the middle of a call (``max_tokens``)
+keeps it, as llama-server's lenient final parse does: the call with its arguments so far.
 """
 from __future__ import annotations
 
@@ -66,12 +67,31 @@ def parse_output(text: str, fmt: ChatFormat, *, partial: bool, in_reasoning: boo
 
 def parse_with(text: str, opts: ParseOptions, partial: bool, memo: pj.Memo) -> ChatMessage:
     """:func:`parse_output`, with a memo reused as long as ``text`` only grows (a stream's)."""
+    msg = _parse(text, opts, partial, memo)
+    if partial or not _may_end_in_call(text, msg.content, opts):
+        return msg
+    # Whole, a call the text ends inside is no call; read as still being written, it is the
+    # call so far. A fresh memo: the whole parse memoized that block as bad.
+    cut = _parse(text, opts, True, pj.Memo(), ended=True)
+    return cut if len(cut.tool_calls) > len(msg.tool_calls) else msg
+
+
+def _may_end_in_call(text: str, content: str, opts: ParseOptions) -> bool:
+    """Whether ``text`` may end inside a call (its whole parse's ``content`` given)."""
+    if not opts.tools:
+        return False
+    if opts.fmt.tools in (ToolFormat.GENERIC, ToolFormat.LLAMA3) and content.lstrip().startswith("{"):
+        return True
+    return any(mk in text for mk in opts.fmt.call_markers)
+
+
+def _parse(text: str, opts: ParseOptions, partial: bool, memo: pj.Memo, ended: bool = False) -> ChatMessage:
     reasoning, pos = _split_reasoning(text, opts, partial, memo)
     calls: list[RawCall] = []
     if not opts.tools:
         content = text[pos:]
     else:
-        ctx = Ctx(partial, memo, opts.tool_schemas or {})
+        ctx = Ctx(partial, memo, opts.tool_schemas or {}, ended)
         if opts.fmt.tools is ToolFormat.GENERIC:
             content, calls = _generic(text, pos, ctx)
         else:
