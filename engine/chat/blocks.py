@@ -49,6 +49,7 @@ class Ctx:
     memo: pj.Memo
     schemas: dict[str, dict]
     ended: bool = False  # partial text that will not grow: a call needs no more to be shown
+    unparsed: bool = False  # set by a whole parse that met a block it could not read
 
 
 def lit(text: str, k: int, s: str) -> int:

@@ -67,37 +67,30 @@ def parse_output(text: str, fmt: ChatFormat, *, partial: bool, in_reasoning: boo
 
 def parse_with(text: str, opts: ParseOptions, partial: bool, memo: pj.Memo) -> ChatMessage:
     """:func:`parse_output`, with a memo reused as long as ``text`` only grows (a stream's)."""
-    msg = _parse(text, opts, partial, memo)
-    if partial or not _may_end_in_call(text, msg.content, opts):
+    msg, unparsed = _parse(text, opts, partial, memo)
+    if not unparsed:
         return msg
     # Whole, a call the text ends inside is no call; read as still being written, it is the
     # call so far. A fresh memo: the whole parse memoized that block as bad.
-    cut = _parse(text, opts, True, pj.Memo(), ended=True)
+    cut, _ = _parse(text, opts, True, pj.Memo(), ended=True)
     return cut if len(cut.tool_calls) > len(msg.tool_calls) else msg
 
 
-def _may_end_in_call(text: str, content: str, opts: ParseOptions) -> bool:
-    """Whether ``text`` may end inside a call (its whole parse's ``content`` given)."""
-    if not opts.tools:
-        return False
-    if opts.fmt.tools in (ToolFormat.GENERIC, ToolFormat.LLAMA3) and content.lstrip().startswith("{"):
-        return True
-    return any(mk in text for mk in opts.fmt.call_markers)
-
-
-def _parse(text: str, opts: ParseOptions, partial: bool, memo: pj.Memo, ended: bool = False) -> ChatMessage:
+def _parse(text: str, opts: ParseOptions, partial: bool, memo: pj.Memo,
+           ended: bool = False) -> tuple[ChatMessage, bool]:
+    """The message, and whether a whole parse met a call block it could not read (malformed,
+    or cut by the end of the text)."""
     reasoning, pos = _split_reasoning(text, opts, partial, memo)
     calls: list[RawCall] = []
+    ctx = Ctx(partial, memo, opts.tool_schemas or {}, ended)
     if not opts.tools:
         content = text[pos:]
+    elif opts.fmt.tools is ToolFormat.GENERIC:
+        content, calls = _generic(text, pos, ctx)
     else:
-        ctx = Ctx(partial, memo, opts.tool_schemas or {}, ended)
-        if opts.fmt.tools is ToolFormat.GENERIC:
-            content, calls = _generic(text, pos, ctx)
-        else:
-            content, calls = _segments(text, pos, opts.fmt, ctx)
+        content, calls = _segments(text, pos, opts.fmt, ctx)
     tool_calls = [ToolCall(c.name, c.arguments, c.id or f"{opts.id_prefix}{i}") for i, c in enumerate(calls)]
-    return ChatMessage(content, reasoning, tool_calls)
+    return ChatMessage(content, reasoning, tool_calls), ctx.unparsed
 
 
 def _first(text: str, markers: tuple[str, ...], start: int, memo: pj.Memo) -> tuple[int, str]:
@@ -177,6 +170,7 @@ def _segments(text: str, pos: int, fmt: ChatFormat, ctx: Ctx) -> tuple[str, list
             break
         parts.append(text[pos:m].lstrip() if after_call else text[pos:m])
         blk = _normalize(parse_block(text, m, marker, ctx), m, ctx)
+        ctx.unparsed |= not ctx.partial and blk.bad_at is not None
         if blk.calls or blk.pending:
             parts = ["".join(parts).rstrip()]
             after_call = True
@@ -226,6 +220,7 @@ def _generic(text: str, pos: int, ctx: Ctx) -> tuple[str, list[RawCall]]:
     if not ctx.partial:
         whole = ctx.memo.loads(text, j, scan.end) if scan.end is not None else None
         if not isinstance(whole, dict) or pj.skip_ws(text, scan.end) < n:
+            ctx.unparsed = scan.end is None  # cut by the end of the text: maybe a call so far
             return text[pos:], []
     first = scan.members[0] if scan.members else None
     shown = _generic_member(text, first, ctx) if first else None
