@@ -26,6 +26,9 @@ from engine.chat import (
     generation_opens_reasoning,
     parse_output,
 )
+from engine.chat import parse as chat_parse
+from engine.chat.parse import ParseOptions
+from engine.chat.parse_json import Memo
 
 TEMPLATES = Path(__file__).parent / "templates"
 THINK = ("<think>", "</think>")
@@ -382,6 +385,16 @@ TWO_CALLS_AND_A_CUT = {  # the second call cut by max_tokens inside its argument
     DEEPSEEK: (DS_BEGIN + ds_call("a", '{"x": 1}') + ds_call("b", '{"pattern": "VAL').split("\n```<")[0],
                [("a", '{"x": 1}'), ("b", '{"pattern": "VAL')]),
 }
+
+
+@pytest.mark.parametrize("sample", [s for s in SAMPLES if s.well_formed and s.calls], ids=lambda s: s.id)
+def test_an_answer_with_calls_is_read_once(sample):
+    """Only a whole parse that met a block it could not read (cut, or no call, as a JSON
+    answer) is read again as cut: a second parse of every answer with a call would cost its
+    time on the event loop."""
+    opts = ParseOptions(sample.fmt, **sample.opts)
+    msg, unparsed = chat_parse._parse(sample.text, opts, False, Memo())
+    assert not unparsed and msg == expected(sample)
 
 
 @pytest.mark.parametrize("fmt", list(TWO_CALLS_AND_A_CUT), ids=lambda f: f.tools.value)
