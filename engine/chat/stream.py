@@ -2,8 +2,9 @@
 
 Each piece of generated text re-parses the answer so far as partial (see ``parse``) and sends
 what grew since the last piece. The parse is prefix-consistent, so a delta only ever appends;
-should a parse disagree with what was already sent (a call that turns out malformed), nothing is taken back: the disagreeing part is simply not
-sent, and the final message is what the deltas add up to.
+should a parse disagree with what was already sent (a call that turns out malformed), nothing
+is taken back: the disagreeing part is simply not sent, and the final message is what the
+deltas add up to.
 """
 from __future__ import annotations
 
