@@ -1,8 +1,9 @@
 """GBNF grammars of well-formed tool calls, per format, and for a think block first.
 
-The call grammars follow llama-server's: ``tool_choice`` ``required`` (or a named function)
-forces a call from the first token; ``auto`` makes the grammar lazy, armed by the format's call
-opener. Arguments are the JSON grammar of each tool's ``parameters`` (``grammar._Converter``).
+``tool_choice`` ``required`` (or a named function) forces a call from the first token, as
+OpenAI promises a call (the pinned llama-server lets any text up to the call opener come first,
+docs/http.md "Grammars"); ``auto`` makes the grammar lazy, armed by the format's call opener, as
+llama-server's. Arguments are the JSON grammar of each tool's ``parameters`` (``grammar._Converter``).
 """
 from __future__ import annotations
 
