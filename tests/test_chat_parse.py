@@ -178,10 +178,19 @@ SAMPLES = [
     Sample("xml-malformed", QWEN_CODER, "Try:\n<tool_call>\n<oops>\n</tool_call>",
            content="Try:\n<tool_call>\n<oops>\n</tool_call>", well_formed=False),
     Sample("xml-truncated", QWEN_CODER, "<tool_call>\n<function=run>\n<parameter=code>\nprint(",
-           calls=[("run", "{")], well_formed=False),  # cut by max_tokens: the call so far
+           calls=[("run", '{"code": "print(')], well_formed=False),  # cut by max_tokens: the call so far
     Sample("xml-truncated-after-a-parameter", QWEN_CODER,
            "Running it.\n<tool_call>\n<function=run>\n<parameter=n>\n3\n</parameter>\n<parameter=code>\npri",
-           content="Running it.", calls=[("run", '{"n": 3')], well_formed=False),
+           content="Running it.", calls=[("run", '{"n": 3, "code": "pri')], well_formed=False),
+    Sample("xml-truncated-in-a-closing-tag", QWEN_CODER,
+           "<tool_call>\n<function=run>\n<parameter=code>\nsay \"hi\"\n</param",
+           calls=[("run", '{"code": "say \\"hi\\"')], well_formed=False),
+    Sample("xml-truncated-after-a-newline", QWEN_CODER, "<tool_call>\n<function=run>\n<parameter=city>\nOslo\n",
+           calls=[("run", '{"city": "Oslo')], well_formed=False),  # the newline may be the tag's
+    Sample("xml-truncated-in-a-number", QWEN_CODER, "<tool_call>\n<function=run>\n<parameter=n>\n12",
+           calls=[("run", '{"n": 12')], well_formed=False),
+    Sample("xml-truncated-at-a-value", QWEN_CODER, "<tool_call>\n<function=run>\n<parameter=code>",
+           calls=[("run", '{"code": "')], well_formed=False),
     Sample("xml-truncated-before-its-name-ends", QWEN_CODER, "<tool_call>\n<function=ru",
            content="<tool_call>\n<function=ru", well_formed=False),  # no name, no call
     # --- Hermes 2 Pro / Qwen 2.5 / Qwen 3

@@ -282,6 +282,9 @@ def qwen_xml_block(text: str, m: int, marker: str, ctx: Ctx) -> Block:
             pname = text[k:gt].strip()
             close = ctx.memo.find(text, "</parameter>", gt + 1)
             if close < 0:
+                cut = _cut_member(text, pname, gt + 1, props.get(pname)) if ctx.ended else None
+                if cut is not None:  # the text ends in this value: the call so far shows it, as llama-server's
+                    pending.arguments = "{" + ", ".join([*members, cut])
                 raise pj.Incomplete
             members.append(_xml_member(text, pname, gt + 1, close, props.get(pname), ctx))
             pending.arguments = "{" + ", ".join(members)
@@ -306,6 +309,22 @@ def _xml_member(text: str, pname: str, a: int, b: int, prop: dict | None, ctx: C
     if member is None:
         member = ctx.memo.results[key] = canonical_member(pname, xml_value(text[a:b], prop))
     return member  # type: ignore[return-value]
+
+
+def _cut_member(text: str, pname: str, a: int, prop: dict | None) -> str | None:
+    """The member for a parameter value the text ends in (``text[a:]``, less a cut-off closing
+    tag): a string without its closing quote, or another type's text as written (None while
+    there is none)."""
+    raw = text[a:]
+    for n in range(min(len(raw), len("</parameter>") - 1), 0, -1):
+        if "</parameter>".startswith(raw[-n:]):
+            raw = raw[:-n]
+            break
+    raw = raw.removeprefix("\n").removesuffix("\n")  # a newline at its end may be the one before the tag
+    types = _schema_types(prop)
+    if types == {"string"} or (types is None and not _JSONISH.match(raw.strip())):
+        return canonical_member(pname, raw)[:-1]
+    return json.dumps(pname, ensure_ascii=False) + ": " + raw.strip() if raw.strip() else None
 
 
 def canonical_member(key: str, value: object) -> str:
