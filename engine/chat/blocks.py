@@ -321,10 +321,12 @@ def _cut_member(text: str, pname: str, a: int, prop: dict | None) -> str | None:
             raw = raw[:-n]
             break
     raw = raw.removeprefix("\n").removesuffix("\n")  # a newline at its end may be the one before the tag
-    types = _schema_types(prop)
-    if types == {"string"} or (types is None and not _JSONISH.match(raw.strip())):
+    types, written = _schema_types(prop), raw.strip()
+    if types == {"string"} or (types is None and not _JSONISH.match(written)):
         return canonical_member(pname, raw)[:-1]
-    return json.dumps(pname, ensure_ascii=False) + ": " + raw.strip() if raw.strip() else None
+    if not written:
+        return None
+    return json.dumps(pname, ensure_ascii=False) + ": " + written
 
 
 def canonical_member(key: str, value: object) -> str:
