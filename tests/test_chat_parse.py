@@ -375,6 +375,24 @@ def test_stream_name_first_then_arguments():
     assert len(growth) > 5  # arguments stream as they are written
 
 
+def test_stream_an_xml_string_value_as_it_is_written():
+    """A Qwen XML parameter the schema types as a string streams as it is written, as
+    llama-server's does; a value of another type (``days``) only once it is whole."""
+    text = xml_call("get_weather", city="Saint\n\"Malo\"", days="12") + "\n"
+    s = ChatStream(QWEN_XML, tool_schemas=WEATHER)
+    sent_before_close = ""
+    for ch in text:
+        for d in s.feed(ch):
+            for tc in d.get("tool_calls", []):
+                if "</parameter>" not in s.text.split("<parameter=city>")[-1]:
+                    sent_before_close += tc["function"]["arguments"]
+    assert sent_before_close == '{"city": "Saint\\n\\"Malo\\"'  # all of it but the closing quote
+    tail, final = s.finish()
+    assert final.tool_calls[0].arguments == '{"city": "Saint\\n\\"Malo\\"", "days": 12}'
+    cut = parse_output(text.split("\n12")[0] + "\n1", QWEN_XML, partial=True, tool_schemas=WEATHER)
+    assert cut.tool_calls[0].arguments == '{"city": "Saint\\n\\"Malo\\""'  # days may still grow
+
+
 def test_stream_truncated_call_keeps_what_was_sent():
     """An answer that stops inside a call: the call already announced stays, and the stream's
     final message is still what its deltas add up to."""

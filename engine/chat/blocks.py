@@ -253,8 +253,10 @@ def deepseek_block(text: str, m: int, marker: str, ctx: Ctx) -> Block:
 def qwen_xml_block(text: str, m: int, marker: str, ctx: Ctx) -> Block:
     """``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...
     </function>\\n</tool_call>``. Values are raw text, typed by the tool's schema; the
-    arguments are re-serialized canonically (:func:`canonical_member`), and a pending call
-    shows the completed parameters only, without the closing brace."""
+    arguments are re-serialized canonically (:func:`canonical_member`). A pending call shows
+    the completed parameters, without the closing brace, and the value being written when the
+    schema says it is a string (it streams as llama-server's does; another type, or an untyped
+    value, may still change its type) or when the text has ended."""
     pending: RawCall | None = None
     try:
         k = lit(text, pj.skip_ws(text, m + len(marker)), "<function=")
@@ -281,9 +283,11 @@ def qwen_xml_block(text: str, m: int, marker: str, ctx: Ctx) -> Block:
                 raise pj.Incomplete
             pname = text[k:gt].strip()
             close = ctx.memo.find(text, "</parameter>", gt + 1)
-            if close < 0:
-                cut = _cut_member(text, pname, gt + 1, props.get(pname)) if ctx.ended else None
-                if cut is not None:  # the text ends in this value: the call so far shows it, as llama-server's
+            if close < 0:  # the text ends in this value
+                prop = props.get(pname)
+                shown = ctx.partial and (ctx.ended or _schema_types(prop) == {"string"})
+                cut = _cut_member(text, pname, gt + 1, prop) if shown else None
+                if cut is not None:
                     pending.arguments = "{" + ", ".join([*members, cut])
                 raise pj.Incomplete
             members.append(_xml_member(text, pname, gt + 1, close, props.get(pname), ctx))
@@ -312,9 +316,9 @@ def _xml_member(text: str, pname: str, a: int, b: int, prop: dict | None, ctx: C
 
 
 def _cut_member(text: str, pname: str, a: int, prop: dict | None) -> str | None:
-    """The member for a parameter value the text ends in (``text[a:]``, less a cut-off closing
-    tag): a string without its closing quote, or another type's text as written (None while
-    there is none)."""
+    """The member for a parameter value the text ends in (``text[a:]``, less what may be the
+    start of its closing tag): a string without its closing quote, or another type's text as
+    written (None while there is none). A prefix of the member the whole value gives."""
     raw = text[a:]
     for n in range(min(len(raw), len("</parameter>") - 1), 0, -1):
         if "</parameter>".startswith(raw[-n:]):
