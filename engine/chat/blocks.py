@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from json.encoder import encode_basestring  # json.dumps' escaping of a str (ensure_ascii=False)
 from dataclasses import dataclass, field
 
 from . import parse_json as pj
@@ -282,17 +283,17 @@ def qwen_xml_block(text: str, m: int, marker: str, ctx: Ctx) -> Block:
             if gt < 0:
                 raise pj.Incomplete
             pname = text[k:gt].strip()
-            close = ctx.memo.find(text, "</parameter>", gt + 1)
+            close = ctx.memo.find(text, _PARAM_CLOSE, gt + 1)
             if close < 0:  # the text ends in this value
                 prop = props.get(pname)
                 shown = ctx.partial and (ctx.ended or _schema_types(prop) == {"string"})
-                cut = _cut_member(text, pname, gt + 1, prop) if shown else None
+                cut = _cut_member(text, pname, gt + 1, prop, ctx.memo) if shown else None
                 if cut is not None:
                     pending.arguments = "{" + ", ".join([*members, cut])
                 raise pj.Incomplete
             members.append(_xml_member(text, pname, gt + 1, close, props.get(pname), ctx))
             pending.arguments = "{" + ", ".join(members)
-            k = close + len("</parameter>")
+            k = close + len(_PARAM_CLOSE)
         call = RawCall(name, pending.arguments + "}")
         end = closer(text, pj.skip_ws(text, k), "</tool_call>", ctx)
         if end is None:
@@ -315,22 +316,31 @@ def _xml_member(text: str, pname: str, a: int, b: int, prop: dict | None, ctx: C
     return member  # type: ignore[return-value]
 
 
-def _cut_member(text: str, pname: str, a: int, prop: dict | None) -> str | None:
+def _cut_member(text: str, pname: str, a: int, prop: dict | None, memo: pj.Memo) -> str | None:
     """The member for a parameter value the text ends in (``text[a:]``, less what may be the
     start of its closing tag): a string without its closing quote, or another type's text as
     written (None while there is none). A prefix of the member the whole value gives."""
-    raw = text[a:]
-    for n in range(min(len(raw), len("</parameter>") - 1), 0, -1):
-        if "</parameter>".startswith(raw[-n:]):
-            raw = raw[:-n]
+    end, tail = len(text), text[max(a, len(text) - len(_PARAM_CLOSE) + 1):]
+    for n in range(len(tail), 0, -1):
+        if _PARAM_CLOSE.startswith(tail[-n:]):
+            end -= n
             break
-    raw = raw.removeprefix("\n").removesuffix("\n")  # a newline at its end may be the one before the tag
-    types, written = _schema_types(prop), raw.strip()
-    if types == {"string"} or (types is None and not _JSONISH.match(written)):
-        return canonical_member(pname, raw)[:-1]
-    if not written:
-        return None
-    return json.dumps(pname, ensure_ascii=False) + ": " + written
+    start = a + 1 if text.startswith("\n", a) else a
+    if end > start and text[end - 1] == "\n":  # maybe the newline before the tag, not the value's
+        end -= 1
+    end = max(start, end)
+    types = _schema_types(prop)
+    if types != {"string"} and (types is not None or _JSONISH.match(text[start:end].strip())):
+        written = text[start:end].strip()
+        return json.dumps(pname, ensure_ascii=False) + ": " + written if written else None
+    # A string streamed: its escaped text grows by what was written since the last parse.
+    key, empty = ("xml_cut", start, pname), (start, canonical_member(pname, "")[:-1])
+    upto, member = memo.results.get(key, empty)  # type: ignore[misc]
+    if upto > end:  # held back more than the last parse did
+        upto, member = empty
+    member += encode_basestring(text[upto:end])[1:-1]
+    memo.results[key] = (end, member)
+    return member
 
 
 def canonical_member(key: str, value: object) -> str:
@@ -344,6 +354,7 @@ def _reject_constant(name: str) -> object:
     raise ValueError(name)  # NaN and Infinity would re-serialize as invalid JSON
 
 
+_PARAM_CLOSE = "</parameter>"
 _JSONISH = re.compile(r"-?[0-9]|true\Z|false\Z|null\Z|[\[{]")
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,), "number": (int, float), "boolean": (bool,), "object": (dict,),
