@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from json.encoder import encode_basestring  # json.dumps' escaping of a str (ensure_ascii=False)
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # json.dumps' escaping of a str (ensure_ascii=False)
 
 from . import parse_json as pj
 from .formats import ToolFormat
@@ -331,8 +331,10 @@ def _cut_member(text: str, pname: str, a: int, prop: dict | None, memo: pj.Memo)
     end = max(start, end)
     types = _schema_types(prop)
     if types != {"string"} and (types is not None or _JSONISH.match(text[start:end].strip())):
-        written = text[start:end].strip()
-        return json.dumps(pname, ensure_ascii=False) + ": " + written if written else None
+        written = text[start:end].strip()  # another type: as written, once something is
+        if not written:
+            return None
+        return json.dumps(pname, ensure_ascii=False) + ": " + written
     # A string streamed: its escaped text grows by what was written since the last parse.
     key, empty = ("xml_cut", start, pname), (start, canonical_member(pname, "")[:-1])
     upto, member = memo.results.get(key, empty)  # type: ignore[misc]
