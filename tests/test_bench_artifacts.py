@@ -390,11 +390,13 @@ def test_agent_turn_summary_takes_per_turn_ratios_to_llama_server():
     ("tiny-hybrid-wide", 0, "tiny-hybrid-wide", None), ("tiny-hybrid-wide-4-agents", 3, "tiny-hybrid-wide", None),
     ("tiny-moe", 0, "tiny-moe", 11), ("tiny-moe-before-bafa853", 0, "tiny-moe", 11),
     ("tiny-hybrid-wide-bafa853", 0, "tiny-hybrid-wide", 11), ("tiny-moe-87a7005", 0, "tiny-moe", 11),
-    ("tiny-moe-d38eba7", 0, "tiny-moe", 11), ("tiny-hybrid-wide-fd4466a", 0, "tiny-hybrid-wide", 11)])
+    ("tiny-moe-d38eba7", 0, "tiny-moe", 11), ("tiny-hybrid-wide-fd4466a", 0, "tiny-hybrid-wide", 11),
+    ("tiny-moe-bafc66b", 0, "tiny-moe", 11)])
 def test_the_agent_turns_tables_in_the_docs_are_made_of_their_committed_runs(folder, same_prompts_from, model, until):
     """docs/performance/agent-turns/FOLDER/run-N.json are the runs of "Agents' turns against
     llama-server" (and of "More agents than slots" there, of "An agent's turn cut where
-    llama-server cuts it", of "A chat with tools that answers in text", and of "tiny-hybrid-wide's agents at fd4466a"): the table built from them (``agent_turns --table``) is the page's,
+    llama-server cuts it", of "A chat with tools that answers in text", of "tiny-hybrid-wide's agents at fd4466a" and of "The
+    agents' turns on the AMD EPYC host"): the table built from them (``agent_turns --table``) is the page's,
     and both servers computed the same prompts (with four agents, from the fourth turn on:
     llama-server recomputes some before; since bafa853 but the two agents' last turn, where ours
     finds the first agent's prompt cached from the one-agent phase but 4 tokens)."""
