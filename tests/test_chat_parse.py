@@ -415,6 +415,16 @@ TWO_CALLS_AND_A_CUT = {  # the second call cut by max_tokens inside its argument
 
 
 @pytest.mark.parametrize("sample", [s for s in SAMPLES if s.well_formed and s.calls], ids=lambda s: s.id)
+def test_an_answer_cut_anywhere_streams_what_its_whole_parse_says(sample):
+    """``max_tokens`` may cut an answer at any character: streamed, the message its deltas add
+    up to is the whole parse of what was written — the calls so far included."""
+    for cut in range(len(sample.text) + 1):
+        text = sample.text[:cut]
+        deltas, final = stream(text, sample.fmt, piece_sizes(3), sample.opts)
+        assert final == parse_output(text, sample.fmt, partial=False, **sample.opts), (cut, text)
+
+
+@pytest.mark.parametrize("sample", [s for s in SAMPLES if s.well_formed and s.calls], ids=lambda s: s.id)
 def test_an_answer_with_calls_is_read_once(sample):
     """Only a whole parse that met a block it could not read (cut, or no call, as a JSON
     answer) is read again as cut: a second parse of every answer with a call would cost its
