@@ -67,6 +67,21 @@ def _cut_off(text: str, k: int, s: str) -> bool:
     return len(text) - k < len(s) and s.startswith(text[k:])
 
 
+def held_back(text: str, start: int, markers: tuple[str, ...]) -> int:
+    """Where the longest tail of ``text[start:]`` that is a proper prefix of a marker begins
+    (``len(text)`` when there is none): that tail must not be shown yet."""
+    n = len(text)
+    cut = n
+    for mk in markers:
+        i = text.find(mk[0], max(start, n - len(mk) + 1))
+        while 0 <= i < cut:
+            if mk.startswith(text[i:]):
+                cut = i
+                break
+            i = text.find(mk[0], i + 1)
+    return cut
+
+
 def closer(text: str, k: int, s: str, ctx: Ctx) -> int | None:
     """Index after an optional closing tag ``s`` at ``k``. A missing tag ends the block at
     ``k`` and a cut-off one at the end of the text (llama-server is as lenient); None when
@@ -320,11 +335,7 @@ def _cut_member(text: str, pname: str, a: int, prop: dict | None, memo: pj.Memo)
     """The member for a parameter value the text ends in (``text[a:]``, less what may be the
     start of its closing tag): a string without its closing quote, or another type's text as
     written (None while there is none). A prefix of the member the whole value gives."""
-    end, tail = len(text), text[max(a, len(text) - len(_PARAM_CLOSE) + 1):]
-    for n in range(len(tail), 0, -1):
-        if _PARAM_CLOSE.startswith(tail[-n:]):
-            end -= n
-            break
+    end = held_back(text, a, (_PARAM_CLOSE,))
     start = a + 1 if text.startswith("\n", a) else a
     if end > start and text[end - 1] == "\n":  # maybe the newline before the tag, not the value's
         end -= 1

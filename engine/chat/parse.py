@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import parse_json as pj
-from .blocks import BLOCK_PARSERS, Block, Ctx, RawCall, json_call, object_list
+from .blocks import BLOCK_PARSERS, Block, Ctx, RawCall, held_back, json_call, object_list
 from .formats import ChatFormat, ToolFormat
 
 
@@ -101,21 +101,6 @@ def _first(text: str, markers: tuple[str, ...], start: int, memo: pj.Memo) -> tu
         if i >= 0 and (best < 0 or i < best):
             best, which = i, mk
     return best, which
-
-
-def held_back(text: str, start: int, markers: tuple[str, ...]) -> int:
-    """Where the longest tail of ``text[start:]`` that is a proper prefix of a marker begins
-    (``len(text)`` when there is none): that tail must not be shown yet."""
-    n = len(text)
-    cut = n
-    for mk in markers:
-        i = text.find(mk[0], max(start, n - len(mk) + 1))
-        while 0 <= i < cut:
-            if mk.startswith(text[i:]):
-                cut = i
-                break
-            i = text.find(mk[0], i + 1)
-    return cut
 
 
 def _split_reasoning(text: str, opts: ParseOptions, partial: bool, memo: pj.Memo) -> tuple[str, int]:
