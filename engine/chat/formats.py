@@ -109,16 +109,22 @@ def generation_opens_reasoning(prompt_text: str, fmt: ChatFormat) -> bool:
 _PROBE_CALLS = ("hydra_probe_first", "hydra_probe_second")
 
 
+def answer_with_calls(calls: list[tuple[str, str, str]], *, question: str, reply: str,
+                      result: str) -> list[dict[str, Any]]:
+    """A conversation the template probes render: a user's ``question``, an assistant answer
+    ``reply`` making ``calls`` (``(id, name, arguments)`` each), and each call's ``result``."""
+    made = [{"id": i, "type": "function", "function": {"name": name, "arguments": args}} for i, name, args in calls]
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": reply, "tool_calls": made},
+            *({"role": "tool", "tool_call_id": c["id"], "content": result} for c in made)]
+
+
 def renders_parallel_calls(render: Callable[[list[dict[str, Any]], bool], str]) -> bool:
     """Does the template write the second of an answer's two tool calls? llama-server's
     ``supports_parallel_tool_calls`` (``common/jinja/caps.cpp``), which is its default for a
     request's ``parallel_tool_calls``. ``render(messages, add_generation_prompt)``; a template
     that refuses two calls (Llama 3.1's raises) or ignores calls writes none."""
-    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": "{\"arg\": \"x\"}"}}
-             for i, name in enumerate(_PROBE_CALLS)]
-    messages = [{"role": "user", "content": "User message"},
-                {"role": "assistant", "content": "", "tool_calls": calls},
-                *({"role": "tool", "tool_call_id": c["id"], "content": "Tool response"} for c in calls),
+    calls = [(f"call_{i}", name, '{"arg": "x"}') for i, name in enumerate(_PROBE_CALLS)]
+    messages = [*answer_with_calls(calls, question="User message", reply="", result="Tool response"),
                 {"role": "user", "content": "User message"}]
     try:
         return _PROBE_CALLS[1] in render(messages, False)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .formats import answer_with_calls
+
 # distinct texts a template copies into its render unchanged
 _FIRST, _REPLY, _SECOND = "HYDRA_TURN_ONE", "HYDRA_TURN_REPLY", "HYDRA_TURN_TWO"
 
@@ -58,10 +60,7 @@ def tool_result_turns(render: Callable[[list[dict[str, Any]], bool], str], openi
     results share one user turn (Qwen's); 2, each opens its own."""
     if not opening:
         return 0
-    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in (1, 2)]
-    messages = [{"role": "user", "content": _FIRST}, {"role": "assistant", "content": _REPLY, "tool_calls": calls},
-                {"role": "tool", "tool_call_id": "c1", "content": _SECOND},
-                {"role": "tool", "tool_call_id": "c2", "content": _SECOND}]
+    messages = answer_with_calls([(f"c{i}", "f", "{}") for i in (1, 2)], question=_FIRST, reply=_REPLY, result=_SECOND)
     try:
         text = render(messages, False)
     except Exception:  # a template without tool calls: its results are not user turns
