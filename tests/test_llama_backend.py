@@ -420,6 +420,28 @@ def test_logits_and_logprob(m: LoadedModel) -> None:
     assert tok2 == tok and lp2 == pytest.approx(lp)
 
 
+def test_a_logits_row_is_read_through_one_view_while_its_place_holds(m: LoadedModel) -> None:
+    """The view of a logits row is made once for its address (made after every decode, it cost a
+    Gemma token's sampling ~16 µs), reads each decode's logits, and the views kept stay bounded."""
+    prompts = [m.tokenize(f"row {i} of the batch") for i in range(4)]
+    m.decode([BatchItem(i, p, 0) for i, p in enumerate(prompts)])
+    views = [m.logits(i) for i in range(4)]
+    assert len({id(v) for v in views}) == 4
+    pos = [len(p) for p in prompts]
+    nxt = [int(np.argmax(v)) for v in views]
+    for step in range(6):
+        live = range(4) if step % 2 else range(step % 4, 4)  # batches of other sizes and rows
+        m.decode([BatchItem(i, [nxt[i]], pos[i]) for i in live])
+        for i in live:
+            pos[i] += 1
+            ptr = L.llama_get_logits_ith(m._ctx_handle(), m._logit_idx[i])
+            fresh = np.ctypeslib.as_array(ptr, shape=(m.n_vocab,))
+            np.testing.assert_array_equal(m.logits(i), fresh)
+            nxt[i] = int(np.argmax(m.logits(i)))
+    assert all(m.logits(i) is views[i] for i in range(4))  # the last batch's rows are the first's
+    assert len(m._rows) <= 4 * m.n_seq_max
+
+
 def test_no_logits_errors(m: LoadedModel) -> None:
     m.decode([BatchItem(0, m.tokenize("abc"), 0, logits_last=False)])
     with pytest.raises(LlamaBackendError, match="no logits for seq 0"):

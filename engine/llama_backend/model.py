@@ -26,8 +26,8 @@ from .context import context_params, create_context, load_model_file, slot_conte
 from .identity import read_identity
 from .kv_probe import describe
 from .model_text import ModelText
-from .runtime import (ContextExceeded, DecodeError, LlamaBackendError, clear_llama_errors, default_threads,
-                      last_llama_errors)
+from .runtime import (ContextExceeded, DecodeError, LlamaBackendError, clear_llama_errors, decode_error_message,
+                      default_threads)
 from .sampler import Sampler, SpareChains, accept_forced, make_sampler, sample_row, top_logprobs
 
 
@@ -68,6 +68,7 @@ class LoadedModel(ModelText):
         self._model = None
         self._ctx = None
         self._batch: LlamaBatch | None = None
+        self._rows: dict[int, np.ndarray] = {}  # views of llama.cpp's logits rows, by address (_row)
         self._closed = False
         self.spare_chains = SpareChains()  # sampler chains kept between jobs (sampler.SpareChains)
         self._kv_cache: KvCacheInfo | None = None
@@ -117,6 +118,7 @@ class LoadedModel(ModelText):
         if self._closed:
             return
         self._closed = True
+        self._rows.clear()
         self.spare_chains.close()
         if self._batch is not None:
             self._batch.free()
@@ -305,18 +307,8 @@ class LoadedModel(ModelText):
         clear_llama_errors()
         rc = int(L.llama_decode(ctx, self._batch.raw))
         if rc != 0:
-            raise (ContextExceeded if rc == 1 else DecodeError)(rc, self._decode_error_message(rc, items))
+            raise (ContextExceeded if rc == 1 else DecodeError)(rc, decode_error_message(rc, items, self.seq_pos_max))
         self._logit_idx = out
-
-    def _decode_error_message(self, rc: int, items: Sequence[BatchItem]) -> str:
-        what = {1: "Context size has been exceeded: no KV cell left for the batch", 2: "aborted",
-                -1: "invalid batch"}.get(rc, "fatal error")
-        detail = ", ".join(
-            f"seq {it.seq}: {len(it.tokens)} tok at pos {it.pos0} (cache pos_max {self.seq_pos_max(it.seq)})"
-            for it in items[:8]
-        )
-        logs = "; ".join(last_llama_errors(3))
-        return f"llama_decode failed with {rc} ({what}); {detail}" + (f"; llama.cpp: {logs}" if logs else "")
 
     def _logits_index(self, seq: int) -> int:
         try:
@@ -330,10 +322,16 @@ class LoadedModel(ModelText):
         ptr = L.llama_get_logits_ith(self._ctx_handle(), idx)
         if not ptr:
             raise LlamaBackendError(f"llama_get_logits_ith({idx}) returned NULL")
-        # A view on the row through a ctypes type made once: np.ctypeslib.as_array makes a
-        # pointer type and casts on every call, and right after a decode, whose weights pushed
-        # the interpreter out of the caches, that cost 20–35 µs of a Gemma token (docs/performance.md).
-        return np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
+        # A view of the row, kept for its address (llama.cpp's output rows stay put until it
+        # reserves more): made anew after each decode, whose weights pushed the interpreter out
+        # of the caches, it cost a Gemma token's sampling ~16 µs more (docs/performance.md).
+        addr = ctypes.addressof(ptr.contents)
+        row = self._rows.get(addr)
+        if row is None:
+            if len(self._rows) >= 4 * self._n_seq_max:  # rows a reallocated buffer left behind
+                self._rows.clear()
+            row = self._rows[addr] = np.frombuffer(self._row_type.from_address(addr), dtype=np.float32)
+        return row
 
     @staticmethod
     def _logsumexp(row: np.ndarray) -> float:

@@ -15,9 +15,11 @@ import logging
 import os
 import sys
 import threading
+from typing import Callable, Sequence
 
 import llama_cpp.llama_cpp as L
 
+from ..backend import BatchItem
 from ..jobs import KvCacheFull
 
 
@@ -111,6 +113,17 @@ def last_llama_errors(n: int = 4) -> list[str]:
 def clear_llama_errors() -> None:
     """Forget earlier lines, so the next failure reports only its own."""
     _recent_errors.clear()
+
+
+def decode_error_message(rc: int, items: Sequence[BatchItem], pos_max: Callable[[int], int]) -> str:
+    """What a failed ``llama_decode`` of ``items`` says: the code, the batch's first sequences
+    (``pos_max``: where each one's cache ends) and llama.cpp's last complaints."""
+    what = {1: "Context size has been exceeded: no KV cell left for the batch", 2: "aborted",
+            -1: "invalid batch"}.get(rc, "fatal error")
+    detail = ", ".join(f"seq {it.seq}: {len(it.tokens)} tok at pos {it.pos0} (cache pos_max {pos_max(it.seq)})"
+                       for it in items[:8])
+    logs = "; ".join(last_llama_errors(3))
+    return f"llama_decode failed with {rc} ({what}); {detail}" + (f"; llama.cpp: {logs}" if logs else "")
 
 
 def check_rpc_support() -> None:
