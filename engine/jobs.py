@@ -127,6 +127,9 @@ class GenRequest:
     # False: never wait in the slot's queue — a busy slot refuses it with EngineBusy (a merged
     # DECODE runs detached from its client; the C++ answers it "slot is busy")
     wait: bool = True
+    # False: whoever submitted reads only the result, not the tokens as they come, so a running
+    # step keeps them until it ends instead of waking the event loop for each (engine.stepper)
+    stream: bool = True
 
 
 class EventChannel:

@@ -12,7 +12,8 @@ CONFIGURE or a client that stopped reading waits one decode); a cancelled job is
 fed from the next decode on.
 While it repeats it hands the tokens made so far to the actor (``hand_over``, at
 most every ``HAND_OVER_EVERY``): they go to their streams while the next decode
-runs, instead of the loop's per-token work waiting between two decodes.
+runs, instead of the loop's per-token work waiting between two decodes. A job whose
+client reads only its result (``GenRequest.stream`` False) keeps its tokens until the step ends.
 
 The stepper mutates ``Running``/``Slot`` objects; the actor never touches them
 while a step is in flight (it is awaiting the step), so there is one owner at a time.
@@ -335,7 +336,7 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
             break
         if hand_over is not None and now - handed >= HAND_OVER_EVERY:
             handed = now
-            batch = [(r, r.events) for r, _, _ in fed if r.events]
+            batch = [(r, r.events) for r, _, _ in fed if r.events and r.job.request.stream]
             for r, _ in batch:
                 r.events = []
             if batch:

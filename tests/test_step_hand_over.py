@@ -327,3 +327,33 @@ async def test_streams_handed_over_a_token_at_a_time_get_every_token_in_order(mo
         results = [await job.result() for job in jobs]
     for pieces, res in zip(streamed, results):
         assert len(pieces) == res.tokens_generated == 12 and b"".join(pieces) == res.text
+
+
+@pytest.mark.asyncio
+async def test_a_job_whose_client_reads_only_the_result_keeps_its_tokens_until_the_step_ends(monkeypatch):
+    """A client that awaits only the result (``GenRequest.stream`` False: a completion that is not
+    streamed) does not read its tokens as they come: the step hands over the streamed job's
+    tokens beside it, and keeps the other's until it ends, without a wake-up of the loop each."""
+    monkeypatch.setattr(stepper, "HAND_OVER_EVERY", 0.0)  # every decode's tokens, however fast
+    async with scripted_engine(time_slice=3600.0) as env:
+        gate, actor = env.factory.decode_gate, env.engine.actor
+        gate.close()
+        streamed = env.engine.submit(GenRequest(0, prompt="abc", n_predict=6))
+        whole = env.engine.submit(GenRequest(1, prompt="xyz", n_predict=6, stream=False))
+        await gate.wait_held(1, "the two prefills")
+        gate.release(1)  # that step ends with both first tokens
+        await gate.wait_held(1, "the first decode of a long step")
+        steps = actor.stats["steps"]
+        assert await streamed.next_event() is not None
+        held = whole._job.events.qsize()
+        for k in range(3):
+            gate.release(1)
+            await gate.wait_held(1, f"decode {k + 2} of the same step")
+            assert await streamed.next_event() is not None  # handed over while the step runs
+            while actor.scheduler._staged:  # every hand-over posted so far has reached its queue
+                await asyncio.sleep(0)
+            assert whole._job.events.qsize() == held and actor.stats["steps"] == steps
+        gate.open()
+        results = [await job.result() for job in (streamed, whole)]
+        rest = [ev async for ev in _events(whole)]
+    assert len(rest) == 6 and all(r.tokens_generated == 6 for r in results)  # the first one held, then the rest

@@ -151,7 +151,7 @@ class LlamaRoutes:
         sampling = engine.sampling_for(creq.sampling, grammar=creq.grammar, logit_bias=creq.logit_bias,
                                        n_probs=creq.n_probs)
         gen_request = GenRequest(creq.slot, prompt=creq.prompt, tokens=creq.tokens, n_predict=creq.n_predict,
-                                 sampling=sampling, stop=creq.stop, params=choice.params)
+                                 sampling=sampling, stop=creq.stop, params=choice.params, stream=creq.stream)
         try:
             job = engine.submit(gen_request)
         except (EngineBusy, BadInput, EngineUnavailable) as e:

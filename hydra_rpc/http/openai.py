@@ -161,7 +161,7 @@ class OpenAIRoutes:
                                        n_probs=creq.n_probs)
         gen_request = GenRequest(creq.slot, messages=creq.messages, prompt=creq.prompt, tokens=creq.tokens,
                                  n_predict=creq.n_predict, sampling=sampling, stop=creq.stop, params=choice.params,
-                                 want_logprobs=creq.logprobs,
+                                 want_logprobs=creq.logprobs, stream=creq.stream,
                                  template_vars=creq.chat.template_vars if creq.chat else None,
                                  reasoning_budget=creq.chat.reasoning_budget if creq.chat else None)
         try:

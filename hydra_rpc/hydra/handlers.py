@@ -243,7 +243,8 @@ class Handlers:
         dialect = decode_dialect(payload)
         if dialect is Dialect.DECODE_E1:
             n_predict, tokens = P.decode_e1_decode(payload)
-            job = GenRequest(slot, tokens=tokens, append=True, n_predict=max(0, n_predict), sampling=GREEDY)
+            job = GenRequest(slot, tokens=tokens, append=True, n_predict=max(0, n_predict), sampling=GREEDY,
+                             stream=False)
             res = await run_job(req, self.engine.submit(job))
             await resp.send(Status.OK, {"tokens_generated": res.tokens_generated, "n_past": res.n_past,
                                         "stop_reason": "complete", "config_generation": res.config_generation,
@@ -257,7 +258,8 @@ class Handlers:
         chat = chat_input(self.engine, d.body, d.messages)
         job = GenRequest(slot, messages=chat.messages, append=d.messages is None, n_predict=d.n_predict,
                          sampling=replace(sampling, grammar=chat.grammar), want_logprobs=dialect is Dialect.DECODE_SPEC,
-                         template_vars=chat.template_vars, reasoning_budget=chat.reasoning_budget)
+                         template_vars=chat.template_vars, reasoning_budget=chat.reasoning_budget,
+                         stream=dialect is not Dialect.DECODE_SPEC)  # SPEC answers once, with every token
         handle = self.engine.submit(job)
         if dialect is Dialect.DECODE_SPEC:
             res = await run_job(req, handle)
