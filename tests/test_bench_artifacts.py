@@ -505,3 +505,20 @@ def test_the_behind_long_prompt_table_in_the_docs_is_made_of_its_committed_runs(
     made = summarize(before["rounds"])
     assert made["short_ms"]["llama-server"]["ratio"] == 1.0 and made["short_ms"]["ours"]["ratio"] > 3
 
+
+
+@pytest.mark.parametrize("folder, model", [("gemma-270m-8e82c1e", "gemma-270m")])
+def test_the_bindings_floor_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
+    """docs/performance/bindings-floor/FOLDER/run-N.json are the runs of "The bindings' floor,
+    measured by a bench": the table built from them (``bindings_floor --table``) is the page's,
+    and every round has each of the three's figures."""
+    from tools.bench.bindings_floor import WHO, runs_table
+    from tools.bench.common import load_runs
+
+    runs = load_runs(DOCS_RUNS / "bindings-floor" / folder)
+    assert len(runs) == 3 and all(r["model"] == model for r in runs)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
+    for run in runs:
+        assert len(run["samples"]) == run["rounds"]
+        assert all(set(rnd) == set(WHO) and all(rnd[w]["prompt_ms"] > 0 and rnd[w]["tok_s"] > 0 for w in WHO)
+                   for rnd in run["samples"])
