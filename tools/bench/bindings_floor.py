@@ -5,8 +5,9 @@
 Three take turns on the servers' argv (``-c 8192 -np 4 -t THREADS``; both servers up, each
 idle while another works): llama-server, a **bare process** on the same bindings and ours. The
 bare process is ``engine.llama_backend`` alone — the model loaded with the servers' context
-(``n_batch`` 2048, a stream per slot), the same ``llama_decode`` calls, no server and no client
-— a fresh one each round (``--bare``). Each round, each of the three:
+(``n_batch`` 2048, each slot's KV cache its own, as ``-np 4`` gives both), the same
+``llama_decode`` calls, no server and no client — a fresh one each round (``--bare``). Each
+round, each of the three:
 
 1. a cold document of ~1,700 tokens that no one has seen (a number of its own in front): its
    prompt's time, the servers' ``timings.prompt_ms`` and the bare process's decodes, in the
