@@ -506,7 +506,6 @@ def test_the_behind_long_prompt_table_in_the_docs_is_made_of_its_committed_runs(
     assert made["short_ms"]["llama-server"]["ratio"] == 1.0 and made["short_ms"]["ours"]["ratio"] > 3
 
 
-
 @pytest.mark.parametrize("folder, model", [("gemma-270m-8e82c1e", "gemma-270m")])
 def test_the_bindings_floor_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/bindings-floor/FOLDER/run-N.json are the runs of "The bindings' floor,

@@ -6,8 +6,8 @@ Three take turns on the servers' argv (``-c 8192 -np 4 -t THREADS``; both server
 idle while another works): llama-server, a **bare process** on the same bindings and ours. The
 bare process is ``engine.llama_backend`` alone — the model loaded with the servers' context
 (``n_batch`` 2048, each slot's KV cache its own, as ``-np 4`` gives both), the same
-``llama_decode`` calls, no server and no client — a fresh one each round (``--bare``). Each
-round, each of the three:
+``llama_decode`` calls, no server and no client — a fresh one each round (a ``bare-prompt``
+worker of :mod:`tools.bench.workers`). Each round, each of the three:
 
 1. a cold document of ~1,700 tokens that no one has seen (a number of its own in front): its
    prompt's time, the servers' ``timings.prompt_ms`` and the bare process's decodes, in the
@@ -26,11 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import statistics
-import subprocess
 import sys
-import time
 from typing import Any
 
 import aiohttp
@@ -40,8 +37,8 @@ from tools.bench.common import (MODEL_HELP, BenchError, interleaved, machine_inf
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
 from tools.bench.openai_workload import stream
+from tools.bench.procs import run_worker
 from tools.bench.vs_llama_server import CTX, start
-from tools.spawn import ROOT
 
 SLOTS, N_BATCH, TOKENS = 4, 2048, 200
 WHO = ("llama-server", "bare", "ours")
@@ -67,35 +64,12 @@ def chunk_ends(n: int, checkpoints: bool, n_batch: int, n_ubatch: int) -> list[i
     return sorted(ends)
 
 
-def bare(model_path: str, key: str, threads: int) -> dict[str, Any]:
-    """The bare process's round (``--bare``): the document's prompt, then the stream."""
-    from engine.backend import BatchItem
-    from engine.llama_backend.build import load
-    from engine.model_params import ModelParams
-    from engine.sampling import SamplerParams
-
-    m = load(ModelParams(model_path=model_path, n_ctx=CTX, n_slots=SLOTS, n_threads=threads, kv_unified=False,
-                         n_batch=N_BATCH))
-    try:
-        toks = m.tokenize(document(key), add_special=True)
-        t0, at = time.perf_counter(), 0
-        for end in chunk_ends(len(toks), bool(m.n_swa or m.recurrent), m.n_batch, m.n_ubatch):
-            m.decode([BatchItem(0, toks[at:end], at, end == len(toks))])
-            at = end
-        prompt_ms, prompt_n = (time.perf_counter() - t0) * 1000, len(toks)
-        sampler = m.make_sampler(SamplerParams(temperature=0.0))
-        toks = m.tokenize(STREAM_PROMPT, add_special=True)
-        m.decode([BatchItem(1, toks, 0, True)])
-        tok, pos = m.sample(1, sampler), len(toks)
-        t0 = time.perf_counter()
-        for _ in range(TOKENS - 1):
-            m.decode([BatchItem(1, [tok], pos, True)])
-            tok, pos = m.sample(1, sampler), pos + 1
-        tok_s = (TOKENS - 1) / (time.perf_counter() - t0)
-        sampler.free()
-        return {"prompt_ms": prompt_ms, "prompt_n": prompt_n, "tok_s": tok_s}
-    finally:
-        m.close()
+async def bare(model: str, key: str, threads: int) -> dict[str, Any]:
+    """The bare process's round (a ``bare-prompt`` worker of :mod:`tools.bench.workers`)."""
+    params = {"model": model, "n_ctx": CTX, "n_seq_max": SLOTS, "n_batch": N_BATCH, "n_threads": threads,
+              "document": document(key), "prompt": STREAM_PROMPT, "n_predict": TOKENS}
+    out = await run_worker("bare-prompt", params, timeout=TIMEOUT_S)
+    return {k: out[k] for k in ("prompt_ms", "prompt_n", "tok_s")}
 
 
 async def served(base: str, key: str) -> dict[str, Any]:
@@ -109,14 +83,6 @@ async def served(base: str, key: str) -> dict[str, Any]:
         s = await stream(http, base, "/v1/completions", {"prompt": STREAM_PROMPT, "max_tokens": TOKENS,
                                                          "ignore_eos": True})
     return {"prompt_ms": timings["prompt_ms"], "prompt_n": timings["prompt_n"], "tok_s": s["decode_tok_s"]}
-
-
-def run_bare(model_path: str, key: str, threads: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "tools.bench.bindings_floor", "--bare", model_path, "--key", key,
-                          "--threads", str(threads)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if out.returncode != 0:
-        raise BenchError(f"the bare process failed ({out.returncode}):\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -145,16 +111,11 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.bindings_floor", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gemma-270m", help=MODEL_HELP)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--bare", metavar="MODEL_FILE", help=argparse.SUPPRESS)  # one round of the bare process
-    ap.add_argument("--key", default="0", help=argparse.SUPPRESS)
     args = parse_against_llama_server(ap, argv)
-    if args.bare:
-        print(json.dumps(bare(args.bare, args.key, args.threads)))
-        return None
     if (shown := table_only(args, runs_table)) is not None:
         return shown
     binary, model = llama_server_or_exit(), model_set(args.model).busy
@@ -166,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         for rnd, w in interleaved(args.rounds, list(WHO)):
             print(f"bindings-floor: round {rnd + 1}/{args.rounds}, {w}", file=sys.stderr, flush=True)
             key = f"{rnd}-{w}"
-            rounds[rnd][w] = run_bare(model, key, args.threads) if w == "bare" else \
-                asyncio.run(served(servers[w].base, key))
+            rounds[rnd][w] = asyncio.run(bare(model, key, args.threads) if w == "bare" else
+                                         served(servers[w].base, key))
     result = {"machine": machine_info(), "model": args.model, "llama_server_build": build_info(binary),
               "threads": args.threads, "ctx": CTX, "slots": SLOTS, "rounds": args.rounds,
               "summary": summarize(rounds), "samples": rounds}

@@ -4,6 +4,8 @@
   prefill, then decode 1 token + sample greedily, N times. The baseline of decode-overhead.
 * ``bare-batch``: the same loop with k sequences decoded together, one token of each per
   ``llama_decode`` (what the engine's step does for k slots): the ceiling of slots-scaling.
+* ``bare-prompt``: a cold document's prompt in the servers' chunks, then a greedy stream: the
+  bare process of bindings-floor (:mod:`tools.bench.bindings_floor`).
 * ``ggml-client``: the same loop with every layer offloaded to a ggml RPC server at
   ``endpoint`` (directly, or through our port's passthrough).
 * ``raw-peer``: a plain blocking-socket peer that sends or swallows N bytes on request: the
@@ -264,7 +266,28 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     return data
 
 
-MODES = {"bare-decode": bare_decode, "bare-batch": bare_batch, "ggml-client": ggml_client, "pollers": pollers}
+def bare_prompt(p: dict[str, Any]) -> dict[str, Any]:
+    """bindings-floor's bare process: a cold ``document`` decoded in the chunks the servers use
+    (its time), then a greedy stream of ``n_predict`` tokens on ``prompt`` in another sequence."""
+    from engine.llama_backend import BatchItem
+    from tools.bench.bindings_floor import chunk_ends
+
+    m, load_ms = _load(p, kv_unified=False)
+    try:
+        doc = m.tokenize(p["document"], add_special=True)
+        t0, at = time.perf_counter(), 0
+        for end in chunk_ends(len(doc), bool(m.n_swa or m.recurrent), m.n_batch, m.n_ubatch):
+            m.decode([BatchItem(0, doc[at:end], at, end == len(doc))])
+            at = end
+        prompt_ms = (time.perf_counter() - t0) * 1000
+        out = greedy_decode(m, m.tokenize(p["prompt"], add_special=True), p["n_predict"], seq=1)
+    finally:
+        m.close()
+    return {"prompt_ms": prompt_ms, "prompt_n": len(doc), "tok_s": out["decode_rate"], "load_ms": load_ms}
+
+
+MODES = {"bare-decode": bare_decode, "bare-batch": bare_batch, "bare-prompt": bare_prompt, "ggml-client": ggml_client,
+         "pollers": pollers}
 
 
 def main(argv: list[str]) -> int:
