@@ -330,8 +330,10 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
         now = time.perf_counter()
         if iters >= max_iters or now - t0 >= time_slice:
             break
-        if any(r.finished or (want and r.n_generated == 1) for r, _, want in fed):
-            break  # a job's end, or its first token: handed back at once (executors.give_way)
+        if any(r.finished or (want and r.n_generated == 1 and r.job.request.stream) for r, _, want in fed):
+            # a job's end, or a stream's first token: handed back at once (executors.give_way);
+            # a client that reads only the result has no use for its first token before the rest
+            break
         if should_yield is not None and should_yield():
             break
         if hand_over is not None and now - handed >= HAND_OVER_EVERY:

@@ -357,3 +357,39 @@ async def test_a_job_whose_client_reads_only_the_result_keeps_its_tokens_until_t
         results = [await job.result() for job in (streamed, whole)]
         rest = [ev async for ev in _events(whole)]
     assert len(rest) == 6 and all(r.tokens_generated == 6 for r in results)  # the first one held, then the rest
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [True, False])
+async def test_only_a_streams_first_token_ends_its_step(stream):
+    """A stream's first token ends the step that samples it, to reach its client at once (and the
+    next step gives way to that client). A client that reads only the result has no use for its
+    first token before the rest: its step goes on decoding."""
+    async with scripted_engine(time_slice=3600.0) as env:
+        gate, actor = env.factory.decode_gate, env.engine.actor
+        gate.close()
+        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=4, stream=stream))
+        await gate.wait_held(1, "the prefill")
+        steps = actor.stats["steps"]
+        gate.release(1)  # the prefill: it samples the first token
+        await gate.wait_held(1, "the decode of the first token")
+        if stream:
+            assert await job.next_event() is not None  # its step ended and handed it over
+            await env.wait_for(lambda: actor.stats["steps"] == steps + 1, "the prefill's step counted")
+        else:
+            assert actor.stats["steps"] == steps and job._job.events.qsize() == 0  # the same step
+        gate.open()
+        result = await job.result()
+    assert result.tokens_generated == 4
+
+
+@pytest.mark.asyncio
+async def test_no_step_gives_way_for_a_first_token_nobody_reads_yet(monkeypatch):
+    """A first token of a job whose client reads only the result was written nowhere: no step
+    gives way for it, even one that ended at it (here each step is one decode)."""
+    seen: list[int] = []
+    async with scripted_engine() as env:  # time_slice 0: one decode per step
+        monkeypatch.setattr(actor_module, "give_way", lambda: seen.append(1))
+        job = env.engine.submit(GenRequest(0, prompt="abc", n_predict=5, stream=False))
+        assert (await job.result()).tokens_generated == 5
+    assert seen == []
