@@ -86,6 +86,15 @@ def test_identity(m: LoadedModel, tiny_model_path: str) -> None:
     assert m.is_eog(m.eos) and not m.is_eog(m.bos)
 
 
+def test_every_tokens_end_of_generation_is_llama_cpps_asked_again_or_not(m: LoadedModel) -> None:
+    import llama_cpp.llama_cpp as L
+
+    truth = [bool(L.llama_vocab_is_eog(m._vocab, t)) for t in range(m.n_vocab)]
+    assert [m.is_eog(t) for t in range(m.n_vocab)] == truth  # asked of llama.cpp, kept
+    assert [m.is_eog(t) for t in range(m.n_vocab)] == truth  # read back
+    assert sum(truth) >= 1 and len(m._eog) == m.n_vocab
+
+
 def test_quant_name_of_small() -> None:
     from engine.model_files import ensure_tiny_model
 

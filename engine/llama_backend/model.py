@@ -379,7 +379,7 @@ class LoadedModel(ModelText):
         row = self._seq_row(seq)
         lse = self._logsumexp(row) if want_logprob else 0.0
         if sampler.argmax_only:
-            tok = int(np.argmax(row))
+            tok = int(row.argmax())  # the method: np.argmax's dispatch is ~1 µs a token more
         elif sampler.plain and idx >= 0:
             tok = int(L.llama_sampler_sample(sampler.handle, self._ctx_handle(), idx))
         else:  # grammar / logit bias / a given row: may raise GrammarExhausted, having accepted nothing

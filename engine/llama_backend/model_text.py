@@ -56,6 +56,7 @@ class ModelText:
         # tokens' text, each asked of llama.cpp once (a dict read instead of a call, ~3 µs a
         # generated token); the first PIECES_KEPT asked (~2 MiB), the few thousand a model writes
         self._plain_pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}  # the same for "ends the generation", asked of every token
         self._render_example()
 
     def _check_chat_template(self) -> None:
@@ -123,7 +124,12 @@ class ModelText:
         return vocab.detokenize(self._voc(), tokens, special)
 
     def is_eog(self, tok: int) -> bool:
-        return bool(L.llama_vocab_is_eog(self._voc(), int(tok)))
+        eog = self._eog.get(tok)
+        if eog is None:
+            eog = bool(L.llama_vocab_is_eog(self._voc(), int(tok)))
+            if len(self._eog) < PIECES_KEPT:
+                self._eog[tok] = eog
+        return eog
 
     # ---- chat template -----------------------------------------------------------------
     @property
