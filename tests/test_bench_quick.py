@@ -62,11 +62,14 @@ def test_quick_bench_writes_every_result(tmp_path):
         assert pair["hydra"] > 0 and pair["llama-server"] > 0
         assert vs["summary"]["one_paired_tok_s"]["ratios"] == [round(pair["hydra"] / pair["llama-server"], 4)]
         assert len(pairs["chat_one"]) == 1 and len(pairs["ttft"]) == 4 and len(pairs["cached"]) == 2
-        assert all(p[v] > 0 for k in ("chat_one", "ttft", "cached") for p in pairs[k] for v in ("hydra", "llama-server"))
+        assert len(pairs["whole"]) == 4 and all(p[f"{v}_finish"] in ("length", "stop") for p in pairs["whole"]
+                                                for v in ("hydra", "llama-server"))  # whole answers, not streamed
+        assert all(p[v] > 0 for k in ("chat_one", "ttft", "cached", "whole") for p in pairs[k]
+                   for v in ("hydra", "llama-server"))
         assert vs["summary"]["chat_one_paired_tok_s"]["ratios"]
         assert vs["summary"]["ttft_paired_ms"]["ratios"] and vs["summary"]["cache_warm_paired_ms"]["ratios"]
         control = vs["samples"]["control"]  # the same pairs between two llama-server processes
-        assert all(p[v] > 0 for k in ("one", "chat_one", "ttft", "cached") for p in control[k]
+        assert all(p[v] > 0 for k in ("one", "chat_one", "ttft", "cached", "whole") for p in control[k]
                    for v in ("llama-server", "llama-server-2"))
         assert vs["summary"]["control"]["one_paired_tok_s"]["ratios"]
 
@@ -116,10 +119,11 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     floor = {"hydra": {"rss_mib": 90.0}, "llama-server": {"rss_mib": 44.0}, "bare Python": {"rss_mib": 85.0}}
     report(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "chat_one": pairs(lambda i: 39.0, 40.0),
                             "ttft": pairs(lambda i: 2.0 + i, 4.0), "cached": pairs(lambda i: 12.0, 10.0),
-                            "cold": pairs(lambda i: 95.0, 100.0)}, control, floor)
+                            "cold": pairs(lambda i: 95.0, 100.0), "whole": pairs(lambda i: 11.0, 10.0)},
+           control, floor)
     rows = {r.metric: r for r in res.rows}
     assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
-    (_, one), (_, chat_one), (_, ttft), (_, cached), (_, cold) = PAIRED
+    (_, one), (_, chat_one), (_, ttft), (_, cached), (_, cold), (_, whole) = PAIRED
     paired = res.rows[len(FIGURES)]
     assert paired.metric == one[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
     assert res.summary[one[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
@@ -129,6 +133,8 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert rows[ttft[1]].ok is True and rows[ttft[1]].ratio == pytest.approx(3.5 / 4)  # medians: 3.5 ms vs 4
     assert rows[cached[1]].ok is False and res.summary[cached[0]]["ratios"] == [1.2] * 4
     assert rows[cold[1]].ok is True and res.summary[cold[0]]["ratios"] == [0.95] * 4
+    assert rows[whole[1]].ok is False and rows[whole[1]].budget == "≤ 1.0× llama-server"  # 1.1× its time
+    assert res.summary[whole[0]]["ratios"] == [1.1] * 4
     # the control's pairs follow the paired figures: no budget, their ratio is the host's spread
     c_one, c_ttft = res.rows[len(FIGURES) + len(PAIRED):len(FIGURES) + len(PAIRED) + 2]
     assert c_one.metric == CONTROL_PREFIX + one[1] and c_one.ok is None and not c_one.budget

@@ -1,5 +1,6 @@
 """The HTTP workload vs-llama-server runs against each server: streamed OpenAI requests and
-what one records of them (chunk arrival times, TTFT, the server's own counts).
+what one records of them (chunk arrival times, TTFT, the server's own counts), and completions
+not streamed (their whole time).
 
 Both servers send one streamed chunk per generated token for these texts, so a chunk counts as
 a token. Everything here speaks only the public OpenAI/llama-server HTTP API, the same way to
@@ -81,6 +82,21 @@ async def stream(http: Any, base: str, path: str, body: dict[str, Any]) -> dict[
             "completion_tokens": usage.get("completion_tokens") or timings.get("predicted_n"),
             "prompt_tokens": usage.get("prompt_tokens") or timings.get("prompt_n"),
             "server_tok_s": timings.get("predicted_per_second")}
+
+
+async def not_streamed(http: Any, base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One completion not streamed (``"stream": false``, as the fleet's agents send many): the
+    client's time from the send to the whole answer read, and the server's counts."""
+    t0 = now()
+    async with http.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                        "temperature": 0, "stream": False}) as r:
+        if r.status != 200:
+            raise BenchError(f"{base}/v1/completions answered {r.status}: {(await r.text())[:300]}")
+        answer = await r.json()
+    ms = (now() - t0) * 1000
+    choice = (answer.get("choices") or [{}])[0]
+    return {"ms": ms, "finish": choice.get("finish_reason"),
+            "completion_tokens": (answer.get("usage") or {}).get("completion_tokens"), "text": choice.get("text")}
 
 
 async def completion(http: Any, base: str, prompt: str, max_tokens: int) -> dict[str, Any]:

@@ -44,8 +44,10 @@ the other serves), requests alternating (the order rotating every pair, the same
 both in a pair): ``PAIRS`` one-stream requests (decode tok/s), as many one-stream chats (decode
 tok/s through the chat template), ``TTFT_PAIRS`` short requests (time to first token),
 ``COLD_PAIRS`` long prompts on documents neither server has seen (time to first token cold: one
-such prompt per round is too few for a figure of a few percent), and ``CACHED_PAIRS`` questions
-on a document each server already holds (time to first token with the prefix cached). A round
+such prompt per round is too few for a figure of a few percent), ``CACHED_PAIRS`` questions
+on a document each server already holds (time to first token with the prefix cached), and
+``WHOLE_PAIRS`` short completions not streamed (their whole time: the fleet's agents send
+``"stream": false`` as often as not). A round
 lasts minutes and a 200-token request a few seconds; a host whose speed drifts between phases
 gives the rounds' figures whichever phase each round met, the pairs meet it together — and a
 round's time to first token is the median of three requests, a few milliseconds each on a
@@ -80,11 +82,11 @@ from tools.spawn import ROOT
 from .common import BenchContext, Result, Row, interleaved, now, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, compute_thread_counters,
-                              concurrent, ferry_question, prompt_cache_phase, shared_document, story, strip,
-                              while_polling_slots)
+                              concurrent, ferry_question, not_streamed, prompt_cache_phase, shared_document, story,
+                              strip, while_polling_slots)
 from .vs_llama_server_figures import (BUDGETS, CONTROL, FLOOR, LABEL, NAME, OURS, SLOTS, SLOTS_LOAD_POLL_S,
                                       SLOTS_LOAD_ANSWERS, SLOTS_LOAD_REPEATS, SLOTS_MIN_ANSWERS, SLOTS_WIDE, VARIANTS,
-                                      report)
+                                      WHOLE_TOKENS, report)
 
 TEMPLATES = Path(__file__).parent / "templates"
 CTX = 8192
@@ -92,6 +94,7 @@ SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192
 PAIRS = 4  # one-stream requests, and as many chats, per server in the alternating phase (1 with --quick)
 TTFT_PAIRS = 40  # short requests per server there, for time to first token (4 with --quick)
 CACHED_PAIRS = 12  # questions per server on a cached document there (2 with --quick)
+WHOLE_PAIRS = 20  # completions not streamed per server there, their whole time (4 with --quick)
 COLD_PAIRS = 4  # long prompts per server there, each on a document neither server has seen (1 with --quick)
 FIRST_QUESTION = "Question: which town is first? Answer:"
 FLOOR_SHORT = 8  # short requests of the floor's workload
@@ -194,7 +197,8 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
                  variants: Sequence[str] = tuple(VARIANTS)) -> dict[str, list]:
     """Both servers up, one request at a time, alternating request by request (a drift of the
     host's speed meets both alike): one-stream decode tok/s, completions then chats, then time
-    to first token of short requests, then of questions on a document each server holds cached.
+    to first token of short requests, then of questions on a document each server holds cached,
+    then the whole time of short completions not streamed.
     ``variants``: llama-server and ours, or llama-server and a second llama-server (the control)."""
     first, second = variants
     with start(first, binary, model, SLOTS, ctx.threads) as a, start(second, binary, model, SLOTS, ctx.threads) as b:
@@ -227,7 +231,9 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
             await completion(http, srv.base, docs[v] + FIRST_QUESTION, TTFT_TOKENS)
         cached = await each_pair(ctx.pick(CACHED_PAIRS, 2), lambda v, i: completion(
             http, servers[v].base, docs[v] + ferry_question(i, i % 12 + 1), TTFT_TOKENS), "ttft_ms")
-    return {"one": one, "chat_one": chat_one, "ttft": ttft, "cached": cached, "cold": cold}
+        whole = await each_pair(ctx.pick(WHOLE_PAIRS, 4), lambda v, i: not_streamed(
+            http, servers[v].base, f"A list of lakes, number {500 + i}:", WHOLE_TOKENS), "ms")
+    return {"one": one, "chat_one": chat_one, "ttft": ttft, "cached": cached, "cold": cold, "whole": whole}
 
 
 async def rss_floor(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int,

@@ -40,7 +40,9 @@ BUDGETS = {  # figure → (budget text, limit on ours/llama-server, kind)
     "slots_p99": ("below llama-server's", 1.0, "max"),
     "rss": ("≤ 1.1× llama-server", 1.1, "max"),
     "rss_floor": ("≤ 1.1× a bare Python server's", 1.1, "max"),
+    "whole": ("≤ 1.0× llama-server", 1.0, "max"),
 }
+WHOLE_TOKENS = 16  # a completion not streamed: a short answer, its whole time the figure
 SLOTS_LABEL = f"/slots p99 while {SLOTS} streams decode, over the run's answers"
 CONTROL_PREFIX = "control: "  # a row of the control: llama-server against a second llama-server
 
@@ -65,6 +67,8 @@ PAIRED = [  # samples["pairs"] key, then as FIGURES
     ("cached", ("cache_warm_paired_ms", "cached document: time to first token, alternating (median)", "ms",
                 "ttft")),
     ("cold", ("cache_cold_paired_ms", "long prompt, cold: time to first token, alternating (median)", "ms", "ttft")),
+    ("whole", ("whole_paired_ms", f"a completion not streamed ({WHOLE_TOKENS} tokens): its time, alternating (median)",
+               "ms", "whole")),
 ]
 FLOOR_ROW = "RSS after the same requests one at a time, over a bare Python server on the same bindings"
 
