@@ -512,8 +512,9 @@ def test_the_behind_long_prompt_table_in_the_docs_is_made_of_its_committed_runs(
                                            ("gemma-270m-188dcf3-bsymbolic", "gemma-270m")])
 def test_the_bindings_floor_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/bindings-floor/FOLDER/run-N.json are the runs of "The bindings' floor,
-    measured by a bench" and of "Shared libraries bound to themselves": the table built from them (``bindings_floor --table``) is the page's,
-    and every round has each of the three's figures."""
+    measured by a bench" and of "Shared libraries bound to themselves": the table built from
+    them (``bindings_floor --table``) is the page's, and every round has each of the three's
+    figures."""
     from tools.bench.bindings_floor import WHO, runs_table
     from tools.bench.common import load_runs
 
