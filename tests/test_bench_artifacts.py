@@ -127,7 +127,7 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-c0d10b2", 24), ("vs-llama-server-ee8da8f", 24),
     ("kinds/tiny-moe/vs-llama-server-87a7005", 24), ("kinds/tiny-moe/vs-llama-server-747739a", 24),
     ("kinds/tiny-moe/vs-llama-server-a8e4f02", 24), ("vs-llama-server-4e0cd3f", 24),
-    ("kinds/tiny-moe/vs-llama-server-a3952b9", 26)])
+    ("kinds/tiny-moe/vs-llama-server-a3952b9", 26), ("vs-llama-server-d546ac3", 26)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -158,7 +158,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     "Gemma 3 270M at ee8da8f", kinds/tiny-moe/…-87a7005 and …-747739a those of "A checkpoint where
     a prompt parts", kinds/tiny-moe/…-a8e4f02 those of "tiny-moe at a8e4f02, on an AMD EPYC host",
     -4e0cd3f those of "Gemma 3 270M at 4e0cd3f, on an AMD EPYC host", kinds/tiny-moe/…-a3952b9
-    those of "tiny-moe at a3952b9, with completions not streamed": the
+    those of "tiny-moe at a3952b9, with completions not streamed", -d546ac3 those of "Gemma 3 270M at
+    d546ac3, with completions not streamed": the
     table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -234,7 +235,8 @@ def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed
                                          "vs-llama-server-ee8da8f", "kinds/tiny-moe/vs-llama-server-87a7005",
                                          "kinds/tiny-moe/vs-llama-server-747739a",
                                          "kinds/tiny-moe/vs-llama-server-a8e4f02",
-                                         "vs-llama-server-4e0cd3f", "kinds/tiny-moe/vs-llama-server-a3952b9"])
+                                         "vs-llama-server-4e0cd3f", "kinds/tiny-moe/vs-llama-server-a3952b9",
+                                         "vs-llama-server-d546ac3"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
