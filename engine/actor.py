@@ -264,7 +264,7 @@ class EngineActor(SlotStateOps):
                 for r in running:
                     r.error = r.error or e
             self.stats["steps"] += 1
-            first_tokens_out = any(r.n_generated == 1 and r.job.request.stream for r in running)
+            first_tokens_out = any(r.first_token_out for r in running)
             ended = self.scheduler.after_step(running, self._serving)
             now = time.monotonic()
             self.step_rate.record(self.stats["steps"], now)

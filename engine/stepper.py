@@ -73,6 +73,13 @@ class Running:
     def decoding(self) -> bool:
         return not self.pending and self.last is not None and not self.finished
 
+    @property
+    def first_token_out(self) -> bool:
+        """Its first token was just sampled and its client reads tokens as they come: the step
+        hands it back at once, and the next one gives way to that reader (executors.give_way).
+        A client that reads only the result (``GenRequest.stream`` False) has no use for it yet."""
+        return self.n_generated == 1 and self.job.request.stream
+
 
 def job_input(model: ModelBackend, job: GenJob, slot_has_tokens: bool) -> list[int] | None:
     """The job's new tokens (None: it has no input and continues its slot). Raises BadInput."""
@@ -330,10 +337,8 @@ def run_step(model: ModelBackend, running: list[Running], *, n_ctx_slot: int, to
         now = time.perf_counter()
         if iters >= max_iters or now - t0 >= time_slice:
             break
-        if any(r.finished or (want and r.n_generated == 1 and r.job.request.stream) for r, _, want in fed):
-            # a job's end, or a stream's first token: handed back at once (executors.give_way);
-            # a client that reads only the result has no use for its first token before the rest
-            break
+        if any(r.finished or (want and r.first_token_out) for r, _, want in fed):
+            break  # a job's end, or a stream's first token: handed back at once
         if should_yield is not None and should_yield():
             break
         if hand_over is not None and now - handed >= HAND_OVER_EVERY:

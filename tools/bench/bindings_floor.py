@@ -32,11 +32,11 @@ from typing import Any
 
 import aiohttp
 
-from tools.bench.common import (MODEL_HELP, BenchError, interleaved, machine_info, min_max_text,
+from tools.bench.common import (MODEL_HELP, interleaved, machine_info, min_max_text,
                                 parse_against_llama_server, report_run, table_only)
 from tools.bench.llama_server import build_info, llama_server_or_exit, servers_running
 from tools.bench.models import model_set
-from tools.bench.openai_workload import stream
+from tools.bench.openai_workload import post_json, stream
 from tools.bench.procs import run_worker
 from tools.bench.vs_llama_server import CTX, start
 
@@ -75,11 +75,8 @@ async def bare(model: str, key: str, threads: int) -> dict[str, Any]:
 async def served(base: str, key: str) -> dict[str, Any]:
     """A server's round: the document's prompt (one token generated), then the stream."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http:
-        async with http.post(f"{base}/completion", json={"prompt": document(key), "n_predict": 1,
-                                                         "temperature": 0, "cache_prompt": True}) as r:
-            if r.status != 200:
-                raise BenchError(f"{base}/completion answered {r.status}: {(await r.text())[:300]}")
-            timings = (await r.json())["timings"]
+        timings = (await post_json(http, f"{base}/completion", {"prompt": document(key), "n_predict": 1,
+                                                                "temperature": 0, "cache_prompt": True}))["timings"]
         s = await stream(http, base, "/v1/completions", {"prompt": STREAM_PROMPT, "max_tokens": TOKENS,
                                                          "ignore_eos": True})
     return {"prompt_ms": timings["prompt_ms"], "prompt_n": timings["prompt_n"], "tok_s": s["decode_tok_s"]}

@@ -88,11 +88,8 @@ async def not_streamed(http: Any, base: str, prompt: str, max_tokens: int) -> di
     """One completion not streamed (``"stream": false``, as the fleet's agents send many): the
     client's time from the send to the whole answer read, and how it finished."""
     t0 = now()
-    async with http.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                        "temperature": 0, "stream": False}) as r:
-        if r.status != 200:
-            raise BenchError(f"{base}/v1/completions answered {r.status}: {(await r.text())[:300]}")
-        answer = await r.json()
+    answer = await post_json(http, f"{base}/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                             "temperature": 0, "stream": False})
     ms = (now() - t0) * 1000
     return {"ms": ms, "finish": (answer.get("choices") or [{}])[0].get("finish_reason")}
 
@@ -132,11 +129,17 @@ async def while_polling_slots(base: str, work: Awaitable[T], interval: float = S
     return result, answer["latencies_ms"]
 
 
-async def count_tokens(http: Any, base: str, text: str) -> int:
-    async with http.post(f"{base}/tokenize", json={"content": text}) as r:
+async def post_json(http: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST ``body`` and read the JSON answer; any other status than 200 is a BenchError with
+    the server's words."""
+    async with http.post(url, json=body) as r:
         if r.status != 200:
-            raise BenchError(f"{base}/tokenize answered {r.status}")
-        return len((await r.json())["tokens"])
+            raise BenchError(f"{url} answered {r.status}: {(await r.text())[:300]}")
+        return await r.json()
+
+
+async def count_tokens(http: Any, base: str, text: str) -> int:
+    return len((await post_json(http, f"{base}/tokenize", {"content": text}))["tokens"])
 
 
 async def shared_document(http: Any, base: str, n: int, limit: int) -> str:
