@@ -54,15 +54,17 @@ GEN=()
 command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
 echo "build_llama_server: building llama-server $LCP_VERSION ($LCP_CMAKE_ARGS) into $OUT" >&2
 # shellcheck disable=SC2086  # LCP_CMAKE_ARGS is a word list on purpose, as in install_llama_cpp.sh
-cmake -S "$LLAMA_SRC" -B "$TMP/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
+CFLAGS="$LCP_CFLAGS ${CFLAGS:-}" CXXFLAGS="$LCP_CFLAGS ${CXXFLAGS:-}" \
+  cmake -S "$LLAMA_SRC" -B "$TMP/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
   $LCP_CMAKE_ARGS -DLLAMA_CURL=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$TMP/build" --target llama-server -j "$(nproc)" >&2
 mkdir -p "$TMP/out"
 cp "$TMP/build/bin/llama-server" "$TMP/out/llama-server"
-printf 'llama-cpp-python %s\nCMAKE_ARGS %s -DLLAMA_CURL=OFF\narch %s\nkey %s\nbuilt %s\n' \
-  "$LCP_VERSION" "$LCP_CMAKE_ARGS" "$(uname -m)" "$KEY" "$(date -u +%FT%TZ)" > "$TMP/out/BUILD_INFO"
+printf 'llama-cpp-python %s\nCMAKE_ARGS %s -DLLAMA_CURL=OFF\nCFLAGS -include %s\narch %s\nkey %s\nbuilt %s\n' \
+  "$LCP_VERSION" "$LCP_CMAKE_ARGS" "$(basename "$LCP_HIDDEN_TABLES")" "$(uname -m)" "$KEY" "$(date -u +%FT%TZ)" \
+  > "$TMP/out/BUILD_INFO"
 "$TMP/out/llama-server" --version >&2 || true
 rm -rf "$OUT"; mv "$TMP/out" "$OUT"                   # publish atomically
 echo "$BIN"

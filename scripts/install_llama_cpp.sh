@@ -23,6 +23,7 @@ if ! ls "$WHEEL_DIR"/llama_cpp_python-"$LCP_VERSION"-*.whl >/dev/null 2>&1; then
   TMP="$WHEEL_DIR.tmp.$$"
   rm -rf "$TMP"; mkdir -p "$TMP"
   CMAKE_ARGS="$LCP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    CFLAGS="$LCP_CFLAGS ${CFLAGS:-}" CXXFLAGS="$LCP_CFLAGS ${CXXFLAGS:-}" \
     "$PY" -m pip wheel --no-cache-dir --no-deps -w "$TMP" "llama-cpp-python==$LCP_VERSION"
   rm -rf "$WHEEL_DIR"; mv "$TMP" "$WHEEL_DIR"      # publish atomically
 fi
