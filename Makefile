@@ -25,7 +25,7 @@ $(PY):
 $(LCP_ARGS_FILE): FORCE | $(PY)
 	@[ -f $@ ] && printf '%s\n' '$(LCP_CMAKE_ARGS)' | cmp -s - $@ || printf '%s\n' '$(LCP_CMAKE_ARGS)' > $@
 
-$(STAMP): $(PY) pyproject.toml scripts/install_llama_cpp.sh scripts/llama_cpp_build.sh $(LCP_ARGS_FILE)
+$(STAMP): $(PY) pyproject.toml scripts/install_llama_cpp.sh scripts/llama_cpp_build.sh scripts/ggml_cpu_tables_hidden.h $(LCP_ARGS_FILE)
 	PYTHON=$(PY) LCP_CMAKE_ARGS='$(LCP_CMAKE_ARGS)' bash scripts/install_llama_cpp.sh
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)

@@ -7,8 +7,8 @@
  * kernel reaches it through the GOT: a load the compiler keeps inside hot loops, and a different
  * register allocation around it (tinyBLAS's q5_0 gemm, most of a Gemma prompt's prefill). Nothing
  * outside libggml-cpu reads these tables; declared hidden here, before ggml's own declaration,
- * they are addressed directly, as in llama-server's static build: a Gemma 3 270M prompt's prefill
- * ~4 % faster and its decode ~1.5 % (docs/performance.md, "ggml-cpu's tables, hidden").
+ * they are addressed directly, as in llama-server's static build, and the kernels' code is that
+ * build's again (docs/performance.md, "ggml-cpu's tables, hidden", has what it gives).
  *
  * Written for the pinned llama-cpp-python (scripts/llama_cpp_build.sh, LCP_VERSION): a llama.cpp
  * that declared these tables otherwise would fail to compile here, not misbehave.

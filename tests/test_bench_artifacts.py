@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,8 @@ def test_no_committed_result_names_a_home_directory():
     ("vs-llama-server-c0d10b2", 24), ("vs-llama-server-ee8da8f", 24),
     ("kinds/tiny-moe/vs-llama-server-87a7005", 24), ("kinds/tiny-moe/vs-llama-server-747739a", 24),
     ("kinds/tiny-moe/vs-llama-server-a8e4f02", 24), ("vs-llama-server-4e0cd3f", 24),
-    ("kinds/tiny-moe/vs-llama-server-a3952b9", 26), ("vs-llama-server-d546ac3", 26)])
+    ("kinds/tiny-moe/vs-llama-server-a3952b9", 26), ("vs-llama-server-d546ac3", 26),
+    ("vs-llama-server-4aafbc2", 26)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -159,7 +161,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     a prompt parts", kinds/tiny-moe/…-a8e4f02 those of "tiny-moe at a8e4f02, on an AMD EPYC host",
     -4e0cd3f those of "Gemma 3 270M at 4e0cd3f, on an AMD EPYC host", kinds/tiny-moe/…-a3952b9
     those of "tiny-moe at a3952b9, with completions not streamed", -d546ac3 those of "Gemma 3 270M at
-    d546ac3, with completions not streamed": the
+    d546ac3, with completions not streamed", -4aafbc2 those of "Gemma 3 270M at 4aafbc2, ggml-cpu's
+    tables hidden": the
     table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -236,7 +239,7 @@ def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed
                                          "kinds/tiny-moe/vs-llama-server-747739a",
                                          "kinds/tiny-moe/vs-llama-server-a8e4f02",
                                          "vs-llama-server-4e0cd3f", "kinds/tiny-moe/vs-llama-server-a3952b9",
-                                         "vs-llama-server-d546ac3"])
+                                         "vs-llama-server-d546ac3", "vs-llama-server-4aafbc2"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
@@ -511,10 +514,12 @@ def test_the_behind_long_prompt_table_in_the_docs_is_made_of_its_committed_runs(
 
 
 @pytest.mark.parametrize("folder, model", [("gemma-270m-8e82c1e", "gemma-270m"),
-                                           ("gemma-270m-188dcf3-bsymbolic", "gemma-270m")])
+                                           ("gemma-270m-188dcf3-bsymbolic", "gemma-270m"),
+                                           ("gemma-270m-4aafbc2-hidden", "gemma-270m")])
 def test_the_bindings_floor_tables_in_the_docs_are_made_of_their_committed_runs(folder, model):
     """docs/performance/bindings-floor/FOLDER/run-N.json are the runs of "The bindings' floor,
-    measured by a bench" and of "Shared libraries bound to themselves": the table built from
+    measured by a bench", of "Shared libraries bound to themselves" and of "ggml-cpu's tables,
+    hidden": the table built from
     them (``bindings_floor --table``) is the page's, and every round has each of the three's
     figures."""
     from tools.bench.bindings_floor import WHO, runs_table
@@ -527,3 +532,22 @@ def test_the_bindings_floor_tables_in_the_docs_are_made_of_their_committed_runs(
         assert len(run["samples"]) == run["rounds"]
         assert all(set(rnd) == set(WHO) and all(rnd[w]["prompt_ms"] > 0 and rnd[w]["tok_s"] > 0 for w in WHO)
                    for rnd in run["samples"])
+
+
+def test_the_c_process_rounds_in_the_docs_are_the_committed_ones():
+    """docs/performance/ggml-tables-hidden/c-process-rounds.json holds every round of "ggml-cpu's
+    tables, hidden": each run's median ratio of the pairs the section reads is in it."""
+    data = json.loads((DOCS_RUNS / "ggml-tables-hidden" / "c-process-rounds.json").read_text())
+    page = (REPO / "docs" / "performance.md").read_text()
+    section = page.split("### ggml-cpu's tables, hidden", 1)[1].split("\n### ", 1)[0]
+    pairs = [("py", "shared"), ("cpy", "shared"), ("shared", "static"), ("symb", "myshared"),
+             ("hid", "myshared"), ("hid", "static"), ("wnew", "wold"), ("wnew", "static"), ("wold", "static")]
+    quoted = 0
+    for run in data["runs"]:
+        rounds = run["prompt_ms_per_round"]
+        assert rounds and all(set(r) == set(run["participants"]) and all(v > 0 for v in r.values()) for r in rounds)
+        for a, b in pairs:
+            if a in run["participants"] and b in run["participants"]:
+                assert f"{statistics.median(r[a] / r[b] for r in rounds):.3f}" in section, (a, b)
+                quoted += 1
+    assert quoted == 15 and set(data["participants"]) >= {p for pair in pairs for p in pair}
