@@ -62,13 +62,18 @@ def _package_dir() -> str:
     return spec.submodule_search_locations[0]
 
 
+def lib_dir() -> str:
+    """Where the wheel keeps llama.cpp's shared libraries (``llama_cpp/lib``)."""
+    return os.path.join(_package_dir(), "lib")
+
+
 def libggml() -> ctypes.CDLL:
     """The libggml that libllama itself uses (``llama_cpp/lib/libggml.so.0``)."""
     global _lib
     with _lock:
         if _lib is not None:
             return _lib
-        path = os.path.join(_package_dir(), "lib", "libggml.so.0")
+        path = os.path.join(lib_dir(), "libggml.so.0")
         if not os.path.exists(path):
             raise RuntimeError(f"llama-cpp-python has no {path}; unexpected wheel layout")
         g = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

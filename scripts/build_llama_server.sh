@@ -54,8 +54,7 @@ GEN=()
 command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
 echo "build_llama_server: building llama-server $LCP_VERSION ($LCP_CMAKE_ARGS) into $OUT" >&2
 # shellcheck disable=SC2086  # LCP_CMAKE_ARGS is a word list on purpose, as in install_llama_cpp.sh
-CFLAGS="$LCP_CFLAGS ${CFLAGS:-}" CXXFLAGS="$LCP_CFLAGS ${CXXFLAGS:-}" \
-  cmake -S "$LLAMA_SRC" -B "$TMP/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
+env "${LCP_COMPILER_ENV[@]}" cmake -S "$LLAMA_SRC" -B "$TMP/build" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
   $LCP_CMAKE_ARGS -DLLAMA_CURL=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >&2

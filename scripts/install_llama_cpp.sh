@@ -22,8 +22,7 @@ if ! ls "$WHEEL_DIR"/llama_cpp_python-"$LCP_VERSION"-*.whl >/dev/null 2>&1; then
   echo "install_llama_cpp: building llama-cpp-python $LCP_VERSION ($LCP_CMAKE_ARGS) into $WHEEL_DIR (about 5 minutes; a GPU backend takes longer)" >&2
   TMP="$WHEEL_DIR.tmp.$$"
   rm -rf "$TMP"; mkdir -p "$TMP"
-  CMAKE_ARGS="$LCP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    CFLAGS="$LCP_CFLAGS ${CFLAGS:-}" CXXFLAGS="$LCP_CFLAGS ${CXXFLAGS:-}" \
+  env "${LCP_COMPILER_ENV[@]}" CMAKE_ARGS="$LCP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$PY" -m pip wheel --no-cache-dir --no-deps -w "$TMP" "llama-cpp-python==$LCP_VERSION"
   rm -rf "$WHEEL_DIR"; mv "$TMP" "$WHEEL_DIR"      # publish atomically
 fi

@@ -8,6 +8,7 @@ LCP_CMAKE_ARGS="${LCP_CMAKE_ARGS:--DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAVA_BUILD=
 # build does (the header says why). Its content is part of the key; its path is not.
 LCP_HIDDEN_TABLES="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ggml_cpu_tables_hidden.h"
 LCP_CFLAGS="-include $LCP_HIDDEN_TABLES"
+LCP_COMPILER_ENV=(CFLAGS="$LCP_CFLAGS ${CFLAGS:-}" CXXFLAGS="$LCP_CFLAGS ${CXXFLAGS:-}")  # env "${LCP_COMPILER_ENV[@]}" CMD
 PY="${PYTHON:-python}"
 KEY=$(printf '%s|%s|%s|%s' "$LCP_VERSION" "$LCP_CMAKE_ARGS" "$(uname -m)" "$(sha256sum < "$LCP_HIDDEN_TABLES" | cut -c1-64)" \
   | sha256sum | cut -c1-12)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,15 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from engine.ggml_rpc_lib import lib_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
-HIDDEN = ("ggml_table_f32_f16", "ggml_table_f32_e8m0_half", "ggml_table_f32_ue4m3")
-
-
-def _lib_dir() -> Path:
-    spec = importlib.util.find_spec("llama_cpp")
-    assert spec is not None and spec.submodule_search_locations
-    return Path(spec.submodule_search_locations[0]) / "lib"
+HEADER = SCRIPTS / "ggml_cpu_tables_hidden.h"
 
 
 def _key(scripts: Path, cmake_args: str | None = None) -> str:
@@ -34,8 +30,10 @@ def _key(scripts: Path, cmake_args: str | None = None) -> str:
 def test_ggml_cpus_conversion_tables_are_internal_to_its_library():
     """scripts/ggml_cpu_tables_hidden.h was forced into the installed wheel's build: its tables are
     not exported by libggml-cpu (a build without it exports all three), its API still is."""
-    cpu = ctypes.CDLL(str(_lib_dir() / "libggml-cpu.so"))
-    for name in HIDDEN:
+    hidden = re.findall(r"extern float (\w+)\[", HEADER.read_text())
+    assert len(hidden) == 3
+    cpu = ctypes.CDLL(os.path.join(lib_dir(), "libggml-cpu.so"))
+    for name in hidden:
         with pytest.raises(AttributeError):
             getattr(cpu, name)
     assert cpu.ggml_backend_cpu_init
@@ -57,9 +55,9 @@ def test_the_forced_headers_content_is_in_the_key_and_its_path_is_not(tmp_path):
     here = _key(SCRIPTS, "-DGGML_RPC=ON")
     copy = tmp_path / "elsewhere" / "scripts"
     copy.mkdir(parents=True)
-    for name in ("llama_cpp_build.sh", "ggml_cpu_tables_hidden.h"):
-        shutil.copy(SCRIPTS / name, copy / name)
+    for path in (SCRIPTS / "llama_cpp_build.sh", HEADER):
+        shutil.copy(path, copy / path.name)
     assert _key(copy, "-DGGML_RPC=ON") == here
-    with (copy / "ggml_cpu_tables_hidden.h").open("a") as header:
+    with (copy / HEADER.name).open("a") as header:
         header.write("/* edited */\n")
     assert _key(copy, "-DGGML_RPC=ON") != here
