@@ -62,6 +62,10 @@ def test_quick_bench_writes_every_result(tmp_path):
         assert pair["hydra"] > 0 and pair["llama-server"] > 0
         assert vs["summary"]["one_paired_tok_s"]["ratios"] == [round(pair["hydra"] / pair["llama-server"], 4)]
         assert len(pairs["chat_one"]) == 1 and len(pairs["ttft"]) == 4 and len(pairs["cached"]) == 2
+        for k in ("four", "chat_four"):  # four streams at once on each server in turn, all four answered
+            (pair,) = pairs[k]
+            assert pair["hydra"] > 0 and pair["llama-server"] > 0 and len(pair["hydra_finish"]) == 4
+        assert vs["summary"]["four_paired_tok_s"]["ratios"] and vs["summary"]["chat_four_paired_tok_s"]["ratios"]
         assert len(pairs["whole"]) == 4 and all(p[f"{v}_finish"] in ("length", "stop") for p in pairs["whole"]
                                                 for v in ("hydra", "llama-server"))  # whole answers, not streamed
         assert all(p[v] > 0 for k in ("chat_one", "ttft", "cached", "whole") for p in pairs[k]
@@ -69,7 +73,8 @@ def test_quick_bench_writes_every_result(tmp_path):
         assert vs["summary"]["chat_one_paired_tok_s"]["ratios"]
         assert vs["summary"]["ttft_paired_ms"]["ratios"] and vs["summary"]["cache_warm_paired_ms"]["ratios"]
         control = vs["samples"]["control"]  # the same pairs between two llama-server processes
-        assert all(p[v] > 0 for k in ("one", "chat_one", "ttft", "cached", "whole") for p in control[k]
+        assert all(p[v] > 0 for k in ("one", "chat_one", "four", "chat_four", "ttft", "cached", "whole")
+                   for p in control[k]
                    for v in ("llama-server", "llama-server-2"))
         assert vs["summary"]["control"]["one_paired_tok_s"]["ratios"]
 
@@ -110,20 +115,21 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
 
     res = Result("vs-llama-server")
     rounds = [rnd(v, i, 0.5 if v == "hydra" else 1.0) for i in range(3) for v in ("llama-server", "hydra")]
-    def pairs(ours, theirs):
-        return [{"pair": i, "llama-server": theirs, "hydra": ours(i), "llama-server_finish": "length",
-                 "hydra_finish": "length"} for i in range(4)]
+    def pairs(ours, theirs, finish="length"):
+        return [{"pair": i, "llama-server": theirs, "hydra": ours(i), "llama-server_finish": finish,
+                 "hydra_finish": finish} for i in range(4)]
 
     control = {"one": [{"pair": i, "llama-server": 40.0, CONTROL: 39.6 + 0.2 * i} for i in range(4)],
                "ttft": [{"pair": i, "llama-server": 4.0, CONTROL: 4.4} for i in range(4)]}
     floor = {"hydra": {"rss_mib": 90.0}, "llama-server": {"rss_mib": 44.0}, "bare Python": {"rss_mib": 85.0}}
     report(res, rounds, 3, {"one": pairs(lambda i: 40.0 + i, 40.0), "chat_one": pairs(lambda i: 39.0, 40.0),
                             "ttft": pairs(lambda i: 2.0 + i, 4.0), "cached": pairs(lambda i: 12.0, 10.0),
-                            "cold": pairs(lambda i: 95.0, 100.0), "whole": pairs(lambda i: 11.0, 10.0)},
+                            "cold": pairs(lambda i: 95.0, 100.0), "whole": pairs(lambda i: 11.0, 10.0),
+                            "four": pairs(lambda i: 63.0, 60.0, ["length", "stop", "length", "length"])},
            control, floor)
     rows = {r.metric: r for r in res.rows}
     assert [label for _, label, _, _ in FIGURES] == [r.metric for r in res.rows[:len(FIGURES)]]
-    (_, one), (_, chat_one), (_, ttft), (_, cached), (_, cold), (_, whole) = PAIRED
+    (_, one), (_, chat_one), (_, four), (_, chat_four), (_, ttft), (_, cached), (_, cold), (_, whole) = PAIRED
     paired = res.rows[len(FIGURES)]
     assert paired.metric == one[1] and paired.ok is True and paired.ratio == pytest.approx(41.5 / 40)
     assert res.summary[one[0]]["ratios"] == [1.0, 1.025, 1.05, 1.075]
@@ -135,8 +141,12 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     assert rows[cold[1]].ok is True and res.summary[cold[0]]["ratios"] == [0.95] * 4
     assert rows[whole[1]].ok is False and rows[whole[1]].budget == "≤ 1.0× llama-server"  # 1.1× its time
     assert res.summary[whole[0]]["ratios"] == [1.1] * 4
+    # four streams at once, alternating: the aggregate's ratio per pair, the rounds' budget
+    assert rows[four[1]].ok is True and res.summary[four[0]]["ratios"] == [1.05] * 4
+    assert chat_four[1] not in rows  # no pairs, no row
     # the control's pairs follow the paired figures: no budget, their ratio is the host's spread
-    c_one, c_ttft = res.rows[len(FIGURES) + len(PAIRED):len(FIGURES) + len(PAIRED) + 2]
+    shown = len(FIGURES) + len(PAIRED) - 1  # every paired figure but chat_four's
+    c_one, c_ttft = res.rows[shown:shown + 2]
     assert c_one.metric == CONTROL_PREFIX + one[1] and c_one.ok is None and not c_one.budget
     assert c_one.ratio == pytest.approx(39.9 / 40) and "1.00 (0.99–1.00) over 4 pairs" in c_one.note
     assert c_ttft.metric == CONTROL_PREFIX + ttft[1] and c_ttft.ratio == pytest.approx(1.1)
@@ -171,7 +181,8 @@ def test_vs_llama_server_reports_every_figure_as_a_ratio_per_round():
     older = Result("vs-llama-server")
     report(older, rounds, 3, {}, {})
     assert older.rows[-1].metric != FLOOR_ROW  # an older run without the floor: no row
-    assert res.notes and "ended before max_tokens" in res.notes[0]
+    # 9 per round (eight streams, the chat), and each four-stream pair's one on both sides
+    assert res.notes and "62 measured request(s) ended before max_tokens" in res.notes[0]
 
 
 def test_vs_llama_server_says_when_our_four_streams_stepped_on_fewer_compute_threads():

@@ -175,6 +175,14 @@ async def concurrent(http: Any, base: str, numbers: list[int], max_tokens: int, 
     return list(await asyncio.gather(*(completion(http, base, story(n), max_tokens) for n in numbers)))
 
 
+async def at_once(http: Any, base: str, numbers: list[int], max_tokens: int, *, use_chat: bool = False
+                  ) -> dict[str, Any]:
+    """Streams started together (:func:`concurrent`) as one figure: their aggregate tok/s
+    (:func:`aggregate`), and each stream's finish."""
+    runs = await concurrent(http, base, numbers, max_tokens, use_chat=use_chat)
+    return {"tok_s": aggregate(runs), "finish": [r["finish"] for r in runs]}
+
+
 COMPUTE_THREAD_COUNTERS = {"hydra_compute_threads_reduced_seconds_total": "reduced_s",
                            "hydra_compute_threads_lowered_total": "lowered"}
 

@@ -42,7 +42,9 @@ both servers in a round):
 After the rounds, **request by request**: both servers up at once (``-np 4``, each idle while
 the other serves), requests alternating (the order rotating every pair, the same prompt for
 both in a pair): ``PAIRS`` one-stream requests (decode tok/s), as many one-stream chats (decode
-tok/s through the chat template), ``TTFT_PAIRS`` short requests (time to first token),
+tok/s through the chat template), ``FOUR_PAIRS`` times four streams started together (aggregate
+tok/s: a round gives one such figure per server, minutes apart, so the host's drift between
+rounds decides a few per cent of it), as many times four chats, ``TTFT_PAIRS`` short requests (time to first token),
 ``COLD_PAIRS`` long prompts on documents neither server has seen (time to first token cold: one
 such prompt per round is too few for a figure of a few percent), ``CACHED_PAIRS`` questions
 on a document each server already holds (time to first token with the prefix cached), and
@@ -81,8 +83,8 @@ from tools.spawn import ROOT
 
 from .common import BenchContext, Result, Row, interleaved, now, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
-from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, chat, completion, compute_thread_counters,
-                              concurrent, ferry_question, not_streamed, prompt_cache_phase, shared_document, story,
+from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, at_once, chat, completion,
+                              compute_thread_counters, concurrent, ferry_question, not_streamed, prompt_cache_phase, shared_document, story,
                               strip, while_polling_slots)
 from .vs_llama_server_figures import (BUDGETS, CONTROL, FLOOR, LABEL, NAME, OURS, SLOTS, SLOTS_LOAD_POLL_S,
                                       SLOTS_LOAD_ANSWERS, SLOTS_LOAD_REPEATS, SLOTS_MIN_ANSWERS, SLOTS_WIDE, VARIANTS,
@@ -92,6 +94,7 @@ TEMPLATES = Path(__file__).parent / "templates"
 CTX = 8192
 SLOTS_LOAD_MAX_TOKENS = 1500  # within a slot's 2,048 tokens of context (-c 8192 -np 4)
 PAIRS = 4  # one-stream requests, and as many chats, per server in the alternating phase (1 with --quick)
+FOUR_PAIRS = 3  # four streams at once per server there, and as many chats (1 with --quick)
 TTFT_PAIRS = 40  # short requests per server there, for time to first token (4 with --quick)
 CACHED_PAIRS = 12  # questions per server on a cached document there (2 with --quick)
 WHOLE_PAIRS = 20  # completions not streamed per server there, their whole time (4 with --quick)
@@ -196,8 +199,8 @@ def rss_detail(pid: int) -> dict[str, float]:
 async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int,
                  variants: Sequence[str] = tuple(VARIANTS)) -> dict[str, list]:
     """Both servers up, one request at a time, alternating request by request (a drift of the
-    host's speed meets both alike): one-stream decode tok/s, completions then chats, then time
-    to first token of short requests, then of questions on a document each server holds cached,
+    host's speed meets both alike): one-stream decode tok/s, completions then chats, four streams
+    at once (aggregate tok/s), completions then chats, then time to first token of short requests, then of questions on a document each server holds cached,
     then the whole time of short completions not streamed.
     ``variants``: llama-server and ours, or llama-server and a second llama-server (the control)."""
     first, second = variants
@@ -219,6 +222,11 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
             http, servers[v].base, story(900 + i), max_tokens), "decode_tok_s")
         chat_one = await each_pair(ctx.pick(PAIRS, 1), lambda v, i: chat(
             http, servers[v].base, 950 + i, max_tokens), "decode_tok_s")
+        four = await each_pair(ctx.pick(FOUR_PAIRS, 1), lambda v, i: at_once(
+            http, servers[v].base, list(range(1100 + SLOTS * i, 1100 + SLOTS * (i + 1))), max_tokens), "tok_s")
+        chat_four = await each_pair(ctx.pick(FOUR_PAIRS, 1), lambda v, i: at_once(
+            http, servers[v].base, list(range(1200 + SLOTS * i, 1200 + SLOTS * (i + 1))), max_tokens, use_chat=True),
+            "tok_s")
         ttft = await each_pair(ctx.pick(TTFT_PAIRS, 4), lambda v, i: completion(
             http, servers[v].base, f"A list of rivers, number {700 + i}:", TTFT_TOKENS), "ttft_ms")
         limit, n_cold = document_tokens(ctx), ctx.pick(COLD_PAIRS, 1)
@@ -233,7 +241,8 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
             http, servers[v].base, docs[v] + ferry_question(i, i % 12 + 1), TTFT_TOKENS), "ttft_ms")
         whole = await each_pair(ctx.pick(WHOLE_PAIRS, 4), lambda v, i: not_streamed(
             http, servers[v].base, f"A list of lakes, number {500 + i}:", WHOLE_TOKENS), "ms")
-    return {"one": one, "chat_one": chat_one, "ttft": ttft, "cached": cached, "cold": cold, "whole": whole}
+    return {"one": one, "chat_one": chat_one, "four": four, "chat_four": chat_four, "ttft": ttft, "cached": cached,
+            "cold": cold, "whole": whole}
 
 
 async def rss_floor(ctx: BenchContext, http: Any, binary: str, model: str, max_tokens: int,

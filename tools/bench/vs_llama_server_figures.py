@@ -63,6 +63,9 @@ FIGURES = [  # key in a round, row label, unit, budget key
 PAIRED = [  # samples["pairs"] key, then as FIGURES
     ("one", ("one_paired_tok_s", "one stream, alternating request by request, decode tok/s", "tok/s", "one")),
     ("chat_one", ("chat_one_paired_tok_s", "chat, one stream, alternating, decode tok/s", "tok/s", "one")),
+    ("four", ("four_paired_tok_s", f"{SLOTS} concurrent streams, alternating, aggregate tok/s", "tok/s", "four")),
+    ("chat_four", ("chat_four_paired_tok_s", f"chat, {SLOTS} concurrent streams, alternating, aggregate tok/s",
+                   "tok/s", "four")),
     ("ttft", ("ttft_paired_ms", "time to first token, alternating request by request (median)", "ms", "ttft")),
     ("cached", ("cache_warm_paired_ms", "cached document: time to first token, alternating (median)", "ms",
                 "ttft")),
@@ -164,6 +167,7 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
     finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
                 (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
     finishes += [p[f"{v}_finish"] for k in ("one", "chat_one") for p in pairs.get(k, ()) for v in VARIANTS]
+    finishes += [f for k in ("four", "chat_four") for p in pairs.get(k, ()) for v in VARIANTS for f in p[f"{v}_finish"]]
     short = [f for f in finishes if f != "length"]
     if short:
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
