@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from tools.bench import pooled
 from tools.bench.common import Result
 from tools.bench.vs_llama_server_figures import CONTROL
@@ -91,6 +93,7 @@ def test_the_command_reads_a_bench_out_folder_and_committed_copies(tmp_path, cap
     assert pooled.main([str(tmp_path / "out"), str(docs)]) == 0
     printed = capsys.readouterr().out
     assert "over 3 run(s)" in printed and "| 7 |" in printed
+    assert "| ≥ 1.0× llama-server | 3/3 (1.010, 1.020, 1.000) | — |" in printed  # the runs' verdicts after it
 
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
@@ -109,3 +112,19 @@ def test_slots_p99_is_taken_over_every_rounds_answers():
     assert slots.ours.n == 1200 and slots.samples == "1200 and 1200 answers"
     assert 0.4 < slots.ours.value < 0.6 and slots.verdict == "ahead"
     assert pooled.pool([{"rounds": rounds("hydra", fast)}]) == []  # llama-server gave none: no figure
+
+
+def test_each_run_is_judged_as_its_row_judges_it_and_the_control_beside_it():
+    """A run meets a paired budget when the median of ours' values over the median of
+    llama-server's does (ties on the limit met); the control is judged the same way."""
+    runs = [_samples([1.00, 1.02, 0.90, 1.01], [0.95, 1.10, 0.98], control=[0.99, 0.98, 1.02]),
+            _samples([0.97, 0.99, 0.98], [1.00, 1.00, 1.01], control=[1.01, 1.03, 1.00]),
+            {"pairs": {"ttft": _pairs([0.90], theirs=30.0)}}]  # a run from before the one-stream pairs
+    one, ttft = pooled.run_verdicts(runs)
+    assert one.ours == pytest.approx((1.005, 0.98)) and one.control == pytest.approx((0.99, 1.01))
+    assert one.met(one.ours) == "1/2 (1.005, 0.980)" and one.met(one.control) == "1/2 (0.990, 1.010)"
+    assert ttft.ours == pytest.approx((0.98, 1.0, 0.9)) and ttft.met(ttft.ours) == "3/3 (0.980, 1.000, 0.900)"  # at most 1.0
+    assert ttft.met(ttft.control) == "—" and ttft.budget == "≤ 1.0× llama-server"
+    table = pooled.run_verdicts_markdown([one, ttft]).splitlines()
+    assert table[-2] == ("| one stream, alternating request by request, decode tok/s | ≥ 1.0× llama-server "
+                         "| 1/2 (1.005, 0.980) | 1/2 (0.990, 1.010) |")

@@ -13,9 +13,13 @@ The interval is the spread of the pairs, not of the processes: a run's pairs sha
 processes, so a set of runs can sit off another set of the same code on the same host by
 more than either interval (docs/performance.md, "At 2269a8d").
 
+At parity a run's median pair lands on either side of 1.0, so a budget of "≥ 1.0×, three runs
+out of three" is met by chance one set in eight; :func:`run_verdicts` counts the runs that meet
+each paired figure's budget beside how many the control would: llama-server against itself.
+
 ``python -m tools.bench.pooled DIR_OR_JSON ...`` reads the runs a bench wrote (``run-*/``) or
-their committed copies (``docs/performance/vs-llama-server-*/run-*.json``); ``hydra-rpc bench
-vs-llama-server --runs N`` adds the same table to ``combined.md``.
+their committed copies (``docs/performance/vs-llama-server-*/run-*.json``) and prints both
+tables; ``hydra-rpc bench vs-llama-server --runs N`` adds the pooled one to ``combined.md``.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .common import percentile
-from .vs_llama_server_figures import CONTROL, LABEL, NAME as SCENARIO, OURS, PAIRED, SLOTS
+from .vs_llama_server_figures import BUDGETS, CONTROL, LABEL, NAME as SCENARIO, OURS, PAIRED, SLOTS
 
 RESAMPLES = 4000
 SEED = 0  # fixed, so that the same runs always give the same intervals and p-values
@@ -148,6 +152,52 @@ def slots_p99(runs: Sequence[dict[str, Any]], rng: random.Random, resamples: int
                         samples=f"{len(ours)} and {len(theirs)} answers")
 
 
+@dataclass(frozen=True)
+class RunVerdicts:
+    """A paired figure's budget judged run by run, as a run's row judges it (the median of
+    ours' values over the median of llama-server's), and the same for the control: how often
+    llama-server meets the budget against a second llama-server on the same host."""
+    label: str
+    budget: str
+    ours: tuple[float, ...]
+    control: tuple[float, ...]
+    limit: float
+    at_least: bool
+
+    def met(self, ratios: Sequence[float]) -> str:
+        n = sum(q >= self.limit if self.at_least else q <= self.limit for q in ratios)
+        return f"{n}/{len(ratios)} ({', '.join(f'{q:.3f}' for q in ratios)})" if ratios else "—"
+
+
+def run_verdicts(runs: Sequence[dict[str, Any]]) -> list[RunVerdicts]:
+    """Every paired figure's per-run ratio of medians, ours and the control's (runs without
+    its pairs left out)."""
+    def per_run(group: str, side: str, key: str) -> tuple[float, ...]:
+        out = []
+        for s in runs:
+            pairs = [p for p in s.get(group, {}).get(key, ()) if p.get(side) and p.get(LABEL)]
+            if pairs:
+                out.append(statistics.median(p[side] for p in pairs) / statistics.median(p[LABEL] for p in pairs))
+        return tuple(out)
+
+    out = []
+    for key, (_, label, _, budget_key) in PAIRED:
+        ours = per_run("pairs", OURS, key)
+        if ours:
+            text, limit, kind = BUDGETS[budget_key]
+            out.append(RunVerdicts(label, text, ours, per_run("control", CONTROL, key), limit, kind == "min"))
+    return out
+
+
+def run_verdicts_markdown(verdicts: Sequence[RunVerdicts]) -> str:
+    lines = ["Run by run: how many runs meet each paired figure's budget (the median of a run's pairs, ours "
+             "over llama-server's), and how many the control would (a second llama-server over llama-server, "
+             "the same pairs of the same runs).", "",
+             "| figure | budget | ours: runs that meet it | the control: runs that would |", "|---|---|---|---|"]
+    lines += [f"| {v.label} | {v.budget} | {v.met(v.ours)} | {v.met(v.control)} |" for v in verdicts]
+    return "\n".join(lines)
+
+
 def markdown(figures: Sequence[PooledFigure], n_runs: int) -> str:
     lines = [f"Pooled over {n_runs} run(s): each alternating pair's ratio to llama-server, their median with "
              "its 95 % bootstrap interval (for /slots, the p99 of every answer); the control is llama-server "
@@ -197,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pooled: no {SCENARIO} pairs in {' '.join(args)}", file=sys.stderr)
         return 1
     print(markdown(figures, len(samples)))
+    print()
+    print(run_verdicts_markdown(run_verdicts(samples)))
     return 0
 
 
