@@ -129,7 +129,8 @@ def test_no_committed_result_names_a_home_directory():
     ("kinds/tiny-moe/vs-llama-server-87a7005", 24), ("kinds/tiny-moe/vs-llama-server-747739a", 24),
     ("kinds/tiny-moe/vs-llama-server-a8e4f02", 24), ("vs-llama-server-4e0cd3f", 24),
     ("kinds/tiny-moe/vs-llama-server-a3952b9", 26), ("vs-llama-server-d546ac3", 26),
-    ("vs-llama-server-4aafbc2", 26)])
+    ("vs-llama-server-4aafbc2", 26), ("vs-llama-server-9a9aee3", 30), ("kinds/tiny-moe/vs-llama-server-9a9aee3", 30),
+    ("kinds/tiny-moe/vs-llama-server-9a9aee3-b", 30), ("vs-llama-server-tiny-9a9aee3", 30)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -162,7 +163,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     -4e0cd3f those of "Gemma 3 270M at 4e0cd3f, on an AMD EPYC host", kinds/tiny-moe/…-a3952b9
     those of "tiny-moe at a3952b9, with completions not streamed", -d546ac3 those of "Gemma 3 270M at
     d546ac3, with completions not streamed", -4aafbc2 those of "Gemma 3 270M at 4aafbc2, ggml-cpu's
-    tables hidden": the
+    tables hidden", -9a9aee3, -tiny-9a9aee3 and kinds/tiny-moe/…-9a9aee3 (and -b) those of "Four
+    streams request by request, and each run beside the control": the
     table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -239,7 +241,8 @@ def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed
                                          "kinds/tiny-moe/vs-llama-server-747739a",
                                          "kinds/tiny-moe/vs-llama-server-a8e4f02",
                                          "vs-llama-server-4e0cd3f", "kinds/tiny-moe/vs-llama-server-a3952b9",
-                                         "vs-llama-server-d546ac3", "vs-llama-server-4aafbc2"])
+                                         "vs-llama-server-d546ac3", "vs-llama-server-4aafbc2",
+                                         "vs-llama-server-9a9aee3", "vs-llama-server-tiny-9a9aee3"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
@@ -264,7 +267,9 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
                                      ("kinds/tiny-moe/vs-llama-server-883a5bd",
                                       "kinds/tiny-moe/vs-llama-server-afba993"),
                                      ("kinds/tiny-moe/vs-llama-server-3097a91",
-                                      "kinds/tiny-moe/vs-llama-server-3097a91-b")])
+                                      "kinds/tiny-moe/vs-llama-server-3097a91-b"),
+                                     ("kinds/tiny-moe/vs-llama-server-9a9aee3",
+                                      "kinds/tiny-moe/vs-llama-server-9a9aee3-b")])
 def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
     """"The floor under a first token", "On a slower host of the same kind", "The fleet's kind
     again", "tiny-moe at 9a5a43d", "tiny-moe at 883a5bd and afba993" and "tiny-moe at 3097a91"
@@ -275,7 +280,28 @@ def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
     assert len(samples) == 6
     table = pooled.markdown(pooled.pool(samples), 6).splitlines()
     rows = [line for line in table if line.startswith("| ") and not line.startswith("| figure |")]
-    assert len(rows) == (6 if "cold" in samples[0]["pairs"] else 5)  # the long cold prompt paired too
+    later = sum(key in samples[0]["pairs"] for key in ("cold", "whole", "four", "chat_four"))  # figures paired since
+    assert len(rows) == 5 + later
+    page = (REPO / "docs" / "performance.md").read_text().splitlines()
+    assert [line for line in rows if line not in page] == []
+
+
+@pytest.mark.parametrize("folders", [("vs-llama-server-9a9aee3",), ("vs-llama-server-tiny-9a9aee3",),
+                                     ("kinds/tiny-moe/vs-llama-server-9a9aee3",
+                                      "kinds/tiny-moe/vs-llama-server-9a9aee3-b")])
+def test_the_run_by_run_tables_in_the_docs_are_made_of_the_committed_runs(folders):
+    """"Four streams request by request, and each run beside the control" judges each paired
+    figure's budget run by run, ours and the control's: ``tools/bench/pooled.py`` on these
+    sets, row for row, four streams and four chats among them."""
+    from tools.bench import pooled
+
+    samples = pooled.load([DOCS_RUNS / f for f in folders])
+    assert len(samples) == 3 * len(folders)
+    verdicts = pooled.run_verdicts(samples)
+    assert {"four", "chat_four"} <= {key for key, (_, label, *_) in pooled.PAIRED if label in
+                                     {v.label for v in verdicts}}
+    rows = pooled.run_verdicts_markdown(verdicts).splitlines()[4:]
+    assert len(rows) == 8 and all(len(v.ours) == len(v.control) == len(samples) for v in verdicts)
     page = (REPO / "docs" / "performance.md").read_text().splitlines()
     assert [line for line in rows if line not in page] == []
 
