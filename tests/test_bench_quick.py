@@ -327,3 +327,57 @@ def test_a_worker_result_larger_than_a_pipe_arrives_whole():
     line = done.stdout.splitlines()[-1]
     assert len(line) > 4 * 65536
     assert len(json.loads(line[len(RESULT_PREFIX):])["polls"]) == 40000
+
+
+def test_the_pairs_alternate_strictly_so_every_request_follows_the_other_servers(monkeypatch):
+    """A B A B: every request after the warm-ups comes right after one of the other server's.
+    A rotating order (A B, B A) had each server answer twice in a row, the first after the
+    other server and the second after itself: a short answer's time differs by milliseconds
+    between the two, and the pairs' ratios split in two."""
+    import asyncio
+    import types
+
+    from tools.bench import vs_llama_server as vs
+
+    served: list[str] = []
+
+    class Server:
+        def __init__(self, variant):
+            self.base = variant
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def answer(base, **fields):
+        served.append(base)
+        return {"decode_tok_s": 1.0, "ttft_ms": 1.0, "ms": 1.0, "tok_s": 1.0, "finish": "length", **fields}
+
+    async def completion(http, base, prompt, max_tokens):
+        return answer(base)
+
+    async def chat(http, base, n, max_tokens):
+        return answer(base)
+
+    async def at_once(http, base, numbers, max_tokens, use_chat=False):
+        return answer(base, finish=["length"] * len(numbers))
+
+    async def not_streamed(http, base, prompt, max_tokens):
+        return answer(base)
+
+    async def shared_document(http, base, n, limit):  # its /tokenize calls are not answers
+        return "a document. "
+
+    for name, fake in (("start", lambda variant, *a, **k: Server(variant)), ("completion", completion),
+                       ("chat", chat), ("at_once", at_once), ("not_streamed", not_streamed),
+                       ("shared_document", shared_document)):
+        monkeypatch.setattr(vs, name, fake)
+    for quick in (True, False):
+        served.clear()
+        ctx = types.SimpleNamespace(quick=quick, threads=2, pick=lambda full, q, quick=quick: q if quick else full)
+        pairs = asyncio.run(asyncio.wait_for(vs.paired(ctx, None, "llama-server", "model.gguf", 8), 30))
+        assert len(pairs["ttft"]) == (4 if quick else vs.TTFT_PAIRS) and len(pairs["four"]) == (1 if quick else 3)
+        measured = served[2:]  # after each server's warm-up (and each one's unmeasured cold document)
+        assert measured and all(a != b for a, b in zip(measured, measured[1:])), measured

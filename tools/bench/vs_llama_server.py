@@ -40,11 +40,16 @@ both servers in a round):
 6. ``-np 8`` (a fresh process of each): **eight concurrent streams**, aggregate tok/s.
 
 After the rounds, **request by request**: both servers up at once (``-np 4``, each idle while
-the other serves), requests alternating (the order rotating every pair, the same prompt for
-both in a pair): ``PAIRS`` one-stream requests (decode tok/s), as many one-stream chats (decode
-tok/s through the chat template), ``FOUR_PAIRS`` times four streams started together (aggregate
+the other serves), requests strictly alternating (A B A B …, the same prompt for both in a
+pair: every request but the first comes right after one of the other server's, so each meets
+the same conditions — a rotating order, A B B A, had each server answer twice in a row, the
+first after the other server and the second after itself, and a ~7 ms answer on tiny-moe takes
+~5 ms more the first way, which split each figure's pairs in two): ``PAIRS`` one-stream
+requests (decode tok/s), as many one-stream chats (decode tok/s through the chat template),
+``FOUR_PAIRS`` times four streams started together (aggregate
 tok/s: a round gives one such figure per server, minutes apart, so the host's drift between
-rounds decides a few per cent of it), as many times four chats, ``TTFT_PAIRS`` short requests (time to first token),
+rounds decides a few per cent of it), as many times four chats, ``TTFT_PAIRS`` short requests
+(time to first token),
 ``COLD_PAIRS`` long prompts on documents neither server has seen (time to first token cold: one
 such prompt per round is too few for a figure of a few percent), ``CACHED_PAIRS`` questions
 on a document each server already holds (time to first token with the prefix cached), and
@@ -200,7 +205,8 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
                  variants: Sequence[str] = tuple(VARIANTS)) -> dict[str, list]:
     """Both servers up, one request at a time, alternating request by request (a drift of the
     host's speed meets both alike): one-stream decode tok/s, completions then chats, four streams
-    at once (aggregate tok/s), completions then chats, then time to first token of short requests, then of questions on a document each server holds cached,
+    at once (aggregate tok/s), completions then chats, then time to first token of short
+    requests, of long prompts cold, then of questions on a document each server holds cached,
     then the whole time of short completions not streamed.
     ``variants``: llama-server and ours, or llama-server and a second llama-server (the control)."""
     first, second = variants
@@ -212,10 +218,11 @@ async def paired(ctx: BenchContext, http: Any, binary: str, model: str, max_toke
         async def each_pair(n: int, request: Callable[[str, int], Awaitable[dict[str, Any]]], key: str
                             ) -> list[dict[str, Any]]:
             pairs: list[dict[str, Any]] = [{"pair": i} for i in range(n)]
-            for i, variant in interleaved(n, list(variants)):
-                r = await request(variant, i)
-                pairs[i][variant] = r[key]
-                pairs[i][f"{variant}_finish"] = r["finish"]
+            for i in range(n):
+                for variant in variants:  # A B A B: each request after the other server's
+                    r = await request(variant, i)
+                    pairs[i][variant] = r[key]
+                    pairs[i][f"{variant}_finish"] = r["finish"]
             return pairs
 
         one = await each_pair(ctx.pick(PAIRS, 1), lambda v, i: completion(
