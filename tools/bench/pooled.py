@@ -177,7 +177,8 @@ def run_verdicts(runs: Sequence[dict[str, Any]]) -> list[RunVerdicts]:
         for s in runs:
             pairs = [p for p in s.get(group, {}).get(key, ()) if p.get(side) and p.get(LABEL)]
             if pairs:
-                out.append(statistics.median(p[side] for p in pairs) / statistics.median(p[LABEL] for p in pairs))
+                ours, theirs = statistics.median(p[side] for p in pairs), statistics.median(p[LABEL] for p in pairs)
+                out.append(ours / theirs)
         return tuple(out)
 
     out = []

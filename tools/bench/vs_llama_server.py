@@ -46,10 +46,9 @@ the same conditions — a rotating order, A B B A, had each server answer twice 
 first after the other server and the second after itself, and a ~7 ms answer on tiny-moe takes
 ~5 ms more the first way, which split each figure's pairs in two): ``PAIRS`` one-stream
 requests (decode tok/s), as many one-stream chats (decode tok/s through the chat template),
-``FOUR_PAIRS`` times four streams started together (aggregate
-tok/s: a round gives one such figure per server, minutes apart, so the host's drift between
-rounds decides a few per cent of it), as many times four chats, ``TTFT_PAIRS`` short requests
-(time to first token),
+``FOUR_PAIRS`` times four streams started together (aggregate tok/s: a round gives one such
+figure per server, minutes apart, so the host's drift between rounds decides a few per cent of
+it), as many times four chats, ``TTFT_PAIRS`` short requests (time to first token),
 ``COLD_PAIRS`` long prompts on documents neither server has seen (time to first token cold: one
 such prompt per round is too few for a figure of a few percent), ``CACHED_PAIRS`` questions
 on a document each server already holds (time to first token with the prefix cached), and
@@ -89,8 +88,8 @@ from tools.spawn import ROOT
 from .common import BenchContext, Result, Row, interleaved, now, spread, summarize
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, at_once, chat, completion,
-                              compute_thread_counters, concurrent, ferry_question, not_streamed, prompt_cache_phase, shared_document, story,
-                              strip, while_polling_slots)
+                              compute_thread_counters, concurrent, ferry_question, not_streamed, prompt_cache_phase,
+                              shared_document, story, strip, while_polling_slots)
 from .vs_llama_server_figures import (BUDGETS, CONTROL, FLOOR, LABEL, NAME, OURS, SLOTS, SLOTS_LOAD_POLL_S,
                                       SLOTS_LOAD_ANSWERS, SLOTS_LOAD_REPEATS, SLOTS_MIN_ANSWERS, SLOTS_WIDE, VARIANTS,
                                       WHOLE_TOKENS, report)

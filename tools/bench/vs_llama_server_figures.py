@@ -167,7 +167,8 @@ def report(res: Result, rounds: list[dict[str, Any]], reps: int, pairs: dict[str
     finishes = [r["finish"] for rnd in rounds for k in ("single", "four", "eight", "chat_one", "chat_four") for r in
                 (rnd["requests"][k] if isinstance(rnd["requests"][k], list) else [rnd["requests"][k]])]
     finishes += [p[f"{v}_finish"] for k in ("one", "chat_one") for p in pairs.get(k, ()) for v in VARIANTS]
-    finishes += [f for k in ("four", "chat_four") for p in pairs.get(k, ()) for v in VARIANTS for f in p[f"{v}_finish"]]
+    finishes += [f for k in ("four", "chat_four") for p in pairs.get(k, ()) for v in VARIANTS
+                 for f in p[f"{v}_finish"]]
     short = [f for f in finishes if f != "length"]
     if short:
         res.notes.append(f"{len(short)} measured request(s) ended before max_tokens (finish "
