@@ -295,8 +295,8 @@ def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
                                       "kinds/tiny-moe/vs-llama-server-9a9aee3-b")])
 def test_the_run_by_run_tables_in_the_docs_are_made_of_the_committed_runs(folders):
     """"Four streams request by request, and each run beside the control" and "Pairs in one
-    order" judge each paired figure's budget run by run, ours and the control's: ``tools/bench/pooled.py`` on these
-    sets, row for row, four streams and four chats among them."""
+    order" judge each paired figure's budget run by run, ours and the control's:
+    ``tools/bench/pooled.py`` on these sets, row for row, four streams and four chats among them."""
     from tools.bench import pooled
 
     samples = pooled.load([DOCS_RUNS / f for f in folders])

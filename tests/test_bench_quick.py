@@ -379,5 +379,5 @@ def test_the_pairs_alternate_strictly_so_every_request_follows_the_other_servers
         ctx = types.SimpleNamespace(quick=quick, threads=2, pick=lambda full, q, quick=quick: q if quick else full)
         pairs = asyncio.run(asyncio.wait_for(vs.paired(ctx, None, "llama-server", "model.gguf", 8), 30))
         assert len(pairs["ttft"]) == (4 if quick else vs.TTFT_PAIRS) and len(pairs["four"]) == (1 if quick else 3)
-        measured = served[2:]  # after each server's warm-up (and each one's unmeasured cold document)
+        measured = served[2:]  # after each server's warm-up; the documents' unmeasured first questions too
         assert measured and all(a != b for a, b in zip(measured, measured[1:])), measured
