@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .common import percentile
-from .vs_llama_server_figures import BUDGETS, CONTROL, LABEL, NAME as SCENARIO, OURS, PAIRED, SLOTS
+from .vs_llama_server_figures import BUDGETS, CONTROL, LABEL, NAME as SCENARIO, OURS, PAIRED, SLOTS, meets
 
 RESAMPLES = 4000
 SEED = 0  # fixed, so that the same runs always give the same intervals and p-values
@@ -158,14 +158,16 @@ class RunVerdicts:
     ours' values over the median of llama-server's), and the same for the control: how often
     llama-server meets the budget against a second llama-server on the same host."""
     label: str
-    budget: str
+    budget_key: str  # of vs_llama_server_figures.BUDGETS
     ours: tuple[float, ...]
     control: tuple[float, ...]
-    limit: float
-    at_least: bool
+
+    @property
+    def budget(self) -> str:
+        return BUDGETS[self.budget_key][0]
 
     def met(self, ratios: Sequence[float]) -> str:
-        n = sum(q >= self.limit if self.at_least else q <= self.limit for q in ratios)
+        n = sum(meets(q, self.budget_key) for q in ratios)
         return f"{n}/{len(ratios)} ({', '.join(f'{q:.3f}' for q in ratios)})" if ratios else "—"
 
 
@@ -185,8 +187,7 @@ def run_verdicts(runs: Sequence[dict[str, Any]]) -> list[RunVerdicts]:
     for key, (_, label, _, budget_key) in PAIRED:
         ours = per_run("pairs", OURS, key)
         if ours:
-            text, limit, kind = BUDGETS[budget_key]
-            out.append(RunVerdicts(label, text, ours, per_run("control", CONTROL, key), limit, kind == "min"))
+            out.append(RunVerdicts(label, budget_key, ours, per_run("control", CONTROL, key)))
     return out
 
 

@@ -76,6 +76,15 @@ PAIRED = [  # samples["pairs"] key, then as FIGURES
 FLOOR_ROW = "RSS after the same requests one at a time, over a bare Python server on the same bindings"
 
 
+def meets(q: float, budget_key: str) -> bool:
+    """Whether the ratio ``q`` (ours / llama-server's) meets the budget ``BUDGETS[budget_key]``:
+    "below" is strict (/slots p99); the other maxima are "≤", the minima "≥"."""
+    _, limit, kind = BUDGETS[budget_key]
+    if kind == "min":
+        return q >= limit
+    return q < limit if budget_key == "slots_p99" else q <= limit
+
+
 def _compare(side: str, values: list, theirs: list, per_key: str) -> dict[str, Any]:
     """``side``'s values against llama-server's: both spreads and the ratio of each round or pair."""
     per = [ratio(a, b) for a, b in zip(values, theirs)]
@@ -101,9 +110,7 @@ def _figure(res: Result, s: dict[str, Any], figure: tuple[str, str, str, str], o
         v, b = whole
         s[key]["whole_run"] = {"hydra": v, "llama-server": b}
     q = ratio(v, b)
-    # "below" is strict (/slots p99); the other maxima are "≤"
-    ok = None if q is None else (q >= limit if kind == "min" else q < limit if budget_key == "slots_p99"
-                                 else q <= limit)
+    ok = None if q is None else meets(q, budget_key)
     rr = s[key]["ratio_per_round"]
     note = _ratio_note(rr, per) + beside
     res.rows.append(Row(label, v, unit, b, LABEL, text, ok, note, limit=limit, on="ratio", kind=kind)
@@ -209,7 +216,7 @@ def rss_floor_row(res: Result, s: dict[str, Any], floor: dict[str, dict[str, Any
     text, limit, kind = BUDGETS["rss_floor"]
     q = ratio(ours, bare)
     note = f"llama-server {theirs} MiB (ours {ratio(ours, theirs):.2f}× it)" if theirs else ""
-    res.rows.append(Row(FLOOR_ROW, ours, "MiB", bare, FLOOR, text, None if q is None else q <= limit, note,
+    res.rows.append(Row(FLOOR_ROW, ours, "MiB", bare, FLOOR, text, None if q is None else meets(q, "rss_floor"), note,
                         limit=limit, on="ratio", kind=kind))
 
 
