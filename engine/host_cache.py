@@ -45,14 +45,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if n and a[n - 1] == b[n - 1] and a[:n] == b[:n]:  # a continuation: one compare at C speed
         return n
-    # slice equality runs at C speed: a window that doubles finds where they part with copies
-    # about as long as the common prefix (a slot holding another document: a few tokens, not
-    # the whole prompt), then bisection inside the last window
-    lo, hi = 0, min(n, 16)  # a[:lo] == b[:lo]
-    while a[lo:hi] == b[lo:hi]:
-        if hi == n:
-            return n
-        lo, hi = hi, min(n, 2 * hi)
+    window = _parting_window(a, b, n)
+    if window is None:
+        return n
+    lo, hi = window
     while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
@@ -62,12 +58,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def _parting_window(a: list[int], b: list[int], n: int) -> tuple[int, int] | None:
+    """None when ``a`` and ``b`` share their first ``n`` tokens, else ``(lo, hi)``: they share
+    the first ``lo`` and part before ``hi``. Slice equality runs at C speed: windows that
+    double from the start find where they part with copies about as long as the common
+    prefix (two prompts that part a few tokens in cost a few tokens, not ``n``)."""
+    lo, hi = 0, min(n, 16)
+    while a[lo:hi] == b[lo:hi]:
+        if hi == n:
+            return None
+        lo, hi = hi, min(n, 2 * hi)
+    return lo, hi
+
+
 def _shares(a: list[int], b: list[int], k: int) -> bool:
-    """Do ``a`` and ``b`` both start with the same ``k`` tokens? The k-th token first: entries
-    that share a long system prompt and then differ are turned away without comparing it."""
+    """Do ``a`` and ``b`` both start with the same ``k`` tokens? The k-th token first, then
+    from the start: prompts that end alike (a chat template's last turn, documents of one
+    length) but part early are turned away after a few tokens (a put or a lookup asks every
+    entry of the RAM tier)."""
     if k <= 0:
         return True
-    return len(a) >= k and len(b) >= k and a[k - 1] == b[k - 1] and a[:k] == b[:k]
+    return len(a) >= k and len(b) >= k and a[k - 1] == b[k - 1] and _parting_window(a, b, k) is None
 
 
 def serves(pos_min: int, n: int, n_swa: int, held: int | None = None) -> bool:
@@ -102,6 +113,24 @@ class CachedPrompt:
         if self.serves_all_of(n, n_swa, recurrent):
             return n
         return max((c.n for c in self.checkpoints if c.n <= n), default=0)
+
+    def usable_prefix(self, tokens: list[int], n_swa: int, recurrent: bool, at_least: int = 1) -> int:
+        """:meth:`usable` of the prefix this entry shares with ``tokens`` when that is at least
+        ``at_least`` tokens, else 0. A recurrent state serves only its whole length or a
+        checkpoint's: those few lengths are asked, each from its last token on, instead of
+        comparing the common prefix (the fleet's agents share a system prompt of thousands of
+        tokens, and every entry of theirs would be compared over all of it on every lookup)."""
+        if not recurrent:
+            if not _shares(self.tokens, tokens, at_least):
+                return 0
+            n = self.usable(common_prefix(self.tokens, tokens), n_swa, recurrent)
+            return n if n >= at_least else 0
+        for n in (len(self.tokens), *(c.n for c in reversed(self.checkpoints))):  # longest first
+            if n < at_least:
+                return 0
+            if _shares(self.tokens, tokens, n):
+                return n
+        return 0
 
     def checkpoint_at(self, n: int) -> Checkpoint | None:
         return next((c for c in self.checkpoints if c.n == n), None)
@@ -143,15 +172,15 @@ class HostCache:
         """(entry id, common prefix length) of the entry of ``model_key`` that gives the longest
         usable prefix of ``tokens``, of ``at_least`` tokens; None when none gives that many.
 
-        Every request looks here, and the tier may hold thousands of entries: one slice
-        comparison turns away an entry that cannot beat the best so far (most of them)."""
+        Every request looks here, and the tier may hold thousands of entries: an entry that
+        cannot beat the best so far (most of them) is turned away by comparing one token, the
+        last one it would have to share (:meth:`CachedPrompt.usable_prefix`)."""
         best: tuple[int, int] | None = None
         for eid, e in [*self.entries.items(), *self.spilled.items()]:
-            k = at_least if best is None else max(at_least, best[1] + 1)
-            if e.model_key != model_key or not _shares(e.tokens, tokens, k):
+            if e.model_key != model_key:
                 continue
-            n = e.usable(common_prefix(e.tokens, tokens), n_swa, recurrent)
-            if n >= at_least and (best is None or n > best[1]):
+            n = e.usable_prefix(tokens, n_swa, recurrent, at_least if best is None else max(at_least, best[1] + 1))
+            if n:
                 best = (eid, n)
         return best
 

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.host_cache import HostCache, common_prefix
+from engine.checkpoints import Checkpoint
+from engine.host_cache import CachedPrompt, HostCache, _shares, common_prefix
 from engine.prompt_cache import plan_chunk_reuse
 
 
@@ -22,6 +23,30 @@ def test_common_prefix_is_the_longest_common_prefix(a, b):
     assert common_prefix(a, b) == naive_prefix(a, b)
     assert common_prefix(a, a + b) == len(a)
 
+
+
+# long enough for several of _shares' doubling windows, an alphabet small enough to share long prefixes
+LONG_TOKENS = st.lists(st.integers(0, 1), max_size=90)
+
+
+@settings(max_examples=400, deadline=None)
+@example(a=[0] * 70, b=[0] * 69 + [1], k=70)  # parting at the last token of the last window
+@example(a=[0] * 40 + [1] + [0] * 29, b=[0] * 70, k=70)  # parting in a middle window, ending alike
+@given(LONG_TOKENS, LONG_TOKENS, st.integers(0, 95))
+def test_shares_is_a_common_prefix_of_k_tokens(a, b, k):
+    assert _shares(a, b, k) == (len(a) >= k and len(b) >= k and a[:k] == b[:k])
+
+
+@settings(max_examples=400, deadline=None)
+@given(LONG_TOKENS, LONG_TOKENS, st.lists(st.integers(1, 90), max_size=3, unique=True), st.booleans(),
+       st.integers(0, 8), st.integers(1, 90))
+def test_an_entrys_usable_prefix_is_usable_of_the_common_prefix(tokens, target, cuts, recurrent, n_swa, at_least):
+    """A recurrent entry asks only its own length and its checkpoints' instead of walking the
+    common prefix: the answer must be the same, and 0 below ``at_least``."""
+    cps = [Checkpoint(tokens[:n], b"c") for n in sorted(cuts) if n < len(tokens)]
+    e = CachedPrompt("m", tokens, b"state", pos_min=3, checkpoints=cps)
+    want = e.usable(naive_prefix(tokens, target), n_swa, recurrent)
+    assert e.usable_prefix(target, n_swa, recurrent, at_least) == (want if want >= at_least else 0)
 
 @settings(max_examples=400, deadline=None)
 @example(prompts=[[0, 2], [0, 1]], target=[0, 1], at_least=1, recurrent=False)  # a later entry, one longer
