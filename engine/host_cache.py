@@ -114,17 +114,12 @@ class CachedPrompt:
             return n
         return max((c.n for c in self.checkpoints if c.n <= n), default=0)
 
-    def usable_prefix(self, tokens: list[int], n_swa: int, recurrent: bool, at_least: int = 1) -> int:
-        """:meth:`usable` of the prefix this entry shares with ``tokens`` when that is at least
-        ``at_least`` tokens, else 0. A recurrent state serves only its whole length or a
+    def recurrent_prefix(self, tokens: list[int], at_least: int = 1) -> int:
+        """:meth:`usable` of the prefix a recurrent entry shares with ``tokens`` when that is at
+        least ``at_least`` tokens, else 0. Its state serves only its whole length or a
         checkpoint's: those few lengths are asked, each from its last token on, instead of
         comparing the common prefix (the fleet's agents share a system prompt of thousands of
         tokens, and every entry of theirs would be compared over all of it on every lookup)."""
-        if not recurrent:
-            if not _shares(self.tokens, tokens, at_least):
-                return 0
-            n = self.usable(common_prefix(self.tokens, tokens), n_swa, recurrent)
-            return n if n >= at_least else 0
         for n in (len(self.tokens), *(c.n for c in reversed(self.checkpoints))):  # longest first
             if n < at_least:
                 return 0
@@ -174,13 +169,19 @@ class HostCache:
 
         Every request looks here, and the tier may hold thousands of entries: an entry that
         cannot beat the best so far (most of them) is turned away by comparing one token, the
-        last one it would have to share (:meth:`CachedPrompt.usable_prefix`)."""
+        last one it would have to share (a recurrent one: :meth:`CachedPrompt.recurrent_prefix`)."""
         best: tuple[int, int] | None = None
         for eid, e in [*self.entries.items(), *self.spilled.items()]:
             if e.model_key != model_key:
                 continue
-            n = e.usable_prefix(tokens, n_swa, recurrent, at_least if best is None else max(at_least, best[1] + 1))
-            if n:
+            k = at_least if best is None else max(at_least, best[1] + 1)
+            if recurrent:
+                n = e.recurrent_prefix(tokens, k)
+            elif _shares(e.tokens, tokens, k):
+                n = e.usable(common_prefix(e.tokens, tokens), n_swa, recurrent)
+            else:
+                continue
+            if n >= k:
                 best = (eid, n)
         return best
 

@@ -38,15 +38,14 @@ def test_shares_is_a_common_prefix_of_k_tokens(a, b, k):
 
 
 @settings(max_examples=400, deadline=None)
-@given(LONG_TOKENS, LONG_TOKENS, st.lists(st.integers(1, 90), max_size=3, unique=True), st.booleans(),
-       st.integers(0, 8), st.integers(1, 90))
-def test_an_entrys_usable_prefix_is_usable_of_the_common_prefix(tokens, target, cuts, recurrent, n_swa, at_least):
+@given(LONG_TOKENS, LONG_TOKENS, st.lists(st.integers(1, 90), max_size=3, unique=True), st.integers(1, 90))
+def test_a_recurrent_entrys_prefix_is_usable_of_the_common_prefix(tokens, target, cuts, at_least):
     """A recurrent entry asks only its own length and its checkpoints' instead of walking the
     common prefix: the answer must be the same, and 0 below ``at_least``."""
     cps = [Checkpoint(tokens[:n], b"c") for n in sorted(cuts) if n < len(tokens)]
-    e = CachedPrompt("m", tokens, b"state", pos_min=3, checkpoints=cps)
-    want = e.usable(naive_prefix(tokens, target), n_swa, recurrent)
-    assert e.usable_prefix(target, n_swa, recurrent, at_least) == (want if want >= at_least else 0)
+    e = CachedPrompt("m", tokens, b"state", checkpoints=cps)
+    want = e.usable(naive_prefix(tokens, target), 0, recurrent=True)
+    assert e.recurrent_prefix(target, at_least) == (want if want >= at_least else 0)
 
 @settings(max_examples=400, deadline=None)
 @example(prompts=[[0, 2], [0, 1]], target=[0, 1], at_least=1, recurrent=False)  # a later entry, one longer
@@ -207,3 +206,18 @@ def test_the_disk_tier_maps_a_state_for_its_one_load_and_reads_checkpoints_into_
     with pytest.raises(OSError):
         disk.read(path, len(tokens))
     disk.close()
+
+
+def test_the_ram_tier_bench_measures_both_checkouts_in_one_run():
+    """``tools.bench.ram_tier_lookup`` beside a revision (HEAD's engine/, from git): each round
+    has both, every kind and size, and the table a row per figure with the ratio."""
+    from tools.bench.ram_tier_lookup import KINDS, run, runs_table
+
+    result = run("HEAD", rounds=1, entries=(10,))
+    (one,) = result["rounds"]
+    assert set(one) == {"this", "against"}
+    for who in one.values():
+        assert set(who) == {f"{kind}/10" for kind in KINDS}
+        assert all(fig["best_us"] > 0 and fig["put_us"] > 0 for fig in who.values())
+    table = runs_table([result]).splitlines()
+    assert table[0].endswith("| HEAD / this, per round (min–max) |") and len(table) == 2 + 2 * len(KINDS)
