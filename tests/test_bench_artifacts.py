@@ -581,3 +581,14 @@ def test_the_c_process_rounds_in_the_docs_are_the_committed_ones():
                 assert f"{statistics.median(r[a] / r[b] for r in rounds):.3f}" in section, (a, b)
                 quoted += 1
     assert quoted == 15 and set(data["participants"]) >= {p for pair in pairs for p in pair}
+
+
+def test_the_ram_tier_table_in_the_docs_is_made_of_its_committed_runs():
+    """docs/performance/ram-tier/run-N.json are the runs of "The RAM tier's lookup over many
+    conversations", each beside the revision the page names."""
+    from tools.bench.common import load_runs
+    from tools.bench.ram_tier_lookup import runs_table
+
+    runs = load_runs(DOCS_RUNS / "ram-tier")
+    assert len(runs) == 3 and all(r["against"] == "3faba0e" and len(r["rounds"]) == 5 for r in runs)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
