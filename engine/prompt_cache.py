@@ -233,15 +233,17 @@ class PromptCache:
     def _save_if_losing(self, model: ModelBackend, slot: Slot, kept: int, shared: int, target: list[int]) -> None:
         """The slot is about to lose a part worth keeping: its state goes to RAM. Loading a state
         back costs a copy of a few KiB per token; recomputing a token costs a forward pass. Worth
-        keeping: less than half of the slot stays (llama-server's rule, ``f_keep < 0.5``), or at
-        least SAVE_MIN_LOST of its tokens are its own (a conversation that shares a long system
-        prompt with the next one). Its own part is what the next prompt does not share
-        (``shared``): a memory that cannot be cut back keeps less (``kept``: a checkpoint), but
-        what lies between comes back in the next prompt anyway. A slot that keeps nearly all
-        (the next question on the same document, a retried turn) is not copied out for a few
-        tokens on every request: each such save copied the whole state (a 35B hybrid's
-        recurrent part alone is tens of MiB) and left the RAM tier one more entry that every
-        later lookup compares with its prompt.
+        keeping: the next prompt shares less than half of the slot's tokens (llama-server's rule,
+        ``f_keep < 0.5``, its common prefix over the slot's tokens), or at least SAVE_MIN_LOST of
+        them are the slot's own (a conversation that shares a long system prompt with the next
+        one). Both count what the next prompt shares (``shared``), not what a memory that cannot
+        be cut back keeps of it (``kept``: a checkpoint's length), as llama-server does: what lies
+        between comes back in the next prompt anyway. A slot that keeps nearly all (the next
+        question on the same document, a retried turn, a short completion after one that began
+        alike) is not copied out for a few tokens on every request: each such save copied the
+        whole state (a 35B hybrid's recurrent part alone is tens of MiB, ~40–150 ms of page
+        faults and copy on the project's 2-core machine kind) and left the RAM tier one more
+        entry that every later lookup compares with its prompt.
 
         The newest of the slot's checkpoints that the next prompt will not keep go with the
         state (moved, not copied; ENTRY_CHECKPOINTS): the conversation's next prompt diverges a
@@ -251,7 +253,7 @@ class PromptCache:
         lost = held - kept
         if self.host is None or not self.params.cache_prompt or lost < MIN_SHARED_PREFIX:
             return
-        if 2 * kept >= held and held - shared < SAVE_MIN_LOST:  # shared >= kept: kept is at most the common prefix
+        if 2 * shared >= held and held - shared < SAVE_MIN_LOST:
             return
         if -1 in slot.tokens:  # a restored state whose tokens we do not all know: not reusable
             return

@@ -165,6 +165,27 @@ async def test_a_question_cut_back_to_a_checkpoint_saves_nothing_when_its_own_pa
 
 
 @pytest.mark.asyncio
+async def test_half_the_slot_shared_saves_nothing_even_where_a_checkpoint_keeps_less():
+    """llama-server's ``f_keep`` is the common prefix over the slot's tokens: a short completion
+    after one that began alike shares half of the slot (the prompt, not its answer) and saves
+    nothing, though a memory that cannot be cut back (a window cache here; a recurrent state
+    alike) goes back to a checkpoint 4 tokens before the last prompt's end, below half. On the
+    fleet's model each such save copied ~63 MB out."""
+    model = ModelParams("model-a", n_ctx=512, n_slots=1, n_batch=128)
+    async with scripted_engine(n_slots=1, n_ctx_slot=512, model=model,
+                               backend=factory(n_swa=8, kv_shareable=False)) as env:
+        eng = env.engine
+        cache, host = eng.actor.cache, eng.actor.cache.host
+        first = "A list of lakes, number 500, with the towns on their shores:"
+        await gen(eng, 0, first, n=len(first) - 4)
+        held, shared = len(eng.actor.slots[0].tokens), 1 + len(first) - 3  # the BOS and "…shores"
+        assert 2 * (shared - 2) < held <= 2 * shared  # the checkpoint's length below half, the shared part not
+        await gen(eng, 0, first[:-3] + "s: Erie", n=2)
+        assert cache.checkpoints.restored == 1 and host.stats.saves == 0
+        await gen(eng, 0, "another conversation entirely, long enough to count", n=2)  # shares nothing
+        assert host.stats.saves == 1
+
+@pytest.mark.asyncio
 async def test_a_conversation_comes_back_from_the_ram_tier_at_a_checkpoint_it_took_along():
     """Agents taking turns on one slot: the slot's state goes to the RAM tier with its two newest
     checkpoints, and the conversation's next prompt, which differs from the last one 4 tokens
