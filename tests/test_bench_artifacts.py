@@ -131,7 +131,9 @@ def test_no_committed_result_names_a_home_directory():
     ("kinds/tiny-moe/vs-llama-server-a3952b9", 26), ("vs-llama-server-d546ac3", 26),
     ("vs-llama-server-4aafbc2", 26), ("vs-llama-server-9a9aee3", 30), ("kinds/tiny-moe/vs-llama-server-9a9aee3", 30),
     ("kinds/tiny-moe/vs-llama-server-9a9aee3-b", 30), ("vs-llama-server-tiny-9a9aee3", 30),
-    ("kinds/tiny-moe/vs-llama-server-9fcd246", 30), ("vs-llama-server-9fcd246", 30)])
+    ("kinds/tiny-moe/vs-llama-server-9fcd246", 30), ("vs-llama-server-9fcd246", 30),
+    ("kinds/tiny-moe/vs-llama-server-5cc3d69", 30), ("kinds/tiny-moe/vs-llama-server-5cc3d69-b", 30),
+    ("kinds/tiny-hybrid-wide/vs-llama-server-5cc3d69", 30), ("kinds/tiny-moe/vs-llama-server-da9241a", 30)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -166,7 +168,9 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     d546ac3, with completions not streamed", -4aafbc2 those of "Gemma 3 270M at 4aafbc2, ggml-cpu's
     tables hidden", -9a9aee3, -tiny-9a9aee3 and kinds/tiny-moe/…-9a9aee3 (and -b) those of "Four
     streams request by request, and each run beside the control", kinds/tiny-moe/…-9fcd246 and
-    -9fcd246 those of "Pairs in one order": the
+    -9fcd246 those of "Pairs in one order", kinds/tiny-moe/…-5cc3d69 (and -b),
+    kinds/tiny-hybrid-wide/…-5cc3d69 and kinds/tiny-moe/…-da9241a those of "The fleet's kinds at
+    5cc3d69, and a save llama-server does not make": the
     table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -245,7 +249,9 @@ def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed
                                          "vs-llama-server-4e0cd3f", "kinds/tiny-moe/vs-llama-server-a3952b9",
                                          "vs-llama-server-d546ac3", "vs-llama-server-4aafbc2",
                                          "vs-llama-server-9a9aee3", "vs-llama-server-tiny-9a9aee3",
-                                         "kinds/tiny-moe/vs-llama-server-9fcd246", "vs-llama-server-9fcd246"])
+                                         "kinds/tiny-moe/vs-llama-server-9fcd246", "vs-llama-server-9fcd246",
+                                         "kinds/tiny-hybrid-wide/vs-llama-server-5cc3d69",
+                                         "kinds/tiny-moe/vs-llama-server-da9241a"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
@@ -272,7 +278,9 @@ def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_nam
                                      ("kinds/tiny-moe/vs-llama-server-3097a91",
                                       "kinds/tiny-moe/vs-llama-server-3097a91-b"),
                                      ("kinds/tiny-moe/vs-llama-server-9a9aee3",
-                                      "kinds/tiny-moe/vs-llama-server-9a9aee3-b")])
+                                      "kinds/tiny-moe/vs-llama-server-9a9aee3-b"),
+                                     ("kinds/tiny-moe/vs-llama-server-5cc3d69",
+                                      "kinds/tiny-moe/vs-llama-server-5cc3d69-b")])
 def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
     """"The floor under a first token", "On a slower host of the same kind", "The fleet's kind
     again", "tiny-moe at 9a5a43d", "tiny-moe at 883a5bd and afba993" and "tiny-moe at 3097a91"
@@ -292,7 +300,11 @@ def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
 @pytest.mark.parametrize("folders", [("vs-llama-server-9a9aee3",), ("vs-llama-server-tiny-9a9aee3",),
                                      ("kinds/tiny-moe/vs-llama-server-9fcd246",), ("vs-llama-server-9fcd246",),
                                      ("kinds/tiny-moe/vs-llama-server-9a9aee3",
-                                      "kinds/tiny-moe/vs-llama-server-9a9aee3-b")])
+                                      "kinds/tiny-moe/vs-llama-server-9a9aee3-b"),
+                                     ("kinds/tiny-hybrid-wide/vs-llama-server-5cc3d69",),
+                                     ("kinds/tiny-moe/vs-llama-server-da9241a",),
+                                     ("kinds/tiny-moe/vs-llama-server-5cc3d69",
+                                      "kinds/tiny-moe/vs-llama-server-5cc3d69-b")])
 def test_the_run_by_run_tables_in_the_docs_are_made_of_the_committed_runs(folders):
     """"Four streams request by request, and each run beside the control" and "Pairs in one
     order" judge each paired figure's budget run by run, ours and the control's:
