@@ -178,12 +178,13 @@ async def test_half_the_slot_shared_saves_nothing_even_where_a_checkpoint_keeps_
         cache, host = eng.actor.cache, eng.actor.cache.host
         first = "A list of lakes, number 500, with the towns on their shores:"
         await gen(eng, 0, first, n=len(first) - 4)
-        held, shared = len(eng.actor.slots[0].tokens), 1 + len(first) - 3  # the BOS and "…shores"
+        held, shared = len(eng.actor.slots[0].tokens), 1 + len(first) - 3  # the BOS, all but 3 characters
         assert 2 * (shared - 2) < held <= 2 * shared  # the checkpoint's length below half, the shared part not
         await gen(eng, 0, first[:-3] + "s: Erie", n=2)
         assert cache.checkpoints.restored == 1 and host.stats.saves == 0
         await gen(eng, 0, "another conversation entirely, long enough to count", n=2)  # shares nothing
         assert host.stats.saves == 1
+
 
 @pytest.mark.asyncio
 async def test_a_conversation_comes_back_from_the_ram_tier_at_a_checkpoint_it_took_along():
