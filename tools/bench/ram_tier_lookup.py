@@ -99,6 +99,14 @@ def run(against: str | None, rounds: int, entries: tuple[int, ...] = ENTRIES) ->
     return {"against": against, "rounds": per_round, "system_tokens": SYSTEM_TOKENS}
 
 
+FIGURES = (("best_us", "a lookup"), ("put_us", "a save"))
+
+
+def _runs_medians(runs: list[dict[str, Any]], who: str, key: str, fig: str) -> list[float]:
+    """Each run's median over its rounds of ``who``'s figure ``fig`` at ``key`` (kind/entries)."""
+    return [statistics.median(r[who][key][fig] for r in run["rounds"]) for run in runs]
+
+
 def runs_table(runs: list[dict[str, Any]]) -> str:
     """Several runs in one table: each kind, size and figure's median over a run's rounds,
     min–max over the runs, and ``against`` over this checkout round by round."""
@@ -111,14 +119,12 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
         sep += "---|---|"
     lines = [head, sep]
     for key in first:
-        for fig, label in (("best_us", "a lookup"), ("put_us", "a save")):
-            def med(run: dict[str, Any], who: str) -> float:
-                return statistics.median(r[who][key][fig] for r in run["rounds"])
-
-            row = f"| {key.replace('/', ', ')} entries: {label} | {min_max_text([med(r, 'this') for r in runs], '.0f')} |"
+        for fig, label in FIGURES:
+            this = min_max_text(_runs_medians(runs, "this", key, fig), ".0f")
+            row = f"| {key.replace('/', ', ')} entries: {label} | {this} |"
             if rev:
                 ratios = [r["against"][key][fig] / r["this"][key][fig] for run in runs for r in run["rounds"]]
-                row += (f" {min_max_text([med(r, 'against') for r in runs], '.0f')} |"
+                row += (f" {min_max_text(_runs_medians(runs, 'against', key, fig), '.0f')} |"
                         f" {min(ratios):.1f}–{max(ratios):.1f}× |")
             lines.append(row)
     return "\n".join(lines)
