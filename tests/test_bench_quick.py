@@ -275,6 +275,15 @@ def test_the_recorded_command_names_no_output_folder():
     assert _without_out(["--runs", "3", "--out", "/some/where", "--docs", "--out=/x"]) == ["--runs", "3", "--docs"]
 
 
+def test_quick_bounds_scenarios_only_on_the_tiny_models_it_is_sized_for():
+    # a --quick run on tiny-hybrid-wide took longer than the bound and reported "stuck"
+    from tools.bench.cli import QUICK_SCENARIO_DEADLINE_S, quick_deadline
+
+    assert quick_deadline(True, "tiny") == quick_deadline(True, "tiny-a") == QUICK_SCENARIO_DEADLINE_S
+    assert quick_deadline(True, "tiny-hybrid-wide") is None and quick_deadline(True, "gemma-270m") is None
+    assert quick_deadline(False, "tiny") is None
+
+
 def test_a_stuck_ggml_client_is_run_again_and_the_report_says_so(monkeypatch):
     import asyncio
 

@@ -85,8 +85,12 @@ def _alias_link(path: Path) -> Path:
     return link
 
 
+#: the model sets of generated tiny models (every other spec is one model file for every scenario)
+TINY_SETS = ("tiny", "tiny-a")
+
+
 def model_set(spec: str) -> ModelSet:
-    if spec in ("tiny", "tiny-a"):
+    if spec in TINY_SETS:
         kv = str(ensure_generated(KV_HEAVY))
         return ModelSet(spec=spec, tiny=True, main=str(resolve_model("tiny")), busy=str(resolve_model("tiny-small")),
                         state=kv, reload_target=kv, state_cache_type="f32",
