@@ -102,6 +102,22 @@ async def chat(http: Any, base: str, n: int, max_tokens: int) -> dict[str, Any]:
     return await stream(http, base, "/v1/chat/completions", {"messages": chat_messages(n), "max_tokens": max_tokens})
 
 
+async def round_history(http: Any, base: str, base_n: int, max_tokens: int, slots: int = 4
+                        ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """What a vs-llama-server round sends before its four streams, after a warm-up: one stream
+    of ``max_tokens`` (story ``base_n``), two short requests, then ``slots`` short ones started in
+    reverse order a beat apart (so the conversations change slots: the multi-stream slowdown
+    of docs/performance.md showed only after such a history). Their records, in that order."""
+    await completion(http, base, "Warm up: the weather today is", 8)
+    single = await completion(http, base, story(base_n), max_tokens)
+    history = [await completion(http, base, f"A list of rivers, number {base_n + i}:", 16) for i in range(2)]
+    shuffle = []
+    for n in reversed(range(base_n + 1, base_n + 1 + slots)):
+        shuffle.append(asyncio.ensure_future(completion(http, base, story(n), 24)))
+        await asyncio.sleep(0.05)
+    return single, history, list(await asyncio.gather(*shuffle))
+
+
 def aggregate(runs: list[dict[str, Any]]) -> float | None:
     """Chunks of all streams per second in the window where every stream was producing."""
     return steady_rate([r["times"] for r in runs])

@@ -89,7 +89,7 @@ from .common import BenchContext, Result, Row, interleaved, now, spread, summari
 from .llama_server import OpenAIServer, build_info, find_or_build, thread_names
 from .openai_workload import (PREFIX_TOKENS, SLOTS_POLL_S, aggregate, at_once, chat, completion,
                               compute_thread_counters, concurrent, ferry_question, not_streamed, prompt_cache_phase,
-                              shared_document, story, strip, while_polling_slots)
+                              round_history, shared_document, story, strip, while_polling_slots)
 from .vs_llama_server_figures import (BUDGETS, CONTROL, FLOOR, LABEL, NAME, OURS, SLOTS, SLOTS_LOAD_POLL_S,
                                       SLOTS_LOAD_ANSWERS, SLOTS_LOAD_REPEATS, SLOTS_MIN_ANSWERS, SLOTS_WIDE, VARIANTS,
                                       WHOLE_TOKENS, report)
@@ -319,14 +319,7 @@ async def one_round(ctx: BenchContext, http: Any, variant: str, binary: str, mod
     t_start = now()
     with start(variant, binary, model, SLOTS, ctx.threads, shared=("--metrics",)) as srv:
         out["startup_s"] = round(now() - t_start, 3)
-        await completion(http, srv.base, "Warm up: the weather today is", 8)
-        single = await completion(http, srv.base, story(base_n), max_tokens)
-        history = [await completion(http, srv.base, f"A list of rivers, number {base_n + i}:", 16) for i in range(2)]
-        shuffle = []
-        for n in reversed(range(base_n + 1, base_n + 1 + SLOTS)):  # started in reverse, a beat apart
-            shuffle.append(asyncio.ensure_future(completion(http, srv.base, story(n), 24)))
-            await asyncio.sleep(0.05)
-        shuffle_runs = list(await asyncio.gather(*shuffle))
+        single, history, shuffle_runs = await round_history(http, srv.base, base_n, max_tokens, SLOTS)
         threads_before = await compute_thread_counters(http, srv.base)
 
         async def four_streams() -> tuple[list[dict[str, Any]], dict[int, float], dict[int, float], float]:
