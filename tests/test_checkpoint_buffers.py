@@ -3,7 +3,10 @@ capture written into a dropped checkpoint's buffer is that buffer, holds what a 
 holds, and puts the recurrent state back (engine.checkpoints, seq_state.get_partial)."""
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +59,6 @@ def test_a_large_capture_goes_into_memory_its_copy_faults_in_and_restores(hybrid
     the event loop answers nothing meanwhile, where the mapping's pages are faulted in by
     llama.cpp's copy with the GIL released. Here every capture is "large": the same bytes as a
     small one, restored from, and the mapping reused as a dropped checkpoint's buffer."""
-    import mmap
 
     from engine import buffers
 
@@ -67,6 +69,7 @@ def test_a_large_capture_goes_into_memory_its_copy_faults_in_and_restores(hybrid
     m.decode([BatchItem(0, head, 0)])
     small = m.checkpoint_get(0)
     monkeypatch.setattr(buffers, "LAZY_MIN", 0)
+    monkeypatch.setattr(buffers, "HUGE_MIN", 0)  # and advised huge pages, as the fleet model's are
     large = m.checkpoint_get(0)
     assert isinstance(large, mmap.mmap) and large[:] == bytes(small)
     assert m.checkpoint_get(0, large) is large  # a spare mapping is written in place
@@ -78,12 +81,41 @@ def test_a_large_capture_goes_into_memory_its_copy_faults_in_and_restores(hybrid
     assert generate(m, 0, len(prompt), 6) == reference
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="no /proc/self/smaps or no MADV_HUGEPAGE here")
+def test_a_large_buffer_asks_for_huge_pages_a_smaller_one_does_not():
+    """A new checkpoint of the fleet model's state (63 MB) cost 37 ms in a new buffer, 10 of them
+    with huge pages (tools.bench.checkpoint_copy): buffers from HUGE_MIN on are advised so
+    ("hg" in the mapping's VmFlags); below it they keep 4 KiB pages."""
+    from engine.buffers import HUGE_MIN, LAZY_MIN, lazy_buffer
+
+    for size, advised in ((HUGE_MIN, True), (LAZY_MIN, False)):
+        buf = lazy_buffer(size)
+        view = ctypes.c_char.from_buffer(buf)
+        flags = _vm_flags(ctypes.addressof(view))
+        del view
+        buf.close()
+        assert ("hg" in flags) is advised, (size, flags)
+
+
 def test_a_capture_into_a_larger_spare_mapping_is_a_view_that_gives_the_rest_back(hybrid: LoadedModel,
                                                                                    monkeypatch):
     """A spare mapping from an earlier, larger capture is written in place and seen through a
     view of the bytes written; the pages past them are given back to the system, since what
     fits in memory is judged by the bytes in use (engine.buffers.release_tail)."""
-    import mmap
 
     from engine import buffers
 
@@ -111,7 +143,6 @@ def test_a_capture_into_a_larger_spare_mapping_is_a_view_that_gives_the_rest_bac
 def test_a_large_state_capture_is_a_view_of_a_mapping_and_restores(hybrid: LoadedModel, monkeypatch):
     """A whole sequence's state (a PREFILL's reply) goes into a mapping from 1 MiB up as well,
     not a zeroed ctypes array, for the same reason; here every capture is "large"."""
-    import mmap
 
     from engine import buffers
 
