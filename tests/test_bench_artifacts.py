@@ -133,7 +133,8 @@ def test_no_committed_result_names_a_home_directory():
     ("kinds/tiny-moe/vs-llama-server-9a9aee3-b", 30), ("vs-llama-server-tiny-9a9aee3", 30),
     ("kinds/tiny-moe/vs-llama-server-9fcd246", 30), ("vs-llama-server-9fcd246", 30),
     ("kinds/tiny-moe/vs-llama-server-5cc3d69", 30), ("kinds/tiny-moe/vs-llama-server-5cc3d69-b", 30),
-    ("kinds/tiny-hybrid-wide/vs-llama-server-5cc3d69", 30), ("kinds/tiny-moe/vs-llama-server-da9241a", 30)])
+    ("kinds/tiny-hybrid-wide/vs-llama-server-5cc3d69", 30), ("kinds/tiny-moe/vs-llama-server-da9241a", 30),
+    ("kinds/tiny-hybrid-wide/vs-llama-server-325dad6", 30)])
 def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(tmp_path, folder_name, n_rows):
     """docs/performance/vs-llama-server/run-N.json are the runs of "Three runs on Gemma 3 270M",
     vs-llama-server-064a559/ those of "Again on Gemma 3 270M", vs-llama-server-tiny/ those of
@@ -170,7 +171,8 @@ def test_the_llama_server_comparison_in_the_docs_is_made_of_its_committed_runs(t
     streams request by request, and each run beside the control", kinds/tiny-moe/…-9fcd246 and
     -9fcd246 those of "Pairs in one order", kinds/tiny-moe/…-5cc3d69 (and -b),
     kinds/tiny-hybrid-wide/…-5cc3d69 and kinds/tiny-moe/…-da9241a those of "The fleet's kinds at
-    5cc3d69, and a save llama-server does not make": the
+    5cc3d69, and a save llama-server does not make", kinds/tiny-hybrid-wide/…-325dad6 those of
+    "tiny-hybrid-wide at 325dad6: where four streams' time goes": the
     table built
     from them is combined.md's, and each of its rows is in the page."""
     folder = DOCS_RUNS / folder_name
@@ -251,7 +253,8 @@ def test_the_default_flags_reload_tables_in_the_docs_are_made_of_their_committed
                                          "vs-llama-server-9a9aee3", "vs-llama-server-tiny-9a9aee3",
                                          "kinds/tiny-moe/vs-llama-server-9fcd246", "vs-llama-server-9fcd246",
                                          "kinds/tiny-hybrid-wide/vs-llama-server-5cc3d69",
-                                         "kinds/tiny-moe/vs-llama-server-da9241a"])
+                                         "kinds/tiny-moe/vs-llama-server-da9241a",
+                                         "kinds/tiny-hybrid-wide/vs-llama-server-325dad6"])
 def test_the_pooled_tables_in_the_docs_are_made_of_the_committed_runs(folder_name):
     """"Pooled: what the pairs resolve", "At 2269a8d", "At ee20f51", "At 9af7eee", "At aec5974", "At d665156", "At b459344" and
     "Three runs on tiny-hybrid-wide" quote tools/bench/pooled.py on these sets, row for row."""
@@ -303,6 +306,7 @@ def test_two_sets_pooled_in_the_docs_are_made_of_the_committed_runs(folders):
                                       "kinds/tiny-moe/vs-llama-server-9a9aee3-b"),
                                      ("kinds/tiny-hybrid-wide/vs-llama-server-5cc3d69",),
                                      ("kinds/tiny-moe/vs-llama-server-da9241a",),
+                                     ("kinds/tiny-hybrid-wide/vs-llama-server-325dad6",),
                                      ("kinds/tiny-moe/vs-llama-server-5cc3d69",
                                       "kinds/tiny-moe/vs-llama-server-5cc3d69-b")])
 def test_the_run_by_run_tables_in_the_docs_are_made_of_the_committed_runs(folders):
@@ -604,3 +608,30 @@ def test_the_ram_tier_table_in_the_docs_is_made_of_its_committed_runs():
     runs = load_runs(DOCS_RUNS / "ram-tier")
     assert len(runs) == 3 and all(r["against"] == "3faba0e" and len(r["rounds"]) == 5 for r in runs)
     assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
+
+
+def test_the_perf_breakdown_table_in_the_docs_is_made_of_its_committed_runs():
+    """docs/performance/kinds/tiny-hybrid-wide/perf-breakdown-ebbf998/ are the runs of "tiny-hybrid-wide
+    at 325dad6: where four streams' time goes": two rounds a server each, four streams that ran
+    their 200 tokens, and the kinds of work summing to each server's samples."""
+    from tools.bench.common import load_runs
+    from tools.bench.perf_breakdown import SERVERS, runs_table
+
+    runs = load_runs(DOCS_RUNS / "kinds" / "tiny-hybrid-wide" / "perf-breakdown-ebbf998")
+    assert len(runs) == 3 and all(r["model"] == "tiny-hybrid-wide" for r in runs)
+    for r in (r for run in runs for k in SERVERS for r in run["rounds"][k]):
+        assert r["stream_tokens"] == [200] * 4 and sum(r["kinds"].values()) == pytest.approx(100, abs=1.5)
+    assert runs_table(runs) in (REPO / "docs" / "performance.md").read_text()
+
+
+def test_the_huge_pages_tables_in_the_docs_are_made_of_their_committed_runs():
+    """docs/performance/checkpoints-huge-pages/{before,after}/ are the runs of "New checkpoints
+    in huge pages": tools.bench.checkpoint_copy at 325dad6 and after ebbf998."""
+    from tools.bench.checkpoint_copy import runs_table
+    from tools.bench.common import load_runs
+
+    page = (REPO / "docs" / "performance.md").read_text()
+    for side, commit in (("before", "325dad6"), ("after", "ebbf998")):
+        runs = load_runs(DOCS_RUNS / "checkpoints-huge-pages" / side)
+        assert len(runs) == 3 and all(r["machine"]["git_commit"].startswith(commit) for r in runs)
+        assert runs_table(runs) in page
