@@ -8,9 +8,10 @@ Each round starts each server on a fresh process on the shared argv of ``vs-llam
 round up to its four streams: a warm-up, one stream of 200 tokens, two short requests, four
 short ones started in reverse order (the stories of its second round on: ``FIRST_ROUND``).
 Then four streams of 200 tokens start together and, ``SETTLE_S`` later (every stream
-decoding), ``perf record -F 499 -p PID -- sleep SECONDS`` samples the whole server. ``perf report --sort dso,sym`` of it is summed into kinds of work
-(:data:`KINDS`); what no kind names is "other". Needs ``perf`` (linux-perf) and
-``perf_event_paranoid`` ≤ 2; without it the bench says so and measures nothing.
+decoding), ``perf record -F 499 -p PID -- sleep SECONDS`` samples the whole server; ``perf
+report --sort dso,sym`` of it is summed into kinds of work (:data:`KINDS`), what no kind names
+into "other". Needs ``perf`` (linux-perf) and ``perf_event_paranoid`` ≤ 2; without it the bench
+says so and measures nothing.
 
 The wheel's ``libggml-cpu`` hides most of its internal symbols: a sample there without a
 name is counted as a matrix product (on the models measured, its hot unnamed loops are
@@ -78,6 +79,7 @@ def perf_missing() -> str | None:
 
 
 async def sample(pid: int, seconds: float, folder: Path) -> dict[str, float]:
+    """``perf`` over the process ``pid`` for ``seconds``, its samples summed into :func:`kinds`."""
     data = folder / f"perf-{pid}.data"
     rec = await asyncio.create_subprocess_exec("perf", "record", "-q", "-F", str(PERF_HZ), "-p", str(pid), "-o",
                                                str(data), "--", "sleep", str(seconds),
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rounds = asyncio.run(measure(str(resolve_model(args.model)), args.threads, args.rounds, args.seconds))
     result = {"model": args.model, "threads": args.threads, "perf_hz": PERF_HZ, "seconds": args.seconds,
-              "settle_s": SETTLE_S, "rounds": rounds}
+              "settle_s": SETTLE_S, "first_round": FIRST_ROUND, "rounds": rounds}
     return report_run(args.out, result, runs_table)
 
 
