@@ -35,6 +35,7 @@ import aiohttp
 from tools.bench.common import (MODEL_HELP, interleaved, min_max_text, now, parse_against_llama_server, report_run,
                                 table_only)
 from tools.bench.openai_workload import aggregate, concurrent, round_history
+from tools.spawn import cpu_used
 
 SERVERS = ("llama-server", "hydra")
 SETTLE_S = 1.5  # from the four streams' start to the first sample: every stream past its prompt
@@ -101,8 +102,8 @@ async def one_round(http: Any, srv: Any, base_n: int, seconds: float, folder: Pa
     runs = await four
     after, wall = srv.thread_cpu(), now() - t0
     tokens = sum(r["chunks"] for r in runs)
-    cpu = sum(after[t] - before.get(t, 0.0) for t in after)
-    return {"four_tok_s": round(aggregate(runs) or 0.0, 2), "cpu_ms_per_token": round(1000 * cpu / tokens, 2),
+    return {"four_tok_s": round(aggregate(runs) or 0.0, 2),
+            "cpu_ms_per_token": round(1000 * cpu_used(before, after) / tokens, 2),
             "wall_s": round(wall, 2), "stream_tokens": [r["completion_tokens"] for r in runs], "kinds": shares}
 
 
